@@ -1,0 +1,19 @@
+"""attn_qat: trainable 4-bit (NVFP4) attention for PyTorch (Attn-QAT, arXiv 2603.00040).
+
+    import attn_qat
+    out = attn_qat.scaled_dot_product_attention(q, k, v, is_causal=True)   # like F.sdpa
+    out = attn_qat.attention(q, k, v, causal=True, layout="bshd")          # like flash_attn_func
+
+The numerics are fixed by docs/numerics.md; `attn_qat.reference` is their float64 executable form.
+"""
+from . import nvfp4, ops
+from .attention import SUPPORTED_HEAD_DIMS, attention, scaled_dot_product_attention
+from .nvfp4 import NVFP4Tensor, dequantize, fake_quantize, fake_quantize_qkv, quantize
+from .ops import MODES
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MODES", "NVFP4Tensor", "SUPPORTED_HEAD_DIMS", "attention", "dequantize", "fake_quantize",
+    "fake_quantize_qkv", "nvfp4", "ops", "quantize", "scaled_dot_product_attention",
+]

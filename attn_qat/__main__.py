@@ -1,0 +1,102 @@
+"""`python -m attn_qat`: print the environment, check the kernels against the float64 reference on
+every device present, and show what 4-bit attention does to the output of a realistic attention."""
+import platform
+import sys
+import time
+
+import torch
+
+import attn_qat
+from attn_qat import _C, reference
+
+
+def environment():
+    print(f"attn_qat {attn_qat.__version__}  torch {torch.__version__}  python {platform.python_version()}")
+    print(f"  CUDA kernels built: {'yes (sm_90a)' if _C.with_cuda else 'no'}")
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print(f"  GPU: {p.name}, compute capability {p.major}.{p.minor}, {p.multi_processor_count} SMs")
+    else:
+        print("  GPU: none (running on the CPU)")
+
+
+def rel_error(out, ref):
+    return float((out.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm())
+
+
+def self_check(device: str) -> bool:
+    """Quantizer bit-exactness and attention forward/backward against attn_qat.reference."""
+    g = torch.Generator().manual_seed(int(time.time()))  # fresh inputs every run
+    ok = True
+
+    x = torch.randn(64, 128, generator=g) * torch.logspace(-3, 3, 128)
+    fq = attn_qat.fake_quantize(x.to(device)).cpu()
+    exact = torch.equal(fq, reference.fake_quantize(x).float())
+    ok &= exact
+    print(f"  [{device}] NVFP4 fake-quantize bit-exact vs reference: {'yes' if exact else 'NO'}")
+
+    b, hq, hkv, nq, nk, d = 1, 4, 2, 77, 93, 64
+    q = torch.randn(b, hq, nq, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, hkv, nk, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, hkv, nk, d, generator=g).to(torch.bfloat16)
+    dout = torch.randn(b, hq, nq, d, generator=g).to(torch.bfloat16)
+    qd, kd, vd = (t.to(device).requires_grad_() for t in (q, k, v))
+    out = attn_qat.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+    out.backward(dout.to(device))
+    ref = reference.attention_forward(q, k, v, causal="top_left")["out"]
+    grads = reference.attention_backward(q, k, v, dout, causal="top_left")
+    err_fwd = rel_error(out.detach(), ref)
+    err_bwd = max(rel_error(t.grad, r) for t, r in zip((qd, kd, vd), grads))
+    passed = err_fwd <= 3e-3 and err_bwd <= 1e-2
+    ok &= passed
+    print(f"  [{device}] attention (GQA 4/2 heads, causal, Nq={nq}, Nk={nk}, D={d}): forward rel. error "
+          f"{err_fwd:.1e} (<= 3e-3), backward {err_bwd:.1e} (<= 1e-2): {'ok' if passed else 'FAILED'}")
+    return ok
+
+
+def demo(device: str):
+    """FP4 attention against exact attention on inputs with the structure of real attention: keys that
+    share a direction with some queries, so softmax rows are peaked rather than uniform."""
+    g = torch.Generator().manual_seed(0)
+    b, h, n, d = (1, 8, 4096, 128) if device == "cuda" else (1, 2, 512, 128)
+    topics = torch.randn(16, d, generator=g)
+    q = topics[torch.randint(0, 16, (b, h, n), generator=g)] + 0.5 * torch.randn(b, h, n, d, generator=g)
+    k = topics[torch.randint(0, 16, (b, h, n), generator=g)] + 0.5 * torch.randn(b, h, n, d, generator=g)
+    v = torch.randn(b, h, n, d, generator=g)
+    q, k, v = (t.to(device, torch.bfloat16) for t in (q, k, v))
+    exact = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    print(f"  [{device}] 4-bit attention vs exact attention, (B, H, N, D) = {(b, h, n, d)}:")
+    for mode in ("bf16", "attn_qat"):
+        out = attn_qat.scaled_dot_product_attention(q, k, v, mode=mode).float()
+        cos = torch.nn.functional.cosine_similarity(out.flatten(), exact.flatten(), dim=0)
+        print(f"    mode={mode:9s} cosine similarity {float(cos):.5f}, relative error {rel_error(out, exact):.3e}")
+    if device == "cuda":
+        flops = 4 * b * h * n * n * d
+        for name, fn in (("attn_qat", lambda: attn_qat.scaled_dot_product_attention(q, k, v)),
+                         ("torch SDPA", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end) / 10
+            print(f"    {name:10s} forward {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (benchmarks/ has the real numbers)")
+
+
+def main() -> int:
+    environment()
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _C.with_cuda else [])
+    print("Self-check against attn_qat.reference (float64, numerics.md):")
+    ok = all([self_check(dev) for dev in devices])
+    print("Demo:")
+    demo(devices[-1])
+    print("Self-check passed." if ok else "Self-check FAILED.")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

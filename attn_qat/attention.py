@@ -1,0 +1,178 @@
+"""Public attention API: an SDPA-compatible entry point and a FlashAttention-style one.
+
+Both run the Attn-QAT forward (numerics.md §3: FP4 fake-quantized Q, K, V and P) and, under autograd,
+the FP4-consistent backward (§4), or one of the ablation modes of §5.
+"""
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, MODES, mode_code, ops
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+_LN2 = math.log(2.0)
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
+    """Checks (B, H, N, D) operands and returns them in a dtype the kernels take (autocast applied)."""
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attn_qat.{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"attn_qat.{fn}: {name} must be 4-D, got shape {tuple(t.shape)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attn_qat.{fn}: query, key and value must be on one device; got {q.device}, "
+                         f"{k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"attn_qat.{fn}: query, key and value must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    cast = _autocast_dtype(q.device.type) if q.dtype == torch.float32 else None
+    if cast is not None:
+        q, k, v = q.to(cast), k.to(cast), v.to(cast)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"attn_qat.{fn}: query, key and value must be bfloat16 or float16 (got {q.dtype}); "
+                        "cast them or run under torch.autocast")
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"attn_qat.{fn}: head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"attn_qat.{fn}: query, key and value must share head_dim; got {q.shape[-1]}, "
+                         f"{k.shape[-1]}, {v.shape[-1]}")
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"attn_qat.{fn}: the last dimension of {name} must be contiguous (stride 1), got "
+                             f"strides {t.stride()}")
+        if t.numel() == 0:
+            raise ValueError(f"attn_qat.{fn}: {name} is empty (shape {tuple(t.shape)})")
+    return q, k, v
+
+
+def _check_heads(q, k, v, fn):
+    b, hq, _, _ = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"attn_qat.{fn}: batch sizes differ: {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"attn_qat.{fn}: key and value must have the same heads and tokens; got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if hq % k.shape[1]:
+        raise ValueError(f"attn_qat.{fn}: query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]})")
+
+
+def _kernel_mask(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """An SDPA attn_mask (bool: True = attend, or additive float) as the kernels' additive float32
+    mask, expanded (without copying) to (B, H, Nq, Nk)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_qat: attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_qat: attn_mask is on {attn_mask.device}, the query on {q.device}")
+    if attn_mask.requires_grad:
+        raise NotImplementedError("attn_qat: gradients with respect to attn_mask are not supported")
+    if attn_mask.dtype == torch.bool:
+        additive = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device)
+        additive = additive.masked_fill(attn_mask.logical_not(), float("-inf"))
+    elif attn_mask.is_floating_point():
+        additive = attn_mask.to(torch.float32)
+    else:
+        raise TypeError(f"attn_qat: attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        return additive.expand(shape)
+    except RuntimeError:
+        raise ValueError(f"attn_qat: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"(batch, heads, query tokens, key tokens) = {shape}") from None
+
+
+def _run(q, k, v, mask, scale, causal, mode):
+    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return ops.attention_forward(q, k, v, mask, scale, causal, mode_code(mode), need_grad)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    mode: str = "attn_qat",
+) -> torch.Tensor:
+    """Drop-in replacement for `torch.nn.functional.scaled_dot_product_attention` with 4-bit attention.
+
+    query (B, H, Nq, D), key and value (B, H_kv, Nk, D) (or without the batch dimension), bfloat16 or
+    float16 (float32 under autocast), D in {64, 128}, any strides with a contiguous last dimension.
+    `is_causal` aligns top-left like SDPA (key j visible to query i iff j <= i). `attn_mask` is bool
+    (True = attend) or additive float, broadcastable to (B, H, Nq, Nk). H != H_kv needs
+    `enable_gqa=True`, as in SDPA. Dropout is not supported. `mode` picks the numerics (numerics.md §5):
+    "attn_qat" (default), "high_precision_p", "low_precision_o", "drop_in" or "bf16" (no quantization).
+    """
+    fn = "scaled_dot_product_attention"
+    if dropout_p != 0.0:
+        raise ValueError(f"attn_qat.{fn}: dropout is not supported (dropout_p={dropout_p}); use dropout_p=0.0")
+    if attn_mask is not None and is_causal:
+        raise ValueError(f"attn_qat.{fn}: pass either attn_mask or is_causal=True, not both (as in SDPA)")
+    unbatched = isinstance(query, torch.Tensor) and query.dim() == 3
+    if unbatched:
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    query, key, value = _check_qkv(query, key, value, fn)
+    _check_heads(query, key, value, fn)
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"attn_qat.{fn}: query has {query.shape[1]} heads and key/value {key.shape[1]}; pass "
+                         "enable_gqa=True for grouped-query attention (as in SDPA)")
+    mask = None if attn_mask is None else _kernel_mask(attn_mask, query, key)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    out = _run(query, key, value, mask, scale, CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, mode)[0]
+    return out.squeeze(0) if unbatched else out
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    layout: str = "bshd",
+    mode: str = "attn_qat",
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """FlashAttention-style 4-bit attention.
+
+    `layout="bshd"`: q (B, Nq, H, D), k and v (B, Nk, H_kv, D), output (B, Nq, H, D);
+    `layout="bhsd"`: the heads before the tokens. Grouped KV heads need H % H_kv == 0.
+    `causal` aligns bottom-right like FlashAttention (key j visible to query i iff j <= i + Nk - Nq).
+    With `return_lse`, also returns the natural-log log-sum-exp of the scores, (B, H, Nq) float32
+    (-inf for a row with no visible key); it is not differentiable.
+    """
+    fn = "attention"
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"attn_qat.{fn}: layout must be 'bshd' or 'bhsd', got {layout!r}")
+    if mode not in MODES:
+        mode_code(mode)
+    if layout == "bshd":
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"attn_qat.{fn}: {name} must be a 4-D (batch, tokens, heads, head_dim) tensor")
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k, v = _check_qkv(q, k, v, fn)
+    _check_heads(q, k, v, fn)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out, _, frame, row_sum = _run(q, k, v, None, scale, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, mode)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    if not return_lse:
+        return out
+    return out, lse_from_stats(frame.detach(), row_sum.detach())
+
+
+def lse_from_stats(frame: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+    """LSE = ln2 * (M + log2 l) (numerics.md §3); -inf where l == 0."""
+    return _LN2 * (frame + torch.log2(row_sum))

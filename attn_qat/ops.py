@@ -1,0 +1,108 @@
+"""Python side of the attn_qat ops: loads the C extension, and registers the fake (meta) kernels
+for torch.compile and the autograd formulas. The ops themselves are declared in csrc/ops.cpp."""
+import torch
+
+from . import _C  # noqa: F401  (loading the library registers torch.ops.attn_qat)
+
+ops = torch.ops.attn_qat
+
+# numerics.md §5; the codes match csrc/ops.cpp's Mode.
+MODES = ("attn_qat", "high_precision_p", "low_precision_o", "drop_in", "bf16")
+# Causal codes of csrc/ops.cpp: none, top-left (SDPA), bottom-right (FlashAttention).
+CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+
+
+def mode_code(mode: str) -> int:
+    if mode not in MODES:
+        raise ValueError(f"attn_qat: mode must be one of {', '.join(MODES)}; got {mode!r}")
+    return MODES.index(mode)
+
+
+def _token_major(t: torch.Tensor) -> bool:
+    """Same rule as csrc/ops.cpp: (B, H, N, D) views of (B, N, H, D) memory keep that layout."""
+    return t.size(1) > 1 and t.size(2) > 1 and t.stride(1) < t.stride(2)
+
+
+def _empty_like_layout(like: torch.Tensor, b: int, h: int, n: int, d: int) -> torch.Tensor:
+    if _token_major(like):
+        return like.new_empty(b, n, h, d).transpose(1, 2)
+    return like.new_empty(b, h, n, d)
+
+
+def _sizes_with_axis(x: torch.Tensor, axis: int, n: int) -> list:
+    sizes = list(x.shape)
+    sizes[axis] = n
+    return sizes
+
+
+@torch.library.register_fake("attn_qat::nvfp4_quantize")
+def _(x, axis):
+    n = x.shape[axis]
+    codes = x.new_empty(_sizes_with_axis(x, axis, (n + 1) // 2), dtype=torch.uint8)
+    scales = x.new_empty(_sizes_with_axis(x, axis, (n + 15) // 16), dtype=torch.float8_e4m3fn)
+    return codes, scales
+
+
+@torch.library.register_fake("attn_qat::nvfp4_fake_quantize")
+def _(x, axis):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("attn_qat::nvfp4_dequantize")
+def _(codes, scales, axis, axis_len, dtype):
+    return codes.new_empty(_sizes_with_axis(codes, axis, axis_len), dtype=dtype)
+
+
+@torch.library.register_fake("attn_qat::fake_quantize_qkv")
+def _(q, k, v):
+    return tuple(_empty_like_layout(t, *t.shape) for t in (q, k, v))
+
+
+@torch.library.register_fake("attn_qat::attention_forward")
+def _(q, k, v, mask, scale, causal, mode, need_out_prime):
+    b, h, n, d = q.shape
+    out = _empty_like_layout(q, b, h, n, d)
+    with_prime = need_out_prime and MODES[mode] in ("attn_qat", "high_precision_p")
+    out_prime = _empty_like_layout(q, b, h, n, d) if with_prime else q.new_empty(0)
+    frame = q.new_empty(b, h, n, dtype=torch.float32)
+    return out, out_prime, frame, q.new_empty(b, h, n, dtype=torch.float32)
+
+
+@torch.library.register_fake("attn_qat::attention_backward")
+def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode):
+    return (_empty_like_layout(q, *q.shape), _empty_like_layout(k, *k.shape), _empty_like_layout(v, *v.shape))
+
+
+# Straight-through estimator: the gradient of fake quantization is the identity.
+def _fake_quantize_backward(ctx, grad):
+    return grad, None
+
+
+torch.library.register_autograd("attn_qat::nvfp4_fake_quantize", _fake_quantize_backward)
+
+
+def _qkv_backward(ctx, grad_q, grad_k, grad_v):
+    return grad_q, grad_k, grad_v
+
+
+torch.library.register_autograd("attn_qat::fake_quantize_qkv", _qkv_backward)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, causal, mode, need_out_prime = inputs
+    out, out_prime, frame, row_sum = output
+    ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask)
+    ctx.scale, ctx.causal, ctx.mode = scale, causal, mode
+
+
+def _attention_backward(ctx, grad_out, grad_out_prime, grad_frame, grad_row_sum):
+    q, k, v, out, out_prime, frame, row_sum, mask = ctx.saved_tensors
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    dq, dk, dv = ops.attention_backward(grad_out.to(q.dtype), q, k, v, out, out_prime, mask, frame, row_sum,
+                                        ctx.scale, ctx.causal, ctx.mode)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd("attn_qat::attention_forward", _attention_backward,
+                                setup_context=_attention_setup_context)

@@ -1,0 +1,46 @@
+"""Timing and reporting helpers shared by the benchmarks: CUDA-event medians and result metadata."""
+import datetime
+import json
+import os
+import subprocess
+
+import torch
+
+
+def median_ms(fn, warmup: int = 5, repeat: int = 20) -> float:
+    """Median over `repeat` runs of fn(), each timed with CUDA events after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def metadata() -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True).strip()
+        dirty = bool(subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                             text=True).strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = os.environ.get("ATTN_QAT_COMMIT", "unknown"), False
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "commit": commit + ("-dirty" if dirty else ""),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+    }
+
+
+def write_json(path: str, payload: dict):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {path}")

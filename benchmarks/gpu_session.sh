@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: use the carried build of attn_qat/_C (or build here if it does not load),
+# run the GPU tests and the named benchmarks, and leave logs and JSON under $OUT.
+#   bash benchmarks/gpu_session.sh [tests] [quant] [attention] [main] [pytest-args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/attn_qat_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])" | tee -a "$OUT/gpu.txt"
+if ! python3 -c "import attn_qat, sys; sys.exit(0 if attn_qat._C.with_cuda else 1)" 2>>"$OUT/gpu.txt"; then
+    echo "carried build does not load (or has no CUDA kernels): building here" | tee -a "$OUT/gpu.txt"
+    ATTN_QAT_CUDA=1 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+fi
+status=0
+for part in "$@"; do
+    case "$part" in
+    tests) python3 -m pytest tests -q -x -rs 2>&1 | tee "$OUT/tests.log" | tail -40; status=$((status | PIPESTATUS[0])) ;;
+    tests-all) python3 -m pytest tests -q -rs 2>&1 | tee "$OUT/tests.log" | tail -60; status=$((status | PIPESTATUS[0])) ;;
+    quant) python3 benchmarks/bench_quant.py --out "$OUT/quant.json" 2>&1 | tee "$OUT/bench_quant.log" ;;
+    attention) python3 benchmarks/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench_attention.log" ;;
+    main) python3 -m attn_qat 2>&1 | tee "$OUT/main.log" ;;
+    *) echo "unknown part $part" ;;
+    esac
+done
+exit $status

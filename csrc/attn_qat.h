@@ -1,0 +1,109 @@
+/* attn_qat kernel interface: the parameter structs and launchers that ops.cpp calls.
+   Plain C, so the CPU kernels (C), the CUDA kernels (CUDA C) and the op glue (C++) share one definition.
+   Every launcher returns NULL on success, else a static message saying what went wrong. */
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { AQ_FLOAT32 = 0, AQ_BFLOAT16 = 1, AQ_FLOAT16 = 2 } aq_dtype;
+
+/* ---------------------------------------------------------------------------------------------
+   NVFP4 quantization of a tensor viewed as (outer[0], outer[1], outer[2], axis_len, inner), blocked
+   along axis_len; outer = outer[0] * outer[1] * outer[2] below. Strides are in elements and may be
+   anything (0 too). Each output is optional (NULL: skip it):
+     codes  (outer, ceil(axis_len / 2), inner) uint8, contiguous: element 2k in the low nibble
+     scales (outer, ceil(axis_len / 16), inner) E4M3 bytes, contiguous
+     fake   (outer, axis_len, inner) in x's dtype, contiguous: the dequantized values
+   A trailing partial block (axis_len % 16 != 0) holds only the valid elements. */
+typedef struct {
+    const void *x;
+    aq_dtype dtype;
+    int64_t outer[3], axis_len, inner;
+    int64_t stride_outer[3], stride_axis, stride_inner;
+    uint8_t *codes;
+    uint8_t *scales;
+    void *fake;
+} aq_quantize_params;
+
+/* Dequantize codes + scales laid out as above into out (outer, axis_len, inner) contiguous. */
+typedef struct {
+    const uint8_t *codes;
+    const uint8_t *scales;
+    int64_t outer, axis_len, inner;
+    void *out;
+    aq_dtype dtype;
+} aq_dequantize_params;
+
+/* ---------------------------------------------------------------------------------------------
+   Attention (numerics.md §3, §4). Logical shapes: q, o, o_prime (B, Hq, Nq, D); k, v (B, Hkv, Nk, D);
+   any strides in elements for batch, head and token ([0], [1], [2]); the head-dim stride is 1.
+   Query head h reads kv head h / (Hq / Hkv). The kernels see operands already fake-quantized by the
+   pre-pass (or raw ones for bf16 / drop-in) and quantize only P.
+   Key j is visible to query i iff (!causal || j <= i + causal_offset) and mask[b,h,i,j] != -inf.
+   mask (optional): additive fp32, strides for (b, h, i, j), 0 where broadcast; added to the scaled
+   score before the log2(e) factor: t_ij = (q_i . k_j * scale + mask_ij) * log2(e).
+   Row statistics, (B, Hq, Nq) contiguous fp32: frame_m = M_i = ceil(max_j t_ij), an integer, and
+   row_sum = l_i = sum_j 2^(t_ij - M_i). A row with no visible key has M = -inf, l = 0 and O = 0.
+   NaN in a row's scores makes its l and O NaN (never a finite value, never "empty"). */
+typedef struct {
+    const void *q, *k, *v;
+    int64_t q_stride[3], k_stride[3], v_stride[3];
+    const float *mask;
+    int64_t mask_stride[4];
+    void *o;                 /* O = sum_j P^F_ij v_j / l_i (or P̂ when !quantize_p) */
+    int64_t o_stride[3];
+    void *o_prime;           /* O' = sum_j P̂_ij v_j / l_i, or NULL when not needed */
+    int64_t o_prime_stride[3];
+    float *frame_m, *row_sum;
+    int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
+    float softmax_scale;
+    int causal;
+    int64_t causal_offset;
+    int quantize_p;          /* 1: O uses P^F = fq16(P̂ * 2^11) * 2^-11, blocks of 16 keys from key 0 */
+    aq_dtype dtype;          /* of q, k, v, o, o_prime: AQ_BFLOAT16 or AQ_FLOAT16 */
+} aq_attention_fwd_params;
+
+/* Backward (straight-through, numerics.md §4), given the forward's frame_m / row_sum:
+     P_ij = 2^(t_ij - M_i) / l_i;  P^F_ij = fq16(2^(t_ij - M_i) * 2^11) * 2^-11 / l_i
+     dV_j = sum_i (quantize_p_for_dv ? P^F_ij : P_ij) dO_i      (summed over the query heads of kv head)
+     dP_ij = dO_i . v_j;  delta_i = dO_i . out_for_delta_i;  dS_ij = P_ij (dP_ij - delta_i)
+     dQ_i = scale sum_j dS_ij k_j;  dK_j = scale sum_i dS_ij q_i   (dK summed over the group too)
+   Rows with row_sum == 0 (no visible key) contribute nothing. dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D)
+   are written (not accumulated) in dtype, with the given strides. delta is (B, Hq, Nq) fp32 scratch
+   that the launcher fills. The result is deterministic: bit-identical run to run. */
+typedef struct {
+    const void *q, *k, *v, *dout, *out_for_delta;
+    int64_t q_stride[3], k_stride[3], v_stride[3], dout_stride[3], out_for_delta_stride[3];
+    const float *mask;
+    int64_t mask_stride[4];
+    const float *frame_m, *row_sum;
+    float *delta;
+    void *dq, *dk, *dv;
+    int64_t dq_stride[3], dk_stride[3], dv_stride[3];
+    int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
+    float softmax_scale;
+    int causal;
+    int64_t causal_offset;
+    int quantize_p_for_dv;
+    aq_dtype dtype;
+} aq_attention_bwd_params;
+
+/* CPU kernels (C) */
+const char *aq_quantize_cpu(const aq_quantize_params *p);
+const char *aq_dequantize_cpu(const aq_dequantize_params *p);
+const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p);
+const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p);
+
+/* CUDA kernels; stream is a cudaStream_t */
+const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream);
+const char *aq_dequantize_cuda(const aq_dequantize_params *p, void *stream);
+const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, void *stream);
+const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, void *stream);
+
+#ifdef __cplusplus
+}
+#endif

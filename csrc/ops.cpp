@@ -1,0 +1,430 @@
+// Op schemas, argument checks and dispatch to the CPU and CUDA kernels, through PyTorch's op registry.
+// C++ only because the LibTorch stable ABI headers are C++; every kernel behind it is C / CUDA C.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#ifdef AQ_WITH_CUDA
+#include <torch/csrc/stable/accelerator.h>
+#endif
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "attn_qat.h"
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+namespace {
+
+// The modes of numerics.md §5; attn_qat/ops.py holds the names.
+enum Mode : int64_t { MODE_ATTN_QAT = 0, MODE_HIGH_PRECISION_P, MODE_LOW_PRECISION_O, MODE_DROP_IN, MODE_BF16 };
+// Causal alignment codes; see numerics.md §6.
+enum Causal : int64_t { CAUSAL_NONE = 0, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT };
+
+aq_dtype kernel_dtype(const Tensor &t, bool allow_fp32) {
+    switch (t.scalar_type()) {
+    case ScalarType::BFloat16: return AQ_BFLOAT16;
+    case ScalarType::Half: return AQ_FLOAT16;
+    case ScalarType::Float:
+        STD_TORCH_CHECK(allow_fp32, "attn_qat: attention takes bfloat16 or float16 tensors, got float32 "
+                                    "(use torch.autocast or cast the inputs)");
+        return AQ_FLOAT32;
+    default: STD_TORCH_CHECK(false, "attn_qat: expected a bfloat16, float16 or float32 tensor");
+    }
+    return AQ_FLOAT32;
+}
+
+// Launches on the tensor's device: the CPU kernel or the CUDA kernel on the current stream.
+template <typename Params>
+void launch(const Tensor &on, const Params &params, const char *(*cpu)(const Params *),
+            const char *(*cuda)(const Params *, void *)) {
+    const char *err = nullptr;
+    if (on.is_cpu()) {
+        err = cpu(&params);
+    } else {
+#ifdef AQ_WITH_CUDA
+        STD_TORCH_CHECK(on.is_cuda(), "attn_qat: tensors must be on the CPU or a CUDA device");
+        torch::stable::accelerator::DeviceGuard guard(on.get_device_index());
+        void *stream = nullptr;
+        STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(on.get_device_index(), &stream));
+        err = cuda(&params, stream);
+#else
+        (void)cuda;
+        STD_TORCH_CHECK(false, "attn_qat: this build has no CUDA kernels (it was built without nvcc)");
+#endif
+    }
+    STD_TORCH_CHECK(err == nullptr, "attn_qat: ", err ? err : "");
+}
+
+// ---------------------------------------------------------------------------------------------
+// NVFP4 quantization
+
+// x viewed as (outer0, outer1, outer2, axis, inner) with one stride per dim, merging dims where the
+// strides allow; nullopt when the dims before (or after) the axis do not merge into 3 (or 1).
+struct BlockedView {
+    int64_t outer[3] = {1, 1, 1}, outer_stride[3] = {0, 0, 0};
+    int64_t axis_len = 1, axis_stride = 0, inner = 1, inner_stride = 0;
+};
+
+std::vector<std::pair<int64_t, int64_t>> merge_dims(const Tensor &x, int64_t begin, int64_t end) {
+    std::vector<std::pair<int64_t, int64_t>> dims; // (size, stride), outermost first
+    for (int64_t d = begin; d < end; d++) {
+        const int64_t size = x.size(d), stride = x.stride(d);
+        if (size == 1) continue;
+        if (!dims.empty() && dims.back().second == stride * size) {
+            dims.back() = {dims.back().first * size, stride};
+        } else {
+            dims.push_back({size, stride});
+        }
+    }
+    return dims;
+}
+
+std::optional<BlockedView> blocked_view(const Tensor &x, int64_t axis) {
+    BlockedView v;
+    auto outer = merge_dims(x, 0, axis), inner = merge_dims(x, axis + 1, x.dim());
+    if (outer.size() > 3 || inner.size() > 1) return std::nullopt;
+    for (size_t i = 0; i < outer.size(); i++) {
+        v.outer[3 - outer.size() + i] = outer[i].first;
+        v.outer_stride[3 - outer.size() + i] = outer[i].second;
+    }
+    v.axis_len = x.size(axis);
+    v.axis_stride = x.stride(axis);
+    if (!inner.empty()) {
+        v.inner = inner[0].first;
+        v.inner_stride = inner[0].second;
+    }
+    return v;
+}
+
+// Fills the kernel's view of x; copies x to contiguous memory first if its strides do not merge.
+aq_quantize_params quantize_params(Tensor &x, int64_t axis) {
+    STD_TORCH_CHECK(x.dim() >= 1, "attn_qat: cannot quantize a 0-dimensional tensor");
+    STD_TORCH_CHECK(axis >= 0 && axis < x.dim(), "attn_qat: block axis ", axis, " out of range for a ", x.dim(),
+                    "-dimensional tensor");
+    auto view = blocked_view(x, axis);
+    if (!view) {
+        x = torch::stable::contiguous(x);
+        view = blocked_view(x, axis);
+    }
+    aq_quantize_params p = {};
+    p.x = x.data_ptr();
+    p.dtype = kernel_dtype(x, /*allow_fp32=*/true);
+    for (int i = 0; i < 3; i++) {
+        p.outer[i] = view->outer[i];
+        p.stride_outer[i] = view->outer_stride[i];
+    }
+    p.axis_len = view->axis_len;
+    p.stride_axis = view->axis_stride;
+    p.inner = view->inner;
+    p.stride_inner = view->inner_stride;
+    return p;
+}
+
+std::vector<int64_t> sizes_with_axis(const Tensor &x, int64_t axis, int64_t axis_len) {
+    std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
+    s[axis] = axis_len;
+    return s;
+}
+
+// Codes (x's shape, axis halved) and scales (x's shape, axis / 16), both contiguous.
+std::tuple<Tensor, Tensor> nvfp4_quantize(Tensor x, int64_t axis) {
+    aq_quantize_params p = quantize_params(x, axis);
+    const int64_t n = x.size(axis);
+    Tensor codes = torch::stable::new_empty(x, sizes_with_axis(x, axis, (n + 1) / 2), ScalarType::Byte);
+    Tensor scales = torch::stable::new_empty(x, sizes_with_axis(x, axis, (n + 15) / 16), ScalarType::Float8_e4m3fn);
+    p.codes = static_cast<uint8_t *>(codes.data_ptr());
+    p.scales = static_cast<uint8_t *>(scales.data_ptr());
+    launch(x, p, aq_quantize_cpu, aq_quantize_cuda);
+    return {codes, scales};
+}
+
+// Quantize-dequantize into x's dtype and shape (contiguous). A trailing partial block is allowed.
+Tensor nvfp4_fake_quantize(Tensor x, int64_t axis) {
+    aq_quantize_params p = quantize_params(x, axis);
+    Tensor out = torch::stable::new_empty(x, std::vector<int64_t>(x.sizes().begin(), x.sizes().end()));
+    p.fake = out.data_ptr();
+    launch(x, p, aq_quantize_cpu, aq_quantize_cuda);
+    return out;
+}
+
+Tensor nvfp4_dequantize(Tensor codes, Tensor scales, int64_t axis, int64_t axis_len, ScalarType dtype) {
+    STD_TORCH_CHECK(codes.scalar_type() == ScalarType::Byte, "attn_qat: codes must be uint8");
+    STD_TORCH_CHECK(scales.scalar_type() == ScalarType::Float8_e4m3fn, "attn_qat: scales must be float8_e4m3fn");
+    STD_TORCH_CHECK(codes.dim() == scales.dim() && axis >= 0 && axis < codes.dim(),
+                    "attn_qat: codes and scales must have the same rank and contain the block axis");
+    STD_TORCH_CHECK(codes.size(axis) == (axis_len + 1) / 2 && scales.size(axis) == (axis_len + 15) / 16,
+                    "attn_qat: codes / scales do not match the block axis length ", axis_len);
+    for (int64_t d = 0; d < codes.dim(); d++)
+        STD_TORCH_CHECK(d == axis || codes.size(d) == scales.size(d), "attn_qat: codes and scales disagree in dim ", d);
+    STD_TORCH_CHECK(codes.get_device_index() == scales.get_device_index() && codes.is_cpu() == scales.is_cpu(),
+                    "attn_qat: codes and scales must be on the same device");
+    codes = torch::stable::contiguous(codes);
+    scales = torch::stable::contiguous(scales);
+    Tensor out = torch::stable::new_empty(codes, sizes_with_axis(codes, axis, axis_len), dtype);
+    aq_dequantize_params p = {};
+    p.codes = static_cast<const uint8_t *>(codes.data_ptr());
+    p.scales = static_cast<const uint8_t *>(scales.data_ptr());
+    p.outer = 1;
+    for (int64_t d = 0; d < axis; d++) p.outer *= codes.size(d);
+    p.axis_len = axis_len;
+    p.inner = 1;
+    for (int64_t d = axis + 1; d < codes.dim(); d++) p.inner *= codes.size(d);
+    p.out = out.data_ptr();
+    p.dtype = kernel_dtype(out, /*allow_fp32=*/true);
+    launch(codes, p, aq_dequantize_cpu, aq_dequantize_cuda);
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+// A (B, H, N, D) tensor is "token-major" when its memory is (B, N, H, D), as diffusers and
+// transformers' q/k/v projections produce it; new tensors follow the layout of the one they mirror.
+bool token_major(const Tensor &t) { return t.size(1) > 1 && t.size(2) > 1 && t.stride(1) < t.stride(2); }
+
+Tensor empty_like_layout(const Tensor &like, int64_t b, int64_t h, int64_t n, int64_t d) {
+    if (token_major(like)) return torch::stable::transpose(torch::stable::new_empty(like, {b, n, h, d}), 1, 2);
+    return torch::stable::new_empty(like, {b, h, n, d});
+}
+
+// The Q/K/V pre-pass of numerics.md §2: Q and K blocked along D, V along tokens (the last block
+// partial). Each is quantized in its memory order so the kernel reads coalesced and the result keeps
+// the input's layout.
+Tensor fake_quantize_operand(const Tensor &x, bool along_tokens) {
+    const bool tm = token_major(x);
+    Tensor mem = tm ? torch::stable::transpose(x, 1, 2) : x; // dims in memory order
+    const int64_t axis = along_tokens ? (tm ? 1 : 2) : 3;
+    Tensor fq = nvfp4_fake_quantize(mem, axis);
+    return tm ? torch::stable::transpose(fq, 1, 2) : fq;
+}
+
+// The whole pre-pass, for callers that want the fake-quantized operands themselves.
+std::tuple<Tensor, Tensor, Tensor> fake_quantize_qkv(Tensor q, Tensor k, Tensor v) {
+    STD_TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                    "attn_qat: query, key and value must be 4-D (batch, heads, tokens, head_dim)");
+    STD_TORCH_CHECK(q.size(3) % 16 == 0 && k.size(3) % 16 == 0, "attn_qat: head_dim must be a multiple of 16");
+    return {fake_quantize_operand(q, false), fake_quantize_operand(k, false), fake_quantize_operand(v, true)};
+}
+
+void copy_strides(const Tensor &t, int64_t out[3]) {
+    for (int i = 0; i < 3; i++) out[i] = t.stride(i);
+}
+
+struct AttentionShape {
+    int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
+};
+
+AttentionShape check_attention_inputs(const Tensor &q, const Tensor &k, const Tensor &v) {
+    STD_TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                    "attn_qat: query, key and value must be 4-D (batch, heads, tokens, head_dim)");
+    const aq_dtype dt = kernel_dtype(q, false);
+    STD_TORCH_CHECK(kernel_dtype(k, false) == dt && kernel_dtype(v, false) == dt,
+                    "attn_qat: query, key and value must have the same dtype");
+    STD_TORCH_CHECK(q.is_cpu() == k.is_cpu() && q.is_cpu() == v.is_cpu() &&
+                        q.get_device_index() == k.get_device_index() && q.get_device_index() == v.get_device_index(),
+                    "attn_qat: query, key and value must be on the same device");
+    AttentionShape s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+    STD_TORCH_CHECK(k.size(0) == s.batch && v.size(0) == s.batch, "attn_qat: batch sizes differ");
+    STD_TORCH_CHECK(v.size(1) == s.heads_kv && v.size(2) == s.seqlen_k,
+                    "attn_qat: key and value must have the same heads and tokens");
+    STD_TORCH_CHECK(k.size(3) == s.head_dim && v.size(3) == s.head_dim,
+                    "attn_qat: query, key and value must have the same head_dim");
+    STD_TORCH_CHECK(s.head_dim == 64 || s.head_dim == 128, "attn_qat: head_dim must be 64 or 128, got ", s.head_dim);
+    STD_TORCH_CHECK(s.heads_kv > 0 && s.heads_q % s.heads_kv == 0, "attn_qat: query heads (", s.heads_q,
+                    ") must be a multiple of key/value heads (", s.heads_kv, ")");
+    STD_TORCH_CHECK(s.seqlen_q > 0 && s.seqlen_k > 0 && s.batch > 0, "attn_qat: empty query or key sequence");
+    STD_TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+                    "attn_qat: the last dimension (head_dim) of query, key and value must be contiguous");
+    return s;
+}
+
+// The mask arrives from Python as fp32 of shape (B, Hq, Nq, Nk), broadcast dims with stride 0.
+void set_mask(const std::optional<Tensor> &mask, const AttentionShape &s, const Tensor &q, const float **ptr,
+              int64_t strides[4]) {
+    *ptr = nullptr;
+    for (int i = 0; i < 4; i++) strides[i] = 0;
+    if (!mask.has_value()) return;
+    const Tensor &m = *mask;
+    STD_TORCH_CHECK(m.scalar_type() == ScalarType::Float, "attn_qat: the kernel mask must be additive float32");
+    STD_TORCH_CHECK(m.dim() == 4 && m.size(0) == s.batch && m.size(1) == s.heads_q && m.size(2) == s.seqlen_q &&
+                        m.size(3) == s.seqlen_k,
+                    "attn_qat: the kernel mask must be expanded to (batch, heads, query tokens, key tokens)");
+    STD_TORCH_CHECK(m.is_cpu() == q.is_cpu() && m.get_device_index() == q.get_device_index(),
+                    "attn_qat: attn_mask must be on the device of the query");
+    *ptr = static_cast<const float *>(m.data_ptr());
+    for (int i = 0; i < 4; i++) strides[i] = m.stride(i);
+}
+
+void set_causal(int64_t causal, const AttentionShape &s, int *flag, int64_t *offset) {
+    STD_TORCH_CHECK(causal >= CAUSAL_NONE && causal <= CAUSAL_BOTTOM_RIGHT, "attn_qat: bad causal code ", causal);
+    *flag = causal != CAUSAL_NONE;
+    *offset = causal == CAUSAL_BOTTOM_RIGHT ? s.seqlen_k - s.seqlen_q : 0;
+}
+
+// Runs the forward kernel on operands the caller has already prepared.
+void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::optional<Tensor> &mask,
+                 double scale, int64_t causal, bool quantize_p, const Tensor &out, const Tensor *out_prime,
+                 const Tensor &frame, const Tensor &row_sum, const AttentionShape &s) {
+    aq_attention_fwd_params p = {};
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    copy_strides(q, p.q_stride);
+    copy_strides(k, p.k_stride);
+    copy_strides(v, p.v_stride);
+    set_mask(mask, s, q, &p.mask, p.mask_stride);
+    p.o = out.data_ptr();
+    copy_strides(out, p.o_stride);
+    if (out_prime) {
+        p.o_prime = out_prime->data_ptr();
+        copy_strides(*out_prime, p.o_prime_stride);
+    }
+    p.frame_m = static_cast<float *>(frame.data_ptr());
+    p.row_sum = static_cast<float *>(row_sum.data_ptr());
+    p.batch = s.batch;
+    p.heads_q = s.heads_q;
+    p.heads_kv = s.heads_kv;
+    p.seqlen_q = s.seqlen_q;
+    p.seqlen_k = s.seqlen_k;
+    p.head_dim = s.head_dim;
+    p.softmax_scale = (float)scale;
+    set_causal(causal, s, &p.causal, &p.causal_offset);
+    p.quantize_p = quantize_p;
+    p.dtype = kernel_dtype(q, false);
+    launch(q, p, aq_attention_fwd_cpu, aq_attention_fwd_cuda);
+}
+
+void check_mode(int64_t mode) {
+    STD_TORCH_CHECK(mode >= MODE_ATTN_QAT && mode <= MODE_BF16, "attn_qat: bad mode code ", mode);
+}
+
+// Returns (out, out_prime, frame, row_sum); out_prime is empty unless need_out_prime and the mode's
+// backward uses it (attn_qat, high_precision_p).
+std::tuple<Tensor, Tensor, Tensor, Tensor> attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask,
+                                                             double scale, int64_t causal, int64_t mode,
+                                                             bool need_out_prime) {
+    check_mode(mode);
+    const AttentionShape s = check_attention_inputs(q, k, v);
+    const bool quantize = mode != MODE_BF16;
+    Tensor qf = quantize ? fake_quantize_operand(q, false) : q;
+    Tensor kf = quantize ? fake_quantize_operand(k, false) : k;
+    Tensor vf = quantize ? fake_quantize_operand(v, true) : v;
+    Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
+    const bool with_prime = need_out_prime && (mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P);
+    Tensor out_prime = with_prime ? empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim)
+                                  : torch::stable::new_empty(q, {0});
+    Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
+    Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
+    run_forward(qf, kf, vf, mask, scale, causal, quantize, out, with_prime ? &out_prime : nullptr, frame, row_sum, s);
+    return {out, out_prime, frame, row_sum};
+}
+
+// Gradients w.r.t. the original q, k, v (straight-through), for each mode of numerics.md §5.
+std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                                                      Tensor out_prime, std::optional<Tensor> mask, Tensor frame,
+                                                      Tensor row_sum, double scale, int64_t causal, int64_t mode) {
+    check_mode(mode);
+    const AttentionShape s = check_attention_inputs(q, k, v);
+    STD_TORCH_CHECK(dout.dim() == 4 && dout.size(0) == s.batch && dout.size(1) == s.heads_q &&
+                        dout.size(2) == s.seqlen_q && dout.size(3) == s.head_dim && dout.stride(3) == 1,
+                    "attn_qat: grad_output must match the output's shape with a contiguous last dimension");
+    STD_TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "attn_qat: grad_output must have the query's dtype");
+    const bool quantized_operands = mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P || mode == MODE_LOW_PRECISION_O;
+    const bool delta_from_prime = mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P;
+    STD_TORCH_CHECK(!delta_from_prime || out_prime.numel() == out.numel(),
+                    "attn_qat: this mode's backward needs O' from the forward (need_out_prime=True)");
+    Tensor qo = quantized_operands ? fake_quantize_operand(q, false) : q;
+    Tensor ko = quantized_operands ? fake_quantize_operand(k, false) : k;
+    Tensor vo = quantized_operands ? fake_quantize_operand(v, true) : v;
+    if (mode == MODE_DROP_IN) {
+        // Drop-in QAT differentiates plain softmax attention of the unquantized operands: its P needs
+        // the unquantized scores' frame and sum, which the FP4 forward did not compute.
+        Tensor scratch = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
+        frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
+        row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
+        run_forward(q, k, v, mask, scale, causal, false, scratch, nullptr, frame, row_sum, s);
+    }
+    const Tensor &for_delta = delta_from_prime ? out_prime : out;
+    STD_TORCH_CHECK(frame.scalar_type() == ScalarType::Float && row_sum.scalar_type() == ScalarType::Float &&
+                        frame.numel() == s.batch * s.heads_q * s.seqlen_q && row_sum.numel() == frame.numel() &&
+                        frame.is_contiguous() && row_sum.is_contiguous(),
+                    "attn_qat: frame and row_sum must be contiguous float32 (batch, heads, query tokens)");
+
+    Tensor dq = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
+    Tensor dk = empty_like_layout(k, s.batch, s.heads_kv, s.seqlen_k, s.head_dim);
+    Tensor dv = empty_like_layout(v, s.batch, s.heads_kv, s.seqlen_k, s.head_dim);
+    Tensor delta = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
+
+    aq_attention_bwd_params p = {};
+    p.q = qo.data_ptr();
+    p.k = ko.data_ptr();
+    p.v = vo.data_ptr();
+    p.dout = dout.data_ptr();
+    p.out_for_delta = for_delta.data_ptr();
+    copy_strides(qo, p.q_stride);
+    copy_strides(ko, p.k_stride);
+    copy_strides(vo, p.v_stride);
+    copy_strides(dout, p.dout_stride);
+    copy_strides(for_delta, p.out_for_delta_stride);
+    set_mask(mask, s, q, &p.mask, p.mask_stride);
+    p.frame_m = static_cast<const float *>(frame.data_ptr());
+    p.row_sum = static_cast<const float *>(row_sum.data_ptr());
+    p.delta = static_cast<float *>(delta.data_ptr());
+    p.dq = dq.data_ptr();
+    p.dk = dk.data_ptr();
+    p.dv = dv.data_ptr();
+    copy_strides(dq, p.dq_stride);
+    copy_strides(dk, p.dk_stride);
+    copy_strides(dv, p.dv_stride);
+    p.batch = s.batch;
+    p.heads_q = s.heads_q;
+    p.heads_kv = s.heads_kv;
+    p.seqlen_q = s.seqlen_q;
+    p.seqlen_k = s.seqlen_k;
+    p.head_dim = s.head_dim;
+    p.softmax_scale = (float)scale;
+    set_causal(causal, s, &p.causal, &p.causal_offset);
+    p.quantize_p_for_dv = mode == MODE_ATTN_QAT || mode == MODE_LOW_PRECISION_O;
+    p.dtype = kernel_dtype(q, false);
+    launch(q, p, aq_attention_bwd_cpu, aq_attention_bwd_cuda);
+    return {dq, dk, dv};
+}
+
+} // namespace
+
+STABLE_TORCH_LIBRARY(attn_qat, m) {
+    m.def("nvfp4_quantize(Tensor x, int axis) -> (Tensor codes, Tensor scales)");
+    m.def("nvfp4_fake_quantize(Tensor x, int axis) -> Tensor");
+    m.def("nvfp4_dequantize(Tensor codes, Tensor scales, int axis, int axis_len, ScalarType dtype) -> Tensor");
+    m.def("fake_quantize_qkv(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor, Tensor)");
+    m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal, int mode, "
+          "bool need_out_prime) -> (Tensor out, Tensor out_prime, Tensor frame, Tensor row_sum)");
+    m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor out_prime, "
+          "Tensor? mask, Tensor frame, Tensor row_sum, float scale, int causal, int mode) "
+          "-> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+// The same functions serve both devices: `launch` picks the kernel from the tensors' device.
+STABLE_TORCH_LIBRARY_IMPL(attn_qat, CPU, m) {
+    m.impl("nvfp4_quantize", TORCH_BOX(&nvfp4_quantize));
+    m.impl("nvfp4_fake_quantize", TORCH_BOX(&nvfp4_fake_quantize));
+    m.impl("nvfp4_dequantize", TORCH_BOX(&nvfp4_dequantize));
+    m.impl("fake_quantize_qkv", TORCH_BOX(&fake_quantize_qkv));
+    m.impl("attention_forward", TORCH_BOX(&attention_forward));
+    m.impl("attention_backward", TORCH_BOX(&attention_backward));
+}
+
+#ifdef AQ_WITH_CUDA
+STABLE_TORCH_LIBRARY_IMPL(attn_qat, CUDA, m) {
+    m.impl("nvfp4_quantize", TORCH_BOX(&nvfp4_quantize));
+    m.impl("nvfp4_fake_quantize", TORCH_BOX(&nvfp4_fake_quantize));
+    m.impl("nvfp4_dequantize", TORCH_BOX(&nvfp4_dequantize));
+    m.impl("fake_quantize_qkv", TORCH_BOX(&fake_quantize_qkv));
+    m.impl("attention_forward", TORCH_BOX(&attention_forward));
+    m.impl("attention_backward", TORCH_BOX(&attention_backward));
+}
+#endif

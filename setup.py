@@ -1,0 +1,54 @@
+"""Builds attn_qat._C: CUDA C kernels for sm_90a plus C CPU kernels, bound through PyTorch's op registry.
+
+The extension uses only the LibTorch stable ABI (targeting torch 2.10) and Python's limited API
+(abi3; torch's cpp_extension sets Py_LIMITED_API to Python 3.10), so one build loads in every later
+torch and Python.
+
+Environment:
+  ATTN_QAT_CUDA=auto|1|0     build the CUDA kernels when nvcc is found (auto, default), always, or never
+  ATTN_QAT_CUDA_ARCHS="90a"  space-separated SM targets for nvcc (default: 90a)
+  MAX_JOBS                   parallel compile jobs (torch's cpp_extension setting)
+"""
+import os
+import sys
+
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+TORCH_TARGET_VERSION = "0x020a000000000000"  # the stable ABI of torch 2.10
+
+here = os.path.dirname(os.path.abspath(__file__))
+want_cuda = os.environ.get("ATTN_QAT_CUDA", "auto").lower()
+if want_cuda not in ("auto", "1", "0"):
+    sys.exit(f"ATTN_QAT_CUDA must be auto, 1 or 0, not {want_cuda!r}")
+has_nvcc = CUDA_HOME is not None and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))
+if want_cuda == "1" and not has_nvcc:
+    sys.exit("ATTN_QAT_CUDA=1 but nvcc was not found: install the CUDA toolkit or set CUDA_HOME "
+             "(ATTN_QAT_CUDA=0 builds the CPU kernels only)")
+with_cuda = has_nvcc and want_cuda != "0"
+archs = os.environ.get("ATTN_QAT_CUDA_ARCHS", "90a").split()
+
+csrc = "csrc"
+sources = [f"{csrc}/{f}" for f in ("module.c", "ops.cpp", "quantize_cpu.c", "attention_cpu.c")]
+defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DTORCH_STABLE_ONLY"]
+cxx_flags = ["-O3", "-ffp-contract=off", "-fvisibility=hidden"] + defines
+extension_kwargs = dict(py_limited_api=True, include_dirs=[os.path.join(here, csrc)])
+
+if with_cuda:
+    # torch would otherwise add -gencode flags for the local GPU or its default list; we name ours.
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ""
+    sources += [f"{csrc}/{f}" for f in ("quantize_cuda.cu", "attention_fwd.cu", "attention_bwd.cu")]
+    nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DAQ_WITH_CUDA", "-DUSE_CUDA"] + defines
+    nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    ext = CUDAExtension(
+        "attn_qat._C", sources,
+        extra_compile_args={"cxx": cxx_flags + ["-DAQ_WITH_CUDA", "-DUSE_CUDA"], "nvcc": nvcc_flags},
+        **extension_kwargs)
+else:
+    ext = CppExtension("attn_qat._C", sources, extra_compile_args={"cxx": cxx_flags}, **extension_kwargs)
+
+setup(
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+)

@@ -1,0 +1,326 @@
+"""Attention forward and backward against attn_qat.reference (float64) at numerics.md §7's tolerances,
+across the coverage matrix of the training issue, on fresh random inputs with poisoned outputs."""
+import math
+
+import pytest
+import torch
+
+import attn_qat
+from attn_qat import reference
+from conftest import DEVICES, HAS_CUDA, rel_error, requires_cuda
+
+FWD_TOL, BWD_TOL = 3e-3, 1e-2
+
+# (name, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim)
+SHAPES = [
+    ("square", 2, 2, 2, 128, 128, 128),
+    ("odd", 1, 3, 3, 77, 93, 64),
+    ("gqa", 1, 4, 2, 100, 130, 128),
+    ("mqa", 2, 4, 1, 33, 200, 64),
+    ("one_query", 1, 2, 2, 1, 50, 128),
+    ("cross", 1, 2, 2, 190, 17, 64),  # many queries, few keys, like Wan's text cross-attention
+]
+_seed = [1000]
+
+
+def fresh_generator() -> torch.Generator:
+    _seed[0] += 1
+    return torch.Generator().manual_seed(_seed[0])
+
+
+def make_inputs(b, hq, hkv, nq, nk, d, dtype, device, layout="bhsd", g=None):
+    """q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D), dout like q; `layout="bshd"` returns (B, H, S, D) views of
+    (B, S, H, D) memory, as diffusers and transformers pass them."""
+    g = g or fresh_generator()
+
+    def make(h, n):
+        t = torch.randn(b, n, h, d, generator=g) if layout == "bshd" else torch.randn(b, h, n, d, generator=g)
+        t = t.to(dtype).to(device)
+        return t.transpose(1, 2) if layout == "bshd" else t
+
+    return make(hq, nq), make(hkv, nk), make(hkv, nk), make(hq, nq)
+
+
+def poison_cuda_allocator():
+    """Fill the blocks the caching allocator will hand out next with NaN, so an output element the
+    kernel forgets to write shows up as NaN instead of a stale plausible value."""
+    if HAS_CUDA:
+        for mb in (1, 4, 16, 64):
+            torch.full((mb << 18,), float("nan"), device="cuda")
+        torch.cuda.synchronize()
+
+
+def run(q, k, v, dout, *, mode="attn_qat", mask=None, causal=None, api="sdpa"):
+    """Our forward + backward; returns (out, dq, dk, dv) in (B, H, S, D)."""
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    # keep the caller's layout (clone keeps strides)
+    poison_cuda_allocator()
+    if api == "sdpa":
+        out = attn_qat.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=causal == "top_left",
+                                                    enable_gqa=True, mode=mode)
+    else:
+        out = attn_qat.attention(qg, kg, vg, causal=causal == "bottom_right", layout="bhsd", mode=mode)
+    poison_cuda_allocator()
+    out.backward(dout)
+    return out.detach(), qg.grad, kg.grad, vg.grad
+
+
+def check(q, k, v, dout, *, mode="attn_qat", mask=None, causal=None, api="sdpa", label=""):
+    out, dq, dk, dv = run(q, k, v, dout, mode=mode, mask=mask, causal=causal, api=api)
+    qc, kc, vc, dc = (t.cpu() for t in (q, k, v, dout))
+    mc = None if mask is None else mask.cpu()
+    ref = reference.attention(qc, kc, vc, attn_mask=mc, causal=causal, mode=mode)
+    grads = reference.attention_backward(qc, kc, vc, dc, mode=mode, attn_mask=mc, causal=causal)
+    errors = {"out": rel_error(out, ref)}
+    errors.update({name: rel_error(ours, r) for name, ours, r in zip(("dq", "dk", "dv"), (dq, dk, dv), grads)})
+    assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert errors["out"] <= FWD_TOL, f"{label} forward error {errors}"
+    assert max(errors["dq"], errors["dk"], errors["dv"]) <= BWD_TOL, f"{label} backward error {errors}"
+    return errors
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_shapes_and_causal(device, shape, causal):
+    _, b, hq, hkv, nq, nk, d = shape
+    if causal == "bottom_right" and nq > nk:
+        pytest.skip("covered by test_empty_rows")
+    q, k, v, dout = make_inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, device)
+    check(q, k, v, dout, causal=causal, api="attention" if causal == "bottom_right" else "sdpa", label=shape[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", attn_qat.MODES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_modes(device, mode, d):
+    q, k, v, dout = make_inputs(1, 4, 2, 70, 110, d, torch.bfloat16, device)
+    check(q, k, v, dout, mode=mode, causal="top_left", label=mode)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_fp16_and_token_major_layout(device, layout):
+    q, k, v, dout = make_inputs(2, 4, 2, 90, 75, 128, torch.float16, device, layout=layout)
+    check(q, k, v, dout, label=layout)
+    out, dq, dk, dv = run(q, k, v, dout)
+    if layout == "bshd":  # outputs and gradients keep the inputs' memory layout: no hidden copies
+        assert out.stride(1) < out.stride(2) and dq.stride(1) < dq.stride(2) and dk.stride(1) < dk.stride(2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_padding_mask(device):
+    b, h, n = 3, 2, 96
+    q, k, v, dout = make_inputs(b, h, h, n, n, 64, torch.bfloat16, device)
+    lengths = torch.tensor([96, 50, 17])
+    mask = (torch.arange(n)[None, :] < lengths[:, None]).view(b, 1, 1, n).to(device)  # transformers' padding mask
+    check(q, k, v, dout, mask=mask, label="padding")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_additive_mask(device):
+    g = fresh_generator()
+    q, k, v, dout = make_inputs(2, 2, 2, 65, 80, 128, torch.bfloat16, device, g=g)
+    mask = (torch.randn(2, 1, 65, 80, generator=g) * 2).to(device)
+    mask[:, :, :, 70:] = float("-inf")
+    check(q, k, v, dout, mask=mask, label="additive")
+    check(q, k, v, dout, mask=mask.to(torch.bfloat16), label="additive bf16")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_rows(device):
+    # Bottom-right causal with more queries than keys leaves the first Nq - Nk rows with no key.
+    q, k, v, dout = make_inputs(1, 2, 2, 40, 24, 64, torch.bfloat16, device)
+    errors = check(q, k, v, dout, causal="bottom_right", api="attention", label="bottom-right, Nq > Nk")
+    out, dq, _, _ = run(q, k, v, dout, causal="bottom_right", api="attention")
+    assert not out[:, :, :16].any() and not dq[:, :, :16].any()
+    assert errors["out"] <= FWD_TOL
+    _, lse = attn_qat.attention(q, k, v, causal=True, layout="bhsd", return_lse=True)
+    assert torch.isneginf(lse[:, :, :16]).all() and torch.isfinite(lse[:, :, 16:]).all()
+    # A bool mask row with no True entry.
+    mask = torch.ones(40, 24, dtype=torch.bool, device=device)
+    mask[5] = False
+    out, dq, _, _ = run(q, k, v, dout, mask=mask)
+    assert not out[:, :, 5].any() and not dq[:, :, 5].any() and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lse_matches_reference(device):
+    q, k, v, _ = make_inputs(2, 4, 2, 50, 70, 128, torch.bfloat16, device)
+    for mode, quantize in (("attn_qat", True), ("bf16", False)):
+        out, lse = attn_qat.attention(q, k, v, causal=True, layout="bhsd", mode=mode, return_lse=True)
+        ref = reference.attention_forward(q.cpu(), k.cpu(), v.cpu(), causal="bottom_right", quantize=quantize)
+        assert lse.shape == (2, 4, 50) and lse.dtype == torch.float32
+        assert rel_error(lse, ref["lse"]) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_row_is_not_finite_garbage(device):
+    q, k, v, dout = make_inputs(1, 2, 2, 48, 48, 64, torch.bfloat16, device)
+    q = q.clone()
+    q[0, 1, 7, 3] = float("nan")
+    out = attn_qat.scaled_dot_product_attention(q, k, v)
+    assert torch.isnan(out[0, 1, 7]).all()
+    bad = ~torch.isfinite(out)
+    bad[0, 1, 7] = False
+    assert not bad.any(), "NaN leaked into other rows"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_is_deterministic(device):
+    q, k, v, dout = make_inputs(1, 4, 1, 130, 140, 64, torch.bfloat16, device)
+    first = run(q, k, v, dout, causal="top_left")
+    second = run(q, k, v, dout, causal="top_left")
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inference_matches_training_forward(device):
+    q, k, v, _ = make_inputs(1, 2, 2, 64, 64, 128, torch.bfloat16, device)
+    with torch.no_grad():
+        inference = attn_qat.scaled_dot_product_attention(q, k, v)
+    training = attn_qat.scaled_dot_product_attention(q.requires_grad_(), k, v)
+    assert torch.equal(inference, training.detach())
+
+
+def test_unbatched_input_like_sdpa():
+    q, k, v, _ = make_inputs(1, 2, 2, 20, 30, 64, torch.bfloat16, "cpu")
+    out = attn_qat.scaled_dot_product_attention(q[0], k[0], v[0])
+    assert out.shape == (2, 20, 64)
+    assert torch.equal(out, attn_qat.scaled_dot_product_attention(q, k, v)[0])
+
+
+def test_bshd_api_matches_sdpa():
+    q, k, v, _ = make_inputs(2, 4, 2, 30, 30, 64, torch.bfloat16, "cpu", layout="bshd")
+    out = attn_qat.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="bshd")
+    assert out.shape == (2, 30, 4, 64)
+    assert torch.equal(out.transpose(1, 2), attn_qat.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+def test_autocast_casts_fp32_inputs():
+    q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 64, torch.float32, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn_qat.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, attn_qat.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16()))
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 64, torch.bfloat16, "cpu")
+    sdpa = attn_qat.scaled_dot_product_attention
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        sdpa(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="head_dim"):
+        sdpa(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous())
+    with pytest.raises(ValueError, match="head_dim"):
+        x = torch.randn(1, 2, 20, 80, dtype=torch.bfloat16)
+        sdpa(x, x, x)
+    with pytest.raises(ValueError, match="one device"):
+        sdpa(q, k.to("meta"), v)
+    with pytest.raises(ValueError, match="contiguous"):
+        t = torch.randn(1, 2, 64, 20, dtype=torch.bfloat16).transpose(2, 3)
+        sdpa(t, k, v)
+    with pytest.raises(ValueError, match="dropout"):
+        sdpa(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        sdpa(q, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="multiple"):
+        sdpa(torch.randn(1, 3, 20, 64, dtype=torch.bfloat16), k, v, enable_gqa=True)
+    with pytest.raises(ValueError, match="broadcast"):
+        sdpa(q, k, v, attn_mask=torch.ones(3, 20, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not both"):
+        sdpa(q, k, v, attn_mask=torch.ones(20, 20, dtype=torch.bool), is_causal=True)
+    with pytest.raises(TypeError, match="bool or floating"):
+        sdpa(q, k, v, attn_mask=torch.ones(20, 20, dtype=torch.int64))
+    with pytest.raises(TypeError, match="one dtype"):
+        sdpa(q, k.half(), v)
+    with pytest.raises(ValueError, match="mode"):
+        sdpa(q, k, v, mode="fp8")
+    with pytest.raises(ValueError, match="layout"):
+        attn_qat.attention(q, k, v, layout="sbhd")
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        sdpa(q, k, v, attn_mask=torch.zeros(20, 20, requires_grad=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    q, k, v, dout = make_inputs(1, 4, 2, 24, 40, 64, torch.bfloat16, device, layout="bshd")
+    mask = torch.zeros(1, 4, 24, 40, device=device)
+    fwd = torch.ops.attn_qat.attention_forward.default
+    for mode in (0, 4):
+        args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), mask, 0.125, 1, mode, True)
+        torch.library.opcheck(fwd, args)
+    q, k, v = q.detach(), k.detach(), v.detach()  # the backward op has no double backward
+    out, out_prime, frame, row_sum = fwd(q, k, v, None, 0.125, 2, 0, True)
+    torch.library.opcheck(torch.ops.attn_qat.attention_backward.default,
+                          (dout, q, k, v, out, out_prime, None, frame, row_sum, 0.125, 2, 0))
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, d_model=128, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).unbind(2)
+        out = attn_qat.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                    is_causal=True)
+        return out.transpose(1, 2).reshape(b, n, -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    model = TinyAttention().to(device, torch.bfloat16)
+    x = torch.randn(2, 40, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    out = compiled(x)
+    out.sum().backward()
+    ref = model(x.detach())
+    assert torch.equal(out, ref)
+
+
+@requires_cuda
+def test_cuda_graph_capture():
+    q, k, v, dout = make_inputs(1, 2, 2, 100, 100, 64, torch.bfloat16, "cuda")
+    q.requires_grad_()
+    eager_out, eager_dq, _, _ = run(q, k, v, dout)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph, as torch's docs ask
+        attn_qat.scaled_dot_product_attention(q, k, v).backward(dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    q.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn_qat.scaled_dot_product_attention(q, k, v)
+        out.backward(dout)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out) and torch.equal(q.grad, eager_dq)
+
+
+@requires_cuda
+def test_cpu_and_cuda_agree():
+    q, k, v, dout = make_inputs(1, 4, 2, 70, 90, 128, torch.bfloat16, "cpu")
+    cpu = run(q, k, v, dout, causal="top_left")
+    gpu = run(q.cuda(), k.cuda(), v.cuda(), dout.cuda(), causal="top_left")
+    for a, b in zip(cpu, gpu):
+        assert rel_error(b, a) < 5e-3
+
+
+@requires_cuda
+@pytest.mark.parametrize("n", [1000, 2049])
+def test_longer_sequences_cuda(n):
+    q, k, v, dout = make_inputs(1, 2, 1, n, n, 128, torch.bfloat16, "cuda")
+    check(q, k, v, dout, causal="top_left", label=f"n={n}")
+    check(q, k, v, dout, label=f"n={n}")
+
+
+def test_scale_default_is_inverse_sqrt_d():
+    q, k, v, _ = make_inputs(1, 1, 1, 16, 16, 64, torch.bfloat16, "cpu")
+    assert torch.equal(attn_qat.scaled_dot_product_attention(q, k, v),
+                       attn_qat.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(64)))
