@@ -13,6 +13,12 @@ import os
 import sys
 
 from setuptools import setup
+
+# torch guesses the CUDA toolkit from the directory above `nvcc` on PATH, which is wrong when that is a
+# wrapper script (as in /usr/local/bin); the standard toolkit location wins when it exists.
+if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 TORCH_TARGET_VERSION = "0x020a000000000000"  # the stable ABI of torch 2.10

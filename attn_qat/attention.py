@@ -64,6 +64,12 @@ def _check_heads(q, k, v, fn):
         raise ValueError(f"attn_qat.{fn}: query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]})")
 
 
+# Additive mask values at or below this count as -inf. Models mask with torch.finfo(dtype).min, which
+# overflows to -inf in the fp32 score anyway; a row masked entirely that way is then an empty row
+# (output 0, zero gradients) rather than NaN.
+MASKED_BELOW = -1e30
+
+
 def _kernel_mask(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """An SDPA attn_mask (bool: True = attend, or additive float) as the kernels' additive float32
     mask, expanded (without copying) to (B, H, Nq, Nk)."""
@@ -78,6 +84,7 @@ def _kernel_mask(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> t
         additive = additive.masked_fill(attn_mask.logical_not(), float("-inf"))
     elif attn_mask.is_floating_point():
         additive = attn_mask.to(torch.float32)
+        additive = additive.masked_fill(additive <= MASKED_BELOW, float("-inf"))
     else:
         raise TypeError(f"attn_qat: attn_mask must be bool or floating point, got {attn_mask.dtype}")
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])

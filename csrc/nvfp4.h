@@ -105,9 +105,10 @@ AQ_HD uint8_t aq_e2m1_code(float y) {
 }
 
 AQ_HD float aq_e2m1_value(uint8_t code) {
-    uint32_t m = code & 7u, e = m >> 1;
-    float mag = e == 0 ? 0.5f * (float)(m & 1u) : (float)(1u << (e - 1)) * (1.0f + 0.5f * (float)(m & 1u));
-    return (code & 8u) ? -mag : mag;
+    /* Codes 2..7 are the normal numbers 2^((c >> 1) - 1) * (1 + (c & 1) / 2): built from their bits. */
+    uint32_t c = code & 7u;
+    uint32_t bits = c >= 2 ? ((126u + (c >> 1)) << 23) | ((c & 1u) << 22) : aq_float_bits(0.5f * (float)c);
+    return aq_bits_float(bits | ((uint32_t)(code & 8u) << 28));
 }
 
 /* The block scale s = e4m3(amax / 6) of numerics.md §1, from the bits of amax = max |x_i|.

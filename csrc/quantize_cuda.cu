@@ -20,74 +20,120 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
-// x viewed as (outer[0..2], axis_len, inner) with any strides, outer = their product; codes (outer, ceil(axis_len/2), inner),
-// scales (outer, ceil(axis_len/16), inner), fake (outer, axis_len, inner), all contiguous.
-// One thread per (outer, block, inner), inner fastest so that neighbouring threads read neighbours
-// when the blocked axis is not the innermost one (V blocked along tokens).
-// VEC: the blocked axis is innermost and contiguous, axis_len % 16 == 0 and everything 16-byte
-// aligned, so a thread reads its block with 16-byte loads and writes its 8 code bytes at once.
-template <typename T, bool VEC>
-__global__ void quantize_kernel(aq_quantize_params p) {
-    const int64_t nblocks = (p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK;
-    const int64_t packed_len = (p.axis_len + 1) / 2;
-    const int64_t total = p.outer[0] * p.outer[1] * p.outer[2] * nblocks * p.inner;
-    const T *x = (const T *)p.x;
-    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
-         idx += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t in = idx % p.inner, blk = (idx / p.inner) % nblocks, o = idx / (p.inner * nblocks);
-        const int64_t a0 = blk * AQ_BLOCK;
-        const int n = (int)min((int64_t)AQ_BLOCK, p.axis_len - a0);
-        const int64_t base = (o / (p.outer[1] * p.outer[2])) * p.stride_outer[0] +
-                             (o / p.outer[2] % p.outer[1]) * p.stride_outer[1] + (o % p.outer[2]) * p.stride_outer[2];
+// Raw storage of N bytes, for vector loads and stores.
+template <int N> struct Bytes;
+template <> struct Bytes<2> { using type = unsigned short; };
+template <> struct Bytes<4> { using type = unsigned int; };
+template <> struct Bytes<8> { using type = uint2; };
+template <> struct Bytes<16> { using type = uint4; };
+
+__device__ __forceinline__ int64_t outer_offset(const aq_quantize_params &p, int64_t o) {
+    return (o / (p.outer[1] * p.outer[2])) * p.stride_outer[0] + (o / p.outer[2] % p.outer[1]) * p.stride_outer[1] +
+           (o % p.outer[2]) * p.stride_outer[2];
+}
+
+// x viewed as (outer[0..2], axis_len, inner) with any strides, outer = their product; codes
+// (outer, ceil(axis_len/2), inner), scales (outer, ceil(axis_len/16), inner), fake (outer, axis_len,
+// inner), all contiguous.
+//
+// Blocked axis innermost and contiguous (Q, K along head_dim): one thread per 16-element block, read
+// with 16-byte loads, its 8 code bytes and 16 fake values written at once. Needs axis_len % 16 == 0 and
+// 16-byte alignment.
+template <typename T>
+__global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p) {
+    constexpr int per_vec = 16 / sizeof(T);
+    const int64_t nblocks = p.axis_len / AQ_BLOCK;
+    const int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (idx >= p.outer[0] * p.outer[1] * p.outer[2] * nblocks) return;
+    const int64_t blk = idx % nblocks, o = idx / nblocks;
+    float v[AQ_BLOCK];
+    uint8_t codes[AQ_BLOCK];
+    const uint4 *src = (const uint4 *)((const T *)p.x + outer_offset(p, o) + blk * AQ_BLOCK);
+    uint4 raw[AQ_BLOCK / per_vec];
+#pragma unroll
+    for (int c = 0; c < AQ_BLOCK / per_vec; c++) raw[c] = __ldg(src + c); // all loads in flight before use
+#pragma unroll
+    for (int c = 0; c < AQ_BLOCK / per_vec; c++)
+#pragma unroll
+        for (int i = 0; i < per_vec; i++) v[c * per_vec + i] = to_float<T>(((const T *)&raw[c])[i]);
+    const float s = aq_quantize_block(v, AQ_BLOCK, codes);
+    if (p.scales) p.scales[idx] = aq_e4m3_encode(s);
+    if (p.codes) {
+        uint2 packed;
+        uint8_t *b = (uint8_t *)&packed;
+#pragma unroll
+        for (int i = 0; i < 8; i++) b[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+        ((uint2 *)p.codes)[idx] = packed;
+    }
+    if (p.fake) {
+#pragma unroll
+        for (int c = 0; c < AQ_BLOCK / per_vec; c++) {
+#pragma unroll
+            for (int i = 0; i < per_vec; i++)
+                ((T *)&raw[c])[i] = from_float<T>(aq_e2m1_value(codes[c * per_vec + i]) * s);
+            ((uint4 *)p.fake)[idx * (AQ_BLOCK / per_vec) + c] = raw[c];
+        }
+    }
+}
+
+// Any other layout (V along tokens, strided views): one thread per (outer, block, COLS adjacent inner
+// columns), inner fastest so a warp reads whole rows of the inner axis. COLS > 1 needs stride_inner == 1,
+// inner % COLS == 0 and aligned pointers; then each row of the block is one COLS-element vector load.
+template <typename T, int COLS>
+__global__ void __launch_bounds__(256) quantize_strided_kernel(aq_quantize_params p) {
+    using Vec = typename Bytes<COLS * sizeof(T)>::type;
+    const int64_t nblocks = (p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK, packed_len = (p.axis_len + 1) / 2;
+    const int64_t groups = p.inner / COLS;
+    const int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (idx >= p.outer[0] * p.outer[1] * p.outer[2] * nblocks * groups) return;
+    const int64_t in = (idx % groups) * COLS, blk = (idx / groups) % nblocks, o = idx / (groups * nblocks);
+    const int64_t a0 = blk * AQ_BLOCK;
+    const int n = (int)min((int64_t)AQ_BLOCK, p.axis_len - a0);
+    const T *src = (const T *)p.x + outer_offset(p, o) + a0 * p.stride_axis + in * p.stride_inner;
+    Vec rows[AQ_BLOCK];
+#pragma unroll
+    for (int i = 0; i < AQ_BLOCK; i++) {
+        if (i < n) {
+            if (COLS == 1) rows[i] = *(const Vec *)(src + i * p.stride_axis);
+            else rows[i] = __ldg((const Vec *)(src + i * p.stride_axis));
+        }
+    }
+    float s[COLS];
+    uint8_t codes[COLS][AQ_BLOCK];
+#pragma unroll
+    for (int c = 0; c < COLS; c++) {
         float v[AQ_BLOCK];
-        uint8_t codes[AQ_BLOCK];
-        if (VEC) {
-            constexpr int per_vec = 16 / sizeof(T);
-            const uint4 *src = (const uint4 *)(x + base + a0);
 #pragma unroll
-            for (int c = 0; c < AQ_BLOCK / per_vec; c++) {
-                uint4 raw = __ldg(src + c);
-                const T *e = (const T *)&raw;
+        for (int i = 0; i < AQ_BLOCK; i++) v[i] = i < n ? to_float<T>(((const T *)&rows[i])[c]) : 0.0f;
+        s[c] = aq_quantize_block(v, n, codes[c]);
+    }
+    if (p.scales) {
+        typename Bytes<COLS < 2 ? 2 : COLS>::type packed_scales; // COLS bytes (2 for COLS == 1; one used)
+        uint8_t *b = (uint8_t *)&packed_scales;
 #pragma unroll
-                for (int i = 0; i < per_vec; i++) v[c * per_vec + i] = to_float<T>(e[i]);
-            }
-        } else {
-            const T *src = x + base + a0 * p.stride_axis + in * p.stride_inner;
+        for (int c = 0; c < COLS; c++) b[c] = aq_e4m3_encode(s[c]);
+        uint8_t *dst = p.scales + (o * nblocks + blk) * p.inner + in;
+        if (COLS == 1) *dst = b[0];
+        else *(decltype(packed_scales) *)dst = packed_scales;
+    }
+    if (p.codes) {
 #pragma unroll
-            for (int i = 0; i < AQ_BLOCK; i++) v[i] = i < n ? to_float<T>(src[i * p.stride_axis]) : 0.0f;
-        }
-        const float s = aq_quantize_block(v, n, codes);
-        if (p.scales) p.scales[(o * nblocks + blk) * p.inner + in] = aq_e4m3_encode(s);
-        if (p.codes) {
-            uint8_t *dst = p.codes + (o * packed_len + a0 / 2) * p.inner;
-            if (VEC) {
-                uint2 packed;
-                uint8_t *b = (uint8_t *)&packed;
+        for (int i = 0; i < AQ_BLOCK; i += 2) {
+            if (i < n) {
+                uint8_t *dst = p.codes + (o * packed_len + (a0 + i) / 2) * p.inner + in;
 #pragma unroll
-                for (int i = 0; i < 8; i++) b[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
-                *(uint2 *)dst = packed;
-            } else {
-#pragma unroll
-                for (int i = 0; i < AQ_BLOCK; i += 2)
-                    if (i < n) dst[(i / 2) * p.inner + in] = (uint8_t)(codes[i] | (codes[i + 1] << 4));
+                for (int c = 0; c < COLS; c++) dst[c] = (uint8_t)(codes[c][i] | (codes[c][i + 1] << 4));
             }
         }
-        if (p.fake) {
-            T *dst = (T *)p.fake + (o * p.axis_len + a0) * p.inner + in;
-            if (VEC) {
-                constexpr int per_vec = 16 / sizeof(T);
+    }
+    if (p.fake) {
 #pragma unroll
-                for (int c = 0; c < AQ_BLOCK / per_vec; c++) {
-                    uint4 raw;
-                    T *e = (T *)&raw;
+        for (int i = 0; i < AQ_BLOCK; i++) {
+            if (i < n) {
+                Vec out;
 #pragma unroll
-                    for (int i = 0; i < per_vec; i++) e[i] = from_float<T>(aq_e2m1_value(codes[c * per_vec + i]) * s);
-                    ((uint4 *)dst)[c] = raw;
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < AQ_BLOCK; i++)
-                    if (i < n) dst[i * p.inner] = from_float<T>(aq_e2m1_value(codes[i]) * s);
+                for (int c = 0; c < COLS; c++) ((T *)&out)[c] = from_float<T>(aq_e2m1_value(codes[c][i]) * s[c]);
+                *(Vec *)((T *)p.fake + (o * p.axis_len + a0 + i) * p.inner + in) = out;
             }
         }
     }
@@ -99,33 +145,36 @@ __global__ void dequantize_kernel(aq_dequantize_params p) {
     const int64_t nblocks = (p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK;
     const int64_t packed_len = (p.axis_len + 1) / 2;
     const int64_t total = p.outer * p.axis_len * p.inner;
-    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
-         idx += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t in = idx % p.inner, a = (idx / p.inner) % p.axis_len, o = idx / (p.inner * p.axis_len);
-        const uint8_t byte = p.codes[(o * packed_len + a / 2) * p.inner + in];
-        const float s = aq_e4m3_decode(p.scales[(o * nblocks + a / AQ_BLOCK) * p.inner + in]);
-        ((T *)p.out)[idx] = from_float<T>(aq_e2m1_value((uint8_t)((a & 1) ? byte >> 4 : byte & 15)) * s);
-    }
+    const int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (idx >= total) return;
+    const int64_t in = idx % p.inner, a = (idx / p.inner) % p.axis_len, o = idx / (p.inner * p.axis_len);
+    const uint8_t byte = p.codes[(o * packed_len + a / 2) * p.inner + in];
+    const float s = aq_e4m3_decode(p.scales[(o * nblocks + a / AQ_BLOCK) * p.inner + in]);
+    ((T *)p.out)[idx] = from_float<T>(aq_e2m1_value((uint8_t)((a & 1) ? byte >> 4 : byte & 15)) * s);
 }
 
 // ----------------------------------------------------------------------------------------------
 // kernel launchers
 
-static int grid_for(int64_t work, int threads) {
-    int64_t blocks = (work + threads - 1) / threads;
-    const int64_t cap = 132 * 16; // enough resident blocks to fill an H100; the kernels stride past it
-    return (int)(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
-}
+static unsigned grid_for(int64_t work, int threads) { return (unsigned)((work + threads - 1) / threads); }
 
 template <typename T>
 static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
     const int threads = 256;
-    const int64_t work = p->outer[0] * p->outer[1] * p->outer[2] * ((p->axis_len + AQ_BLOCK - 1) / AQ_BLOCK) * p->inner;
-    bool vec = p->inner == 1 && p->stride_axis == 1 && p->axis_len % AQ_BLOCK == 0 && (uintptr_t)p->x % 16 == 0 &&
-               (uintptr_t)p->codes % 8 == 0 && (uintptr_t)p->fake % 16 == 0;
-    for (int i = 0; i < 3; i++) vec = vec && (p->stride_outer[i] * (int64_t)sizeof(T)) % 16 == 0;
-    if (vec) quantize_kernel<T, true><<<grid_for(work, threads), threads, 0, stream>>>(*p);
-    else quantize_kernel<T, false><<<grid_for(work, threads), threads, 0, stream>>>(*p);
+    const int64_t outer = p->outer[0] * p->outer[1] * p->outer[2];
+    const int64_t nblocks = (p->axis_len + AQ_BLOCK - 1) / AQ_BLOCK;
+    bool aligned_outer = true;
+    for (int i = 0; i < 3; i++) aligned_outer = aligned_outer && (p->stride_outer[i] * (int64_t)sizeof(T)) % 16 == 0;
+    const bool rows = p->inner == 1 && p->stride_axis == 1 && p->axis_len % AQ_BLOCK == 0 && aligned_outer &&
+                      (uintptr_t)p->x % 16 == 0 && (uintptr_t)p->codes % 8 == 0 && (uintptr_t)p->fake % 16 == 0;
+    constexpr int cols = 4;
+    const bool vec_cols = p->stride_inner == 1 && p->inner % cols == 0 && (p->stride_axis * sizeof(T)) % (cols * sizeof(T)) == 0 &&
+                          aligned_outer && (uintptr_t)p->x % (cols * sizeof(T)) == 0 &&
+                          (uintptr_t)p->scales % cols == 0 && (uintptr_t)p->fake % (cols * sizeof(T)) == 0;
+    if (rows) quantize_rows_kernel<T><<<grid_for(outer * nblocks, threads), threads, 0, stream>>>(*p);
+    else if (vec_cols)
+        quantize_strided_kernel<T, cols><<<grid_for(outer * nblocks * (p->inner / cols), threads), threads, 0, stream>>>(*p);
+    else quantize_strided_kernel<T, 1><<<grid_for(outer * nblocks * p->inner, threads), threads, 0, stream>>>(*p);
 }
 
 extern "C" const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream) {

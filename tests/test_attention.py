@@ -145,6 +145,22 @@ def test_empty_rows(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_finfo_min_mask_rows_are_empty_not_nan(device):
+    # transformers masks with torch.finfo(dtype).min; a fully masked (padding) query row must not
+    # produce NaN, which would poison every gradient through the backward.
+    q, k, v, dout = make_inputs(2, 2, 2, 24, 24, 64, torch.bfloat16, device)
+    mask = torch.zeros(2, 1, 24, 24, device=device)
+    mask[1, :, :, 10:] = torch.finfo(torch.bfloat16).min
+    mask[1, :, 20:, :] = torch.finfo(torch.bfloat16).min
+    out, dq, dk, dv = run(q, k, v, dout, mask=mask)
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all() and torch.isfinite(dk).all()
+    assert not out[1, :, 20:].any() and not dq[1, :, 20:].any()
+    inf_mask = mask.masked_fill(mask < -1e30, float("-inf"))
+    check(q, k, v, dout, mask=inf_mask, label="finfo.min as -inf")
+    assert torch.equal(out, run(q, k, v, dout, mask=inf_mask)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_lse_matches_reference(device):
     q, k, v, _ = make_inputs(2, 4, 2, 50, 70, 128, torch.bfloat16, device)
     for mode, quantize in (("attn_qat", True), ("bf16", False)):

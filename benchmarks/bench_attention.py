@@ -1,0 +1,181 @@
+"""Attention speed: attn_qat's training forward (with O'), inference forward, backward and `bf16` mode,
+against torch SDPA's cuDNN and FlashAttention-2 backends on the same tensors, in one process.
+
+FLOPs: forward 4·B·H·Nq·Nk·D, backward 2.5× that, halved when causal. Times are CUDA-event medians;
+inputs alternate between two sets so no run reads the previous run's inputs from L2.
+
+    python benchmarks/bench_attention.py [--out benchmarks/results/attention.json] [--quick]
+"""
+import argparse
+import os
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attn_qat  # noqa: E402
+from common import median_ms, metadata, write_json  # noqa: E402
+
+# name: (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
+SHAPES = {
+    "wan14b_self": (1, 40, 40, 32760, 32760, 128, False),
+    "wan1.3b_self": (1, 12, 12, 32760, 32760, 128, False),
+    "wan14b_cross": (1, 40, 40, 32760, 512, 128, False),
+    "b2_h16_16k": (2, 16, 16, 16384, 16384, 128, False),
+    "b8_h16_4k": (8, 16, 16, 4096, 4096, 128, False),
+    "qwen_gqa_causal": (4, 32, 8, 4096, 4096, 128, True),
+    "b8_h16_4k_d64": (8, 16, 16, 4096, 4096, 64, False),
+}
+QUICK = ("b8_h16_4k", "qwen_gqa_causal", "b8_h16_4k_d64")
+
+
+def forward_flops(b, hq, nq, nk, d, causal):
+    return 4 * b * hq * nq * nk * d / (2 if causal else 1)
+
+
+def make_sets(b, hq, hkv, nq, nk, d):
+    def one():
+        q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        return q, k, v, torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16)
+    return [one(), one()]
+
+
+def timed(make_fn, sets, repeat):
+    """Median ms of fn over alternating input sets; make_fn(set) returns the callable for that set."""
+    fns = [make_fn(s) for s in sets]
+    counter = [0]
+
+    def step():
+        counter[0] += 1
+        fns[counter[0] % len(fns)]()
+
+    return median_ms(step, warmup=2, repeat=repeat)
+
+
+def bench_shape(name, shape, repeat):
+    b, hq, hkv, nq, nk, d, causal = shape
+    sets = make_sets(b, hq, hkv, nq, nk, d)
+    fwd_flops = forward_flops(b, hq, nq, nk, d, causal)
+    rows = {}
+
+    def ours(mode, grad):
+        def make(s):
+            q, k, v, _ = s
+            def fn():
+                with torch.set_grad_enabled(grad):
+                    attn_qat.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv, mode=mode)
+            return fn
+        return make
+
+    def ours_backward(mode):
+        def make(s):
+            q, k, v, dout = s
+            out = attn_qat.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv, mode=mode)
+            return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        return make
+
+    def sdpa(backend, backward):
+        def make(s):
+            q, k, v, dout = s
+            if hq != hkv:  # expanded K/V: the SDPA backends' own GQA support varies across versions
+                k, v = (t.detach().repeat_interleave(hq // hkv, dim=1).requires_grad_() for t in (k, v))
+            def forward():
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            if not backward:
+                return lambda: forward().detach()
+            out = forward()
+            return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        return make
+
+    cases = [
+        ("attn_qat fwd (training, with O')", ours("attn_qat", True), fwd_flops),
+        ("attn_qat fwd (inference)", ours("attn_qat", False), fwd_flops),
+        ("attn_qat bwd", ours_backward("attn_qat"), 2.5 * fwd_flops),
+        ("bf16 mode fwd", ours("bf16", False), fwd_flops),
+        ("bf16 mode bwd", ours_backward("bf16"), 2.5 * fwd_flops),
+        ("cuDNN fwd", sdpa(SDPBackend.CUDNN_ATTENTION, False), fwd_flops),
+        ("cuDNN bwd", sdpa(SDPBackend.CUDNN_ATTENTION, True), 2.5 * fwd_flops),
+        ("FA2 fwd", sdpa(SDPBackend.FLASH_ATTENTION, False), fwd_flops),
+        ("FA2 bwd", sdpa(SDPBackend.FLASH_ATTENTION, True), 2.5 * fwd_flops),
+    ]
+    for label, make, flops in cases:
+        try:
+            ms = timed(make, sets, repeat)
+            rows[label] = {"ms": ms, "TFLOP/s": flops / ms / 1e9}
+        except RuntimeError as e:  # a backend that does not take this shape
+            rows[label] = {"ms": None, "TFLOP/s": None, "error": str(e).splitlines()[0][:200]}
+        torch.cuda.empty_cache()
+
+    def ratio(ours_labels, ref_labels):
+        a = [rows[x]["ms"] for x in ours_labels]
+        r = [rows[x]["ms"] for x in ref_labels]
+        return None if None in a or None in r else sum(a) / sum(r)
+
+    ratios = {
+        "attn_qat fwd+bwd / cuDNN fwd+bwd": ratio(["attn_qat fwd (training, with O')", "attn_qat bwd"],
+                                                  ["cuDNN fwd", "cuDNN bwd"]),
+        "attn_qat inference fwd / cuDNN fwd": ratio(["attn_qat fwd (inference)"], ["cuDNN fwd"]),
+        "bf16 mode fwd+bwd / cuDNN fwd+bwd": ratio(["bf16 mode fwd", "bf16 mode bwd"], ["cuDNN fwd", "cuDNN bwd"]),
+    }
+    return {"shape": name, "dims": dict(zip(("B", "Hq", "Hkv", "Nq", "Nk", "D", "causal"), shape)),
+            "results": rows, "ratios": ratios}
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = list(results[0]["ratios"])
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        vals = [r["ratios"][key] or 0 for r in results]
+        ax.bar([x + i * width for x in range(len(results))], vals, width, label=key)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width for x in range(len(results))], [r["shape"] for r in results], rotation=20)
+    ax.set_ylabel("time / cuDNN time (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention.json"))
+    parser.add_argument("--quick", action="store_true", help="only the 4k shapes")
+    parser.add_argument("--repeat", type=int, default=10)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention needs a CUDA GPU")
+    results = []
+    for name, shape in SHAPES.items():
+        if args.quick and name not in QUICK:
+            continue
+        results.append(bench_shape(name, shape, args.repeat))
+        r = results[-1]
+        print(f"\n{name} {r['dims']}")
+        for label, row in r["results"].items():
+            ms = "n/a" if row["ms"] is None else f"{row['ms']:.3f} ms  {row['TFLOP/s']:.0f} TFLOP/s"
+            print(f"  {label:34s} {ms}")
+        for label, value in r["ratios"].items():
+            print(f"  {label:34s} {'n/a' if value is None else f'{value:.2f}x'}")
+    meta = metadata()
+    print(f"\nGPU {meta['gpu']}, commit {meta['commit']}, {meta['date']}, torch {meta['torch']}")
+    labels = list(results[0]["results"])
+    print("| shape | " + " | ".join(labels) + " |\n|---|" + "---|" * len(labels))
+    for r in results:
+        cells = [("n/a" if r["results"][x]["ms"] is None else f"{r['results'][x]['ms']:.2f} ms / "
+                  f"{r['results'][x]['TFLOP/s']:.0f}") for x in labels]
+        print(f"| {r['shape']} | " + " | ".join(cells) + " |")
+    write_json(args.out, {**meta, "flops": "forward 4*B*H*Nq*Nk*D, backward 2.5x, halved when causal",
+                          "shapes": results})
+    plot(results, os.path.splitext(args.out)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+/* NVFP4 attention forward and backward on the CPU, in C: the exact two-pass form of numerics.md §3/§4.
+   Scores use fp32 accumulation like the GPU (they decide the frame M and the P codes); every other sum is double. */
+#include <stdlib.h>
+
+#include "attn_qat.h"
+#include "nvfp4.h"
+
+#define AQ_LOG2E 1.4426950408889634f
+
+static float load_half(const void *base, aq_dtype dtype, int64_t offset) {
+    uint16_t h = ((const uint16_t *)base)[offset];
+    return dtype == AQ_BFLOAT16 ? aq_bf16_to_float(h) : aq_fp16_to_float(h);
+}
+
+static void store_half(void *base, aq_dtype dtype, int64_t offset, float value) {
+    ((uint16_t *)base)[offset] = dtype == AQ_BFLOAT16 ? aq_float_to_bf16(value) : aq_float_to_fp16(value);
+}
+
+/* malloc never asked for 0 bytes, so NULL always means out of memory. */
+static void *alloc_array(int64_t count, size_t elem_size) {
+    return malloc((size_t)(count > 0 ? count : 1) * elem_size);
+}
+
+static const char *check_shapes(aq_dtype dtype, int64_t batch, int64_t heads_q, int64_t heads_kv,
+                                int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim) {
+    if (dtype != AQ_BFLOAT16 && dtype != AQ_FLOAT16) return "attention: dtype must be bfloat16 or float16";
+    if (batch < 0 || seqlen_q < 0 || seqlen_k < 0) return "attention: batch and sequence lengths must be >= 0";
+    if (head_dim < 1) return "attention: head_dim must be >= 1";
+    if (heads_kv < 1 || heads_q < 1 || heads_q % heads_kv != 0)
+        return "attention: heads_q must be a positive multiple of heads_kv";
+    return NULL;
+}
+
+/* One (batch, kv head) slice of K or V, (Nk, D) in fp32, converted once and shared by its query heads. */
+static void load_kv_head(const void *src, aq_dtype dtype, const int64_t *stride, int64_t b, int64_t h,
+                         int64_t seqlen, int64_t head_dim, float *dst) {
+    for (int64_t j = 0; j < seqlen; j++) {
+        const int64_t base = b * stride[0] + h * stride[1] + j * stride[2];
+        for (int64_t d = 0; d < head_dim; d++) dst[j * head_dim + d] = load_half(src, dtype, base + d);
+    }
+}
+
+static void load_row(const void *src, aq_dtype dtype, const int64_t *stride, int64_t b, int64_t h, int64_t i,
+                     int64_t head_dim, float *dst) {
+    const int64_t base = b * stride[0] + h * stride[1] + i * stride[2];
+    for (int64_t d = 0; d < head_dim; d++) dst[d] = load_half(src, dtype, base + d);
+}
+
+/* What the forward and the backward both need to recompute the same t_ij, bit for bit. */
+typedef struct {
+    const float *k;        /* (Nk, D) fp32 of the row's kv head */
+    const float *mask;     /* mask[b, h, i, 0] or NULL */
+    int64_t mask_stride_j;
+    int64_t seqlen_k, head_dim;
+    float softmax_scale;
+    int causal;
+    int64_t last_visible;  /* i + causal_offset */
+} score_row;
+
+static score_row score_row_at(const float *k_head, const float *mask, const int64_t *mask_stride, int64_t b,
+                              int64_t h, int64_t i, int64_t seqlen_k, int64_t head_dim, float softmax_scale,
+                              int causal, int64_t causal_offset) {
+    score_row r;
+    r.k = k_head;
+    r.mask = mask ? mask + b * mask_stride[0] + h * mask_stride[1] + i * mask_stride[2] : NULL;
+    r.mask_stride_j = mask_stride[3];
+    r.seqlen_k = seqlen_k;
+    r.head_dim = head_dim;
+    r.softmax_scale = softmax_scale;
+    r.causal = causal;
+    r.last_visible = i + causal_offset;
+    return r;
+}
+
+/* t_j in the log2 domain and whether key j is visible; returns whether any key is. Visibility is kept
+   apart from t: a visible key whose score is -inf (or NaN) is not a hidden key, and its row is not empty. */
+static int compute_scores(const score_row *r, const float *q, float *t, uint8_t *visible) {
+    const float scale_log2 = r->softmax_scale * AQ_LOG2E;
+    int any_visible = 0;
+    for (int64_t j = 0; j < r->seqlen_k; j++) {
+        const float mask_value = r->mask ? r->mask[j * r->mask_stride_j] : 0.0f;
+        visible[j] = !(r->causal && j > r->last_visible) && mask_value != -INFINITY;
+        if (!visible[j]) continue;
+        any_visible = 1;
+        const float *k = r->k + j * r->head_dim;
+        float s = 0.0f;
+        for (int64_t d = 0; d < r->head_dim; d++) s += q[d] * k[d];
+        t[j] = r->mask ? (s * r->softmax_scale + mask_value) * AQ_LOG2E : s * scale_log2;
+    }
+    return any_visible;
+}
+
+/* M = ceil(max_j t_j) over the visible keys, ignoring NaN so that NaN reaches l and O instead of hiding
+   in M. It is -inf for an empty row, and also for a visible row of only NaN or -inf scores: there
+   2^(t - M) is NaN, so that row's l and O come out NaN rather than empty. */
+static float row_frame(const float *t, const uint8_t *visible, int64_t seqlen_k) {
+    float max_t = -INFINITY;
+    for (int64_t j = 0; j < seqlen_k; j++)
+        if (visible[j] && t[j] > max_t) max_t = t[j]; /* false for NaN */
+    return ceilf(max_t);
+}
+
+/* P̂_j = 2^(t_j - M) for visible keys, 0 for hidden ones (they do not raise a block's amax either). */
+static void frame_values(const float *t, const uint8_t *visible, int64_t seqlen_k, float frame, float *p_hat) {
+    for (int64_t j = 0; j < seqlen_k; j++) p_hat[j] = visible[j] ? exp2f(t[j] - frame) : 0.0f;
+}
+
+/* P^F * l = fq16(P̂ * 2^11) * 2^-11, blocks of 16 keys from key 0. */
+static void quantize_frame_values(const float *p_hat, int64_t seqlen_k, float *p_fq) {
+    for (int64_t j0 = 0; j0 < seqlen_k; j0 += AQ_BLOCK) {
+        const int n = (int)(seqlen_k - j0 < AQ_BLOCK ? seqlen_k - j0 : AQ_BLOCK);
+        float block[AQ_BLOCK];
+        for (int e = 0; e < n; e++) block[e] = p_hat[j0 + e] * AQ_P_HEADROOM;
+        aq_fake_quantize_block(block, n);
+        for (int e = 0; e < n; e++) p_fq[j0 + e] = block[e] * AQ_P_HEADROOM_INV;
+    }
+}
+
+const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
+    const char *err = check_shapes(p->dtype, p->batch, p->heads_q, p->heads_kv, p->seqlen_q, p->seqlen_k,
+                                   p->head_dim);
+    if (err) return err;
+    const int64_t nk = p->seqlen_k, dim = p->head_dim, group = p->heads_q / p->heads_kv;
+
+    float *k_head = (float *)alloc_array(nk * dim, sizeof(float));
+    float *v_head = (float *)alloc_array(nk * dim, sizeof(float));
+    float *q_row = (float *)alloc_array(dim, sizeof(float));
+    float *t = (float *)alloc_array(nk, sizeof(float));
+    uint8_t *visible = (uint8_t *)alloc_array(nk, sizeof(uint8_t));
+    float *p_hat = (float *)alloc_array(nk, sizeof(float));
+    float *p_fq = (float *)alloc_array(nk, sizeof(float));
+    double *o_acc = (double *)alloc_array(dim, sizeof(double));
+    double *o_prime_acc = (double *)alloc_array(dim, sizeof(double));
+    if (!k_head || !v_head || !q_row || !t || !visible || !p_hat || !p_fq || !o_acc || !o_prime_acc)
+        err = "out of memory";
+    for (int64_t b = 0; !err && b < p->batch; b++) {
+        for (int64_t hkv = 0; hkv < p->heads_kv; hkv++) {
+            load_kv_head(p->k, p->dtype, p->k_stride, b, hkv, nk, dim, k_head);
+            load_kv_head(p->v, p->dtype, p->v_stride, b, hkv, nk, dim, v_head);
+            for (int64_t h = hkv * group; h < (hkv + 1) * group; h++) {
+                for (int64_t i = 0; i < p->seqlen_q; i++) {
+                    const score_row r = score_row_at(k_head, p->mask, p->mask_stride, b, h, i, nk, dim,
+                                                     p->softmax_scale, p->causal, p->causal_offset);
+                    load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
+                    const int any_visible = compute_scores(&r, q_row, t, visible);
+                    const float frame = row_frame(t, visible, nk);
+                    frame_values(t, visible, nk, frame, p_hat);
+                    double row_sum = 0.0;
+                    for (int64_t j = 0; j < nk; j++) row_sum += p_hat[j];
+                    if (p->quantize_p) quantize_frame_values(p_hat, nk, p_fq);
+                    const float *weight = p->quantize_p ? p_fq : p_hat;
+
+                    for (int64_t d = 0; d < dim; d++) o_acc[d] = o_prime_acc[d] = 0.0;
+                    /* Hidden keys are skipped, so a NaN in a masked-out V row stays out of O. */
+                    for (int64_t j = 0; j < nk; j++) {
+                        if (!visible[j]) continue;
+                        const float *v = v_head + j * dim;
+                        const double w = weight[j], w_prime = p_hat[j];
+                        for (int64_t d = 0; d < dim; d++) o_acc[d] += w * v[d];
+                        if (p->o_prime)
+                            for (int64_t d = 0; d < dim; d++) o_prime_acc[d] += w_prime * v[d];
+                    }
+                    /* An empty row has l = 0 and all-zero accumulators: it writes O = O' = 0, not 0/0. */
+                    const double l = any_visible ? row_sum : 1.0;
+                    const int64_t o_base = b * p->o_stride[0] + h * p->o_stride[1] + i * p->o_stride[2];
+                    for (int64_t d = 0; d < dim; d++) store_half(p->o, p->dtype, o_base + d, (float)(o_acc[d] / l));
+                    if (p->o_prime) {
+                        const int64_t base = b * p->o_prime_stride[0] + h * p->o_prime_stride[1] +
+                                             i * p->o_prime_stride[2];
+                        for (int64_t d = 0; d < dim; d++)
+                            store_half(p->o_prime, p->dtype, base + d, (float)(o_prime_acc[d] / l));
+                    }
+                    const int64_t stat = (b * p->heads_q + h) * p->seqlen_q + i;
+                    p->frame_m[stat] = frame;
+                    p->row_sum[stat] = (float)row_sum;
+                }
+            }
+        }
+    }
+    free(k_head);
+    free(v_head);
+    free(q_row);
+    free(t);
+    free(visible);
+    free(p_hat);
+    free(p_fq);
+    free(o_acc);
+    free(o_prime_acc);
+    return err;
+}
+
+const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
+    const char *err = check_shapes(p->dtype, p->batch, p->heads_q, p->heads_kv, p->seqlen_q, p->seqlen_k,
+                                   p->head_dim);
+    if (err) return err;
+    const int64_t nk = p->seqlen_k, dim = p->head_dim, group = p->heads_q / p->heads_kv;
+    const double scale = p->softmax_scale;
+
+    /* delta_i = dO_i . out_for_delta_i (O' in attn_qat mode, so that each row of dS sums to zero). */
+    for (int64_t b = 0; b < p->batch; b++)
+        for (int64_t h = 0; h < p->heads_q; h++)
+            for (int64_t i = 0; i < p->seqlen_q; i++) {
+                const int64_t dout_base = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
+                const int64_t out_base = b * p->out_for_delta_stride[0] + h * p->out_for_delta_stride[1] +
+                                         i * p->out_for_delta_stride[2];
+                double delta = 0.0;
+                for (int64_t d = 0; d < dim; d++)
+                    delta += (double)load_half(p->dout, p->dtype, dout_base + d) *
+                             load_half(p->out_for_delta, p->dtype, out_base + d);
+                p->delta[(b * p->heads_q + h) * p->seqlen_q + i] = (float)delta;
+            }
+
+    float *k_head = (float *)alloc_array(nk * dim, sizeof(float));
+    float *v_head = (float *)alloc_array(nk * dim, sizeof(float));
+    double *dk_acc = (double *)alloc_array(nk * dim, sizeof(double));
+    double *dv_acc = (double *)alloc_array(nk * dim, sizeof(double));
+    float *q_row = (float *)alloc_array(dim, sizeof(float));
+    float *dout_row = (float *)alloc_array(dim, sizeof(float));
+    double *dq_acc = (double *)alloc_array(dim, sizeof(double));
+    float *t = (float *)alloc_array(nk, sizeof(float));
+    uint8_t *visible = (uint8_t *)alloc_array(nk, sizeof(uint8_t));
+    float *p_hat = (float *)alloc_array(nk, sizeof(float));
+    float *p_fq = (float *)alloc_array(nk, sizeof(float));
+    if (!k_head || !v_head || !dk_acc || !dv_acc || !q_row || !dout_row || !dq_acc || !t || !visible || !p_hat ||
+        !p_fq)
+        err = "out of memory";
+    for (int64_t b = 0; !err && b < p->batch; b++) {
+        for (int64_t hkv = 0; hkv < p->heads_kv; hkv++) {
+            load_kv_head(p->k, p->dtype, p->k_stride, b, hkv, nk, dim, k_head);
+            load_kv_head(p->v, p->dtype, p->v_stride, b, hkv, nk, dim, v_head);
+            for (int64_t e = 0; e < nk * dim; e++) dk_acc[e] = dv_acc[e] = 0.0;
+            for (int64_t h = hkv * group; h < (hkv + 1) * group; h++) {
+                for (int64_t i = 0; i < p->seqlen_q; i++) {
+                    const int64_t stat = (b * p->heads_q + h) * p->seqlen_q + i;
+                    const float frame = p->frame_m[stat], row_sum = p->row_sum[stat], delta = p->delta[stat];
+                    for (int64_t d = 0; d < dim; d++) dq_acc[d] = 0.0;
+                    if (row_sum != 0.0f) {
+                        const score_row r = score_row_at(k_head, p->mask, p->mask_stride, b, h, i, nk, dim,
+                                                         p->softmax_scale, p->causal, p->causal_offset);
+                        load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
+                        load_row(p->dout, p->dtype, p->dout_stride, b, h, i, dim, dout_row);
+                        compute_scores(&r, q_row, t, visible);
+                        frame_values(t, visible, nk, frame, p_hat);
+                        if (p->quantize_p_for_dv) quantize_frame_values(p_hat, nk, p_fq);
+                        for (int64_t j = 0; j < nk; j++) {
+                            if (!visible[j]) continue;
+                            const float prob = p_hat[j] / row_sum;
+                            const double dv_weight = p->quantize_p_for_dv ? p_fq[j] / row_sum : prob;
+                            const float *k = k_head + j * dim, *v = v_head + j * dim;
+                            double dprob = 0.0;
+                            for (int64_t d = 0; d < dim; d++) dprob += (double)dout_row[d] * v[d];
+                            const double dscore = prob * (dprob - delta);
+                            double *dk = dk_acc + j * dim, *dv = dv_acc + j * dim;
+                            for (int64_t d = 0; d < dim; d++) {
+                                dq_acc[d] += dscore * k[d];
+                                dk[d] += dscore * q_row[d];
+                                dv[d] += dv_weight * dout_row[d];
+                            }
+                        }
+                    }
+                    const int64_t dq_base = b * p->dq_stride[0] + h * p->dq_stride[1] + i * p->dq_stride[2];
+                    for (int64_t d = 0; d < dim; d++)
+                        store_half(p->dq, p->dtype, dq_base + d, (float)(scale * dq_acc[d]));
+                }
+            }
+            for (int64_t j = 0; j < nk; j++) {
+                const int64_t dk_base = b * p->dk_stride[0] + hkv * p->dk_stride[1] + j * p->dk_stride[2];
+                const int64_t dv_base = b * p->dv_stride[0] + hkv * p->dv_stride[1] + j * p->dv_stride[2];
+                for (int64_t d = 0; d < dim; d++) {
+                    store_half(p->dk, p->dtype, dk_base + d, (float)(scale * dk_acc[j * dim + d]));
+                    store_half(p->dv, p->dtype, dv_base + d, (float)dv_acc[j * dim + d]);
+                }
+            }
+        }
+    }
+    free(k_head);
+    free(v_head);
+    free(dk_acc);
+    free(dv_acc);
+    free(q_row);
+    free(dout_row);
+    free(dq_acc);
+    free(t);
+    free(visible);
+    free(p_hat);
+    free(p_fq);
+    return err;
+}
