@@ -27,9 +27,13 @@ template <> struct Bytes<4> { using type = unsigned int; };
 template <> struct Bytes<8> { using type = uint2; };
 template <> struct Bytes<16> { using type = uint4; };
 
-__device__ __forceinline__ int64_t outer_offset(const aq_quantize_params &p, int64_t o) {
-    return (o / (p.outer[1] * p.outer[2])) * p.stride_outer[0] + (o / p.outer[2] % p.outer[1]) * p.stride_outer[1] +
-           (o % p.outer[2]) * p.stride_outer[2];
+// Index arithmetic runs in I: uint32_t whenever the element count allows, because 64-bit division is a
+// ~70-instruction subroutine on the GPU and would cost more than the quantization itself.
+template <typename I>
+__device__ __forceinline__ int64_t outer_offset(const aq_quantize_params &p, I o) {
+    const I o1 = (I)p.outer[1], o2 = (I)p.outer[2];
+    return (int64_t)(o / (o1 * o2)) * p.stride_outer[0] + (int64_t)(o / o2 % o1) * p.stride_outer[1] +
+           (int64_t)(o % o2) * p.stride_outer[2];
 }
 
 // x viewed as (outer[0..2], axis_len, inner) with any strides, outer = their product; codes
@@ -39,16 +43,16 @@ __device__ __forceinline__ int64_t outer_offset(const aq_quantize_params &p, int
 // Blocked axis innermost and contiguous (Q, K along head_dim): one thread per 16-element block, read
 // with 16-byte loads, its 8 code bytes and 16 fake values written at once. Needs axis_len % 16 == 0 and
 // 16-byte alignment.
-template <typename T>
+template <typename T, typename I>
 __global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p) {
     constexpr int per_vec = 16 / sizeof(T);
-    const int64_t nblocks = p.axis_len / AQ_BLOCK;
-    const int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-    if (idx >= p.outer[0] * p.outer[1] * p.outer[2] * nblocks) return;
-    const int64_t blk = idx % nblocks, o = idx / nblocks;
+    const I nblocks = (I)(p.axis_len / AQ_BLOCK);
+    const I idx = blockIdx.x * (I)blockDim.x + threadIdx.x;
+    if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * nblocks) return;
+    const I blk = idx % nblocks, o = idx / nblocks;
     float v[AQ_BLOCK];
     uint8_t codes[AQ_BLOCK];
-    const uint4 *src = (const uint4 *)((const T *)p.x + outer_offset(p, o) + blk * AQ_BLOCK);
+    const uint4 *src = (const uint4 *)((const T *)p.x + outer_offset(p, o) + (int64_t)blk * AQ_BLOCK);
     uint4 raw[AQ_BLOCK / per_vec];
 #pragma unroll
     for (int c = 0; c < AQ_BLOCK / per_vec; c++) raw[c] = __ldg(src + c); // all loads in flight before use
@@ -71,7 +75,7 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p
 #pragma unroll
             for (int i = 0; i < per_vec; i++)
                 ((T *)&raw[c])[i] = from_float<T>(aq_e2m1_value(codes[c * per_vec + i]) * s);
-            ((uint4 *)p.fake)[idx * (AQ_BLOCK / per_vec) + c] = raw[c];
+            ((uint4 *)p.fake)[(int64_t)idx * (AQ_BLOCK / per_vec) + c] = raw[c];
         }
     }
 }
@@ -79,14 +83,15 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p
 // Any other layout (V along tokens, strided views): one thread per (outer, block, COLS adjacent inner
 // columns), inner fastest so a warp reads whole rows of the inner axis. COLS > 1 needs stride_inner == 1,
 // inner % COLS == 0 and aligned pointers; then each row of the block is one COLS-element vector load.
-template <typename T, int COLS>
+template <typename T, int COLS, typename I>
 __global__ void __launch_bounds__(256) quantize_strided_kernel(aq_quantize_params p) {
     using Vec = typename Bytes<COLS * sizeof(T)>::type;
     const int64_t nblocks = (p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK, packed_len = (p.axis_len + 1) / 2;
-    const int64_t groups = p.inner / COLS;
-    const int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-    if (idx >= p.outer[0] * p.outer[1] * p.outer[2] * nblocks * groups) return;
-    const int64_t in = (idx % groups) * COLS, blk = (idx / groups) % nblocks, o = idx / (groups * nblocks);
+    const I groups = (I)(p.inner / COLS), iblocks = (I)nblocks;
+    const I idx = blockIdx.x * (I)blockDim.x + threadIdx.x;
+    if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * iblocks * groups) return;
+    const int64_t in = (int64_t)(idx % groups) * COLS, blk = (idx / groups) % iblocks;
+    const I o = idx / (groups * iblocks);
     const int64_t a0 = blk * AQ_BLOCK;
     const int n = (int)min((int64_t)AQ_BLOCK, p.axis_len - a0);
     const T *src = (const T *)p.x + outer_offset(p, o) + a0 * p.stride_axis + in * p.stride_inner;
@@ -171,10 +176,15 @@ static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
     const bool vec_cols = p->stride_inner == 1 && p->inner % cols == 0 && (p->stride_axis * sizeof(T)) % (cols * sizeof(T)) == 0 &&
                           aligned_outer && (uintptr_t)p->x % (cols * sizeof(T)) == 0 &&
                           (uintptr_t)p->scales % cols == 0 && (uintptr_t)p->fake % (cols * sizeof(T)) == 0;
-    if (rows) quantize_rows_kernel<T><<<grid_for(outer * nblocks, threads), threads, 0, stream>>>(*p);
-    else if (vec_cols)
-        quantize_strided_kernel<T, cols><<<grid_for(outer * nblocks * (p->inner / cols), threads), threads, 0, stream>>>(*p);
-    else quantize_strided_kernel<T, 1><<<grid_for(outer * nblocks * p->inner, threads), threads, 0, stream>>>(*p);
+    const int64_t work = rows ? outer * nblocks : outer * nblocks * (p->inner / (vec_cols ? cols : 1));
+    const unsigned grid = grid_for(work, threads);
+    const bool small = grid * (int64_t)threads < ((int64_t)1 << 32);
+    if (rows && small) quantize_rows_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
+    else if (rows) quantize_rows_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
+    else if (vec_cols && small) quantize_strided_kernel<T, cols, uint32_t><<<grid, threads, 0, stream>>>(*p);
+    else if (vec_cols) quantize_strided_kernel<T, cols, int64_t><<<grid, threads, 0, stream>>>(*p);
+    else if (small) quantize_strided_kernel<T, 1, uint32_t><<<grid, threads, 0, stream>>>(*p);
+    else quantize_strided_kernel<T, 1, int64_t><<<grid, threads, 0, stream>>>(*p);
 }
 
 extern "C" const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream) {

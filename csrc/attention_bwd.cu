@@ -1,0 +1,327 @@
+/* Attention backward on CUDA (numerics.md §4), deterministic and without atomics: delta = rowsum(dO * O'), then
+   dK/dV per key tile (summing over the query heads of its KV group) and dQ per query tile, both recomputing P. */
+#include "attention_common.cuh"
+
+#define BWD_KEYS 64 /* keys per dK/dV CTA (16 per warp) and per dQ key tile */
+#define BWD_ROWS 64 /* query rows per dQ CTA (16 per warp) */
+
+/* Queries per dK/dV step: 32 at D = 128 keeps S^T and dP^T (16 x 32 per warp) beside the dK and dV accumulators
+   (16 x 128 each) in registers; 64 at D = 64. */
+static constexpr __host__ __device__ int dkdv_queries_per_step(int d) { return d == 128 ? 32 : 64; }
+
+/* ------------------------------------------------------------------------------------------------
+   CUDA kernels */
+
+/* delta_i = sum_d dO_id * out_id in fp32. dout, out_for_delta: (B, Hq, Nq, D) strided; delta: (B, Hq, Nq) fp32.
+   grid (ceil(Nq / 4), Hq, B), 128 threads: one warp per query row, lane reading columns lane + 32i. */
+template <int D, aq_dtype DT>
+__global__ void __launch_bounds__(AQ_THREADS) attention_bwd_delta_kernel(const aq_attention_bwd_params p) {
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int row = (int)blockIdx.x * (AQ_THREADS / 32) + warp, h = (int)blockIdx.y, b = (int)blockIdx.z;
+    if (row >= p.seqlen_q) return;
+    const uint16_t *dog = (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] + row * p.dout_stride[2];
+    const uint16_t *og = (const uint16_t *)p.out_for_delta + b * p.out_for_delta_stride[0] +
+                         h * p.out_for_delta_stride[1] + row * p.out_for_delta_stride[2];
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 32; i++) acc += to_float<DT>(dog[lane + 32 * i]) * to_float<DT>(og[lane + 32 * i]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(AQ_FULL_MASK, acc, off);
+    if (lane == 0) p.delta[((int64_t)b * p.heads_q + h) * p.seqlen_q + row] = acc;
+}
+
+/* The backward's statistics of query row `row`: M_i, 1/l_i and delta_i. A row past seqlen_q or with no visible
+   key (l = 0) gets inv_l = 0, which the kernels read as "contributes nothing"; a NaN l stays NaN and spreads. */
+AQ_D void load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int row, float *m, float *inv_l,
+                         float *delta) {
+    *m = 0.0f;
+    *inv_l = 0.0f;
+    *delta = 0.0f;
+    if (row >= p->seqlen_q) return;
+    const float l = p->row_sum[stat0 + row];
+    if (l == 0.0f) return;
+    *m = p->frame_m[stat0 + row];
+    *inv_l = 1.0f / l;
+    *delta = p->delta[stat0 + row];
+}
+
+/* q, dout: (B, Hq, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D), strided; frame_m, row_sum, delta: (B, Hq, Nq) fp32.
+   grid (ceil(Nk / 64), Hkv, B), 128 threads. The CTA keeps its 64 keys (K, V) in shared memory and, for every query
+   head of the KV group and every step of BQ queries that can see its keys, loads Q, dO and the row statistics.
+   Warp w owns keys 16w .. 16w+15, with keys as the MMA rows:
+     S^T = K Q^T and dP^T = V dO^T (16 x BQ), P̂ = 2^(t - M), dS^T = P^T ∘ (dP^T - delta),
+     dV += (P^F or P)^T dO and dK += dS^T Q (16 x D each, fp32 registers), scaled and written once at the end.
+   Keys as rows make P^T and dS^T, as C fragments, directly the A fragments of the dV and dK products (no trip
+   through shared memory). The price is in the P fake-quant: the block of query i is the warp's 16 keys (16w from a
+   tile start that is a multiple of 64, so the blocks start at multiples of 16 from key 0, like the forward's), and
+   those 16 values of one query column sit in the 8 lanes sharing lane & 3, so the block amax takes 3 shuffles. */
+template <int D, aq_dtype DT, bool QUANTIZE_DV>
+__global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq_attention_bwd_params p, bool vec) {
+    constexpr int LD = D + AQ_SMEM_PAD, BQ = dkdv_queries_per_step(D);
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint16_t *ks = (uint16_t *)smem, *vs = ks + BWD_KEYS * LD, *qs = vs + BWD_KEYS * LD, *dos = qs + BQ * LD;
+    float *row_m = (float *)(dos + BQ * LD), *row_inv_l = row_m + BQ, *row_delta = row_inv_l + BQ;
+
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, key0 = 16 * warp;
+    const int k0 = (int)blockIdx.x * BWD_KEYS, hk = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
+
+    load_tile<BWD_KEYS, D>(ks, (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1] + k0 * p.k_stride[2],
+                           p.k_stride[2], min(BWD_KEYS, nk - k0), vec);
+    load_tile<BWD_KEYS, D>(vs, (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1] + k0 * p.v_stride[2],
+                           p.v_stride[2], min(BWD_KEYS, nk - k0), vec);
+
+    float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+    for (int h = hk * group; h < (hk + 1) * group; h++) {
+        const logit_map lm =
+            make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
+        const uint16_t *qg = (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1];
+        const uint16_t *dog = (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1];
+        const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
+
+        for (int q0 = causal_query_begin(&lm, k0) / BQ * BQ; q0 < nq; q0 += BQ) {
+            __syncthreads(); /* every warp is done with the previous Q, dO and statistics */
+            load_tile<BQ, D>(qs, qg + q0 * p.q_stride[2], p.q_stride[2], min(BQ, nq - q0), vec);
+            load_tile<BQ, D>(dos, dog + q0 * p.dout_stride[2], p.dout_stride[2], min(BQ, nq - q0), vec);
+            if ((int)threadIdx.x < BQ)
+                load_row_stats(&p, stat0, q0 + (int)threadIdx.x, &row_m[threadIdx.x], &row_inv_l[threadIdx.x],
+                               &row_delta[threadIdx.x]);
+            __syncthreads();
+
+            /* st[n], dpt[n]: queries 8n .. 8n+7 of the step, for the warp's 16 keys */
+            float st[BQ / 8][4] = {}, dpt[BQ / 8][4] = {};
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                uint32_t ka[4], va[4];
+                ldsm_x4(ka, ks + (key0 + ldsm_row_mk(lane)) * LD + kk * 16 + ldsm_col_mk(lane));
+                ldsm_x4(va, vs + (key0 + ldsm_row_mk(lane)) * LD + kk * 16 + ldsm_col_mk(lane));
+#pragma unroll
+                for (int np = 0; np < BQ / 16; np++) {
+                    uint32_t qb[4], dob[4];
+                    ldsm_x4(qb, qs + (np * 16 + ldsm_row_nk(lane)) * LD + kk * 16 + ldsm_col_nk(lane));
+                    ldsm_x4(dob, dos + (np * 16 + ldsm_row_nk(lane)) * LD + kk * 16 + ldsm_col_nk(lane));
+                    mma_16816<DT>(st[2 * np], ka, qb[0], qb[1]);
+                    mma_16816<DT>(st[2 * np + 1], ka, qb[2], qb[3]);
+                    mma_16816<DT>(dpt[2 * np], va, dob[0], dob[1]);
+                    mma_16816<DT>(dpt[2 * np + 1], va, dob[2], dob[3]);
+                }
+            }
+
+            /* P̂, dS^T into dpt, and the dV operand into st: P̂ * 2^11 (quantized below) or P */
+            const bool masked = tile_needs_mask(&lm, q0, k0, BWD_KEYS);
+#pragma unroll
+            for (int n = 0; n < BQ / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int qi = 8 * n + frag_c_col(lane, e), kj = k0 + key0 + frag_c_row(lane, e);
+                    const float t = masked ? logit_log2(&lm, st[n][e], q0 + qi, kj) : st[n][e] * lm.scale_log2;
+                    const float inv_l = row_inv_l[qi];
+                    const bool live = inv_l != 0.0f;
+                    const float phat = live ? exp2f(t - row_m[qi]) : 0.0f;
+                    dpt[n][e] = live ? phat * inv_l * (dpt[n][e] - row_delta[qi]) : 0.0f;
+                    st[n][e] = QUANTIZE_DV ? phat * AQ_P_HEADROOM : phat * inv_l;
+                }
+            if constexpr (QUANTIZE_DV) {
+                /* P^F = fq16(P̂ * 2^11) * 2^-11 / l: the forward's P^F, since M is the forward's final frame */
+#pragma unroll
+                for (int n = 0; n < BQ / 8; n++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        float x[2] = {st[n][c], st[n][c + 2]}; /* key rows g and g+8 of query column c */
+                        fake_quantize_column_block(x);
+                        const float inv_l = row_inv_l[8 * n + frag_c_col(lane, c)];
+                        st[n][c] = x[0] * AQ_P_HEADROOM_INV * inv_l;
+                        st[n][c + 2] = x[1] * AQ_P_HEADROOM_INV * inv_l;
+                    }
+            }
+
+            /* dV += P^T dO, dK += dS^T Q, 16 queries (two C fragments = one A fragment) at a time */
+#pragma unroll
+            for (int kb = 0; kb < BQ / 16; kb++) {
+                uint32_t pa[4], dsa[4];
+                pack_a_from_c<DT>(pa, st[2 * kb], st[2 * kb + 1]);
+                pack_a_from_c<DT>(dsa, dpt[2 * kb], dpt[2 * kb + 1]);
+#pragma unroll
+                for (int dp = 0; dp < D / 16; dp++) {
+                    uint32_t dob[4], qb[4];
+                    ldsm_x4_trans(dob, dos + (kb * 16 + ldsm_row_mk(lane)) * LD + dp * 16 + ldsm_col_mk(lane));
+                    ldsm_x4_trans(qb, qs + (kb * 16 + ldsm_row_mk(lane)) * LD + dp * 16 + ldsm_col_mk(lane));
+                    mma_16816<DT>(dv[2 * dp], pa, dob[0], dob[1]);
+                    mma_16816<DT>(dv[2 * dp + 1], pa, dob[2], dob[3]);
+                    mma_16816<DT>(dk[2 * dp], dsa, qb[0], qb[1]);
+                    mma_16816<DT>(dk[2 * dp + 1], dsa, qb[2], qb[3]);
+                }
+            }
+        }
+    }
+
+    /* Epilogue: each warp stages through its own K and V rows. The barrier covers a CTA whose keys no query sees:
+       those rows were loaded by other warps' threads and no barrier has run yet. */
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dk[n][e] *= p.softmax_scale;
+    const int valid = min(16, nk - k0 - key0);
+    store_warp_rows<D, DT>(dk, ks + key0 * LD,
+                           (uint16_t *)p.dk + b * p.dk_stride[0] + hk * p.dk_stride[1] + (k0 + key0) * p.dk_stride[2],
+                           p.dk_stride[2], valid, vec);
+    store_warp_rows<D, DT>(dv, vs + key0 * LD,
+                           (uint16_t *)p.dv + b * p.dv_stride[0] + hk * p.dv_stride[1] + (k0 + key0) * p.dv_stride[2],
+                           p.dv_stride[2], valid, vec);
+}
+
+/* q, dout, dq: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), strided; frame_m, row_sum, delta: (B, Hq, Nq) fp32.
+   grid (ceil(Nq / 64), Hq, B), 128 threads. Q and dO of the CTA's 64 rows stay in shared memory while the key
+   tiles of 64 that they can see stream through it. Warp w owns rows 16w .. 16w+15: S = Q K^T and dP = dO V^T
+   (16 x 64), dS = P ∘ (dP - delta) in registers, which is the A fragment of dQ += dS K (16 x D, fp32). */
+template <int D, aq_dtype DT>
+__global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_attention_bwd_params p, bool vec) {
+    constexpr int LD = D + AQ_SMEM_PAD;
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint16_t *qs = (uint16_t *)smem, *dos = qs + BWD_ROWS * LD, *ks = dos + BWD_ROWS * LD, *vs = ks + BWD_KEYS * LD;
+
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
+    /* causal: the last query tiles see the most keys, so they are scheduled first */
+    const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
+    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, q0 = qtile * BWD_ROWS;
+    const logit_map lm =
+        make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
+    const uint16_t *kg = (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1];
+    const uint16_t *vg = (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1];
+
+    load_tile<BWD_ROWS, D>(qs, (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1] + q0 * p.q_stride[2],
+                           p.q_stride[2], min(BWD_ROWS, nq - q0), vec);
+    load_tile<BWD_ROWS, D>(dos,
+                           (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] +
+                               q0 * p.dout_stride[2],
+                           p.dout_stride[2], min(BWD_ROWS, nq - q0), vec);
+
+    /* statistics of this thread's rows g (r = 0) and g+8 (r = 1) */
+    const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
+    float m[2], inv_l[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        load_row_stats(&p, stat0, q0 + row0 + frag_c_row(lane, 2 * r), &m[r], &inv_l[r], &delta[r]);
+
+    float dq[D / 8][4] = {};
+    const int key_end = causal_key_end(&lm, min(q0 + BWD_ROWS, nq) - 1);
+    for (int k0 = 0; k0 < key_end; k0 += BWD_KEYS) {
+        __syncthreads(); /* every warp is done with the previous K, V tile */
+        load_tile<BWD_KEYS, D>(ks, kg + k0 * p.k_stride[2], p.k_stride[2], min(BWD_KEYS, nk - k0), vec);
+        load_tile<BWD_KEYS, D>(vs, vg + k0 * p.v_stride[2], p.v_stride[2], min(BWD_KEYS, nk - k0), vec);
+        __syncthreads();
+
+        /* s[n], dps[n]: keys 8n .. 8n+7 of the tile */
+        float s[BWD_KEYS / 8][4] = {}, dps[BWD_KEYS / 8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t qa[4], doa[4];
+            ldsm_x4(qa, qs + (row0 + ldsm_row_mk(lane)) * LD + kk * 16 + ldsm_col_mk(lane));
+            ldsm_x4(doa, dos + (row0 + ldsm_row_mk(lane)) * LD + kk * 16 + ldsm_col_mk(lane));
+#pragma unroll
+            for (int np = 0; np < BWD_KEYS / 16; np++) {
+                uint32_t kb[4], vb[4];
+                ldsm_x4(kb, ks + (np * 16 + ldsm_row_nk(lane)) * LD + kk * 16 + ldsm_col_nk(lane));
+                ldsm_x4(vb, vs + (np * 16 + ldsm_row_nk(lane)) * LD + kk * 16 + ldsm_col_nk(lane));
+                mma_16816<DT>(s[2 * np], qa, kb[0], kb[1]);
+                mma_16816<DT>(s[2 * np + 1], qa, kb[2], kb[3]);
+                mma_16816<DT>(dps[2 * np], doa, vb[0], vb[1]);
+                mma_16816<DT>(dps[2 * np + 1], doa, vb[2], vb[3]);
+            }
+        }
+
+        /* dS = P (dP - delta) into dps, with the unquantized P = 2^(t - M) / l */
+        const bool masked = tile_needs_mask(&lm, q0, k0, BWD_KEYS);
+#pragma unroll
+        for (int n = 0; n < BWD_KEYS / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = e >> 1;
+                const float t = masked ? logit_log2(&lm, s[n][e], q0 + row0 + frag_c_row(lane, e),
+                                                    k0 + 8 * n + frag_c_col(lane, e))
+                                       : s[n][e] * lm.scale_log2;
+                const bool live = inv_l[r] != 0.0f;
+                dps[n][e] = live ? exp2f(t - m[r]) * inv_l[r] * (dps[n][e] - delta[r]) : 0.0f;
+            }
+
+        /* dQ += dS K, 16 keys (two C fragments = one A fragment) at a time */
+#pragma unroll
+        for (int kb = 0; kb < BWD_KEYS / 16; kb++) {
+            uint32_t dsa[4];
+            pack_a_from_c<DT>(dsa, dps[2 * kb], dps[2 * kb + 1]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                uint32_t kt[4];
+                ldsm_x4_trans(kt, ks + (kb * 16 + ldsm_row_mk(lane)) * LD + dp * 16 + ldsm_col_mk(lane));
+                mma_16816<DT>(dq[2 * dp], dsa, kt[0], kt[1]);
+                mma_16816<DT>(dq[2 * dp + 1], dsa, kt[2], kt[3]);
+            }
+        }
+    }
+
+    /* Epilogue: each warp stages through its own Q rows; the barrier covers a CTA with no key tile. */
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dq[n][e] *= p.softmax_scale;
+    store_warp_rows<D, DT>(dq, qs + row0 * LD,
+                           (uint16_t *)p.dq + b * p.dq_stride[0] + h * p.dq_stride[1] + (q0 + row0) * p.dq_stride[2],
+                           p.dq_stride[2], min(16, nq - q0 - row0), vec);
+}
+
+/* ------------------------------------------------------------------------------------------------
+   Kernel launchers */
+
+static const char *launch_status(void) {
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? NULL : cudaGetErrorString(err);
+}
+
+template <int D, aq_dtype DT>
+static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t stream, bool vec) {
+    const char *err;
+    const int ld_bytes = (D + AQ_SMEM_PAD) * 2;
+    if (p->seqlen_q > 0) {
+        const dim3 grid((unsigned)((p->seqlen_q + 3) / 4), (unsigned)p->heads_q, (unsigned)p->batch);
+        attention_bwd_delta_kernel<D, DT><<<grid, AQ_THREADS, 0, stream>>>(*p);
+        if ((err = launch_status())) return err;
+    }
+    if (p->seqlen_k > 0) {
+        void (*kernel)(const aq_attention_bwd_params, bool) =
+            p->quantize_p_for_dv ? attention_bwd_dkdv_kernel<D, DT, true> : attention_bwd_dkdv_kernel<D, DT, false>;
+        const int bq = dkdv_queries_per_step(D);
+        const int smem = (2 * BWD_KEYS + 2 * bq) * ld_bytes + 3 * bq * (int)sizeof(float);
+        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return cudaGetErrorString(e);
+        const dim3 grid((unsigned)((p->seqlen_k + BWD_KEYS - 1) / BWD_KEYS), (unsigned)p->heads_kv, (unsigned)p->batch);
+        kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec);
+        if ((err = launch_status())) return err;
+    }
+    if (p->seqlen_q > 0) {
+        void (*kernel)(const aq_attention_bwd_params, bool) = attention_bwd_dq_kernel<D, DT>;
+        const int smem = (2 * BWD_ROWS + 2 * BWD_KEYS) * ld_bytes;
+        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return cudaGetErrorString(e);
+        const dim3 grid((unsigned)((p->seqlen_q + BWD_ROWS - 1) / BWD_ROWS), (unsigned)p->heads_q, (unsigned)p->batch);
+        kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec);
+        if ((err = launch_status())) return err;
+    }
+    return NULL;
+}
+
+const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, void *stream) {
+    const char *err = check_attention_sizes(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv, p->seqlen_q,
+                                            p->seqlen_k);
+    if (err) return err;
+    if (p->batch == 0) return NULL;
+    const bool vec = vec_ok(p->q, p->q_stride) && vec_ok(p->k, p->k_stride) && vec_ok(p->v, p->v_stride) &&
+                     vec_ok(p->dout, p->dout_stride) && vec_ok(p->dq, p->dq_stride) && vec_ok(p->dk, p->dk_stride) &&
+                     vec_ok(p->dv, p->dv_stride);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (p->dtype == AQ_BFLOAT16)
+        return p->head_dim == 64 ? launch_bwd<64, AQ_BFLOAT16>(p, s, vec) : launch_bwd<128, AQ_BFLOAT16>(p, s, vec);
+    return p->head_dim == 64 ? launch_bwd<64, AQ_FLOAT16>(p, s, vec) : launch_bwd<128, AQ_FLOAT16>(p, s, vec);
+}

@@ -1,0 +1,232 @@
+/* Attention forward on CUDA (numerics.md §3): FlashAttention-2 on mma.sync, one pass with an integer running
+   frame, the NVFP4 fake-quant of P in registers; writes O, optionally O', and the row statistics M and l. */
+#include "attention_common.cuh"
+
+#define FWD_BM 64 /* query rows per CTA, 16 per warp */
+
+/* Keys per tile: a multiple of 16, so a P block (16 keys counted from key 0) never straddles tiles. 32 at
+   D = 128 keeps S, O and O' (16 x 32, 16 x 128, 16 x 128 per warp) in registers without spilling; 64 at D = 64. */
+static constexpr __host__ __device__ int fwd_keys_per_tile(int d) { return d == 128 ? 32 : 64; }
+
+/* ------------------------------------------------------------------------------------------------
+   CUDA kernel */
+
+/* The A fragment of fq16(P̂ * 2^11) for one 16-key block of the warp's 16 rows, from P̂ in C layout
+   (c0 = keys 0..7, c1 = keys 8..15 of the block). Row g's block is c0[0..1], c1[0..1] across the lane quad,
+   row g+8's is c0[2..3], c1[2..3]. The results are exact in bf16 and fp16 (6 significant bits, <= 2112). */
+template <aq_dtype DT>
+AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[4]) {
+    float row_g[4] = {c0[0] * AQ_P_HEADROOM, c0[1] * AQ_P_HEADROOM, c1[0] * AQ_P_HEADROOM, c1[1] * AQ_P_HEADROOM};
+    float row_g8[4] = {c0[2] * AQ_P_HEADROOM, c0[3] * AQ_P_HEADROOM, c1[2] * AQ_P_HEADROOM, c1[3] * AQ_P_HEADROOM};
+    fake_quantize_quad_block(row_g);
+    fake_quantize_quad_block(row_g8);
+    const float q0[4] = {row_g[0], row_g[1], row_g8[0], row_g8[1]};
+    const float q1[4] = {row_g[2], row_g[3], row_g8[2], row_g8[3]};
+    pack_a_from_c<DT>(a, q0, q1);
+}
+
+/* q, o, o_prime: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), strided; frame_m, row_sum: (B, Hq, Nq) fp32 contiguous.
+   grid (ceil(Nq / 64), Hq, B), 128 threads. The CTA keeps its 64 query rows in shared memory and walks the key
+   tiles of BN that any of its rows can see (K and V through shared memory). Warp w owns rows 16w .. 16w+15 and
+   keeps S (16 x BN), O (16 x D) and, with WITH_O_PRIME, O' (16 x D) in registers.
+   QUANTIZE_P: O accumulates fq16(P̂ * 2^11) (scaled back by 2^-11 / l at the end) and, with WITH_O_PRIME, O'
+   accumulates P̂. !QUANTIZE_P: O accumulates P̂, and O' (if wanted) is the same tensor, stored twice. */
+template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
+__global__ void __launch_bounds__(AQ_THREADS) attention_fwd_kernel(const aq_attention_fwd_params p, bool vec) {
+    static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
+    constexpr int LD = D + AQ_SMEM_PAD, BN = fwd_keys_per_tile(D);
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint16_t *qs = (uint16_t *)smem, *ks = qs + FWD_BM * LD, *vs = ks + BN * LD;
+
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
+    /* causal: the last query tiles see the most keys, so they are scheduled first */
+    const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
+    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, q0 = qtile * FWD_BM;
+    const logit_map lm =
+        make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
+    const uint16_t *kg = (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1];
+    const uint16_t *vg = (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1];
+
+    load_tile<FWD_BM, D>(qs, (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1] + q0 * p.q_stride[2],
+                         p.q_stride[2], min(FWD_BM, nq - q0), vec);
+
+    float o[D / 8][4], o2[WITH_O_PRIME ? D / 8 : 1][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            o[n][e] = 0.0f;
+            if constexpr (WITH_O_PRIME) o2[n][e] = 0.0f;
+        }
+    /* per thread row r (r = 0: row g, C elements 0, 1; r = 1: row g+8, elements 2, 3): the integer frame m and
+       this lane's part of l (summed over the quad at the end) */
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+    const int key_end = causal_key_end(&lm, min(q0 + FWD_BM, nq) - 1);
+    for (int k0 = 0; k0 < key_end; k0 += BN) {
+        __syncthreads(); /* every warp is done with the previous K, V tile */
+        load_tile<BN, D>(ks, kg + k0 * p.k_stride[2], p.k_stride[2], min(BN, nk - k0), vec);
+        load_tile<BN, D>(vs, vg + k0 * p.v_stride[2], p.v_stride[2], min(BN, nk - k0), vec);
+        __syncthreads();
+
+        /* S = Q K^T: s[n] = keys 8n .. 8n+7 of the tile */
+        float s[BN / 8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t qa[4];
+            ldsm_x4(qa, qs + (row0 + ldsm_row_mk(lane)) * LD + kk * 16 + ldsm_col_mk(lane));
+#pragma unroll
+            for (int np = 0; np < BN / 16; np++) {
+                uint32_t kb[4];
+                ldsm_x4(kb, ks + (np * 16 + ldsm_row_nk(lane)) * LD + kk * 16 + ldsm_col_nk(lane));
+                mma_16816<DT>(s[2 * np], qa, kb[0], kb[1]);
+                mma_16816<DT>(s[2 * np + 1], qa, kb[2], kb[3]);
+            }
+        }
+
+        if (tile_needs_mask(&lm, q0, k0, BN)) {
+#pragma unroll
+            for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    s[n][e] = logit_log2(&lm, s[n][e], q0 + row0 + frag_c_row(lane, e), k0 + 8 * n + frag_c_col(lane, e));
+        } else {
+#pragma unroll
+            for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[n][e] *= lm.scale_log2;
+        }
+
+        /* Online softmax in an integer frame: m = ceil(running max), so the rescale factor is an exact power of
+           two, which commutes with the P block rule (numerics.md §3). The row max ignores NaN (fmaxf); a NaN
+           score still reaches l and O through exp2. */
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 2));
+            const float m_new = fmaxf(m[r], ceilf(mx));
+            const float alpha = exp2_frame_step(m[r] - m_new);
+            m[r] = m_new;
+            l[r] *= alpha;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                o[n][2 * r] *= alpha;
+                o[n][2 * r + 1] *= alpha;
+                if constexpr (WITH_O_PRIME) {
+                    o2[n][2 * r] *= alpha;
+                    o2[n][2 * r + 1] *= alpha;
+                }
+            }
+            /* no visible key yet: frame 0, so exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN */
+            const float frame = m_new == -INFINITY ? 0.0f : m_new;
+#pragma unroll
+            for (int n = 0; n < BN / 8; n++) {
+                s[n][2 * r] = exp2f(s[n][2 * r] - frame);
+                s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - frame);
+                l[r] += s[n][2 * r] + s[n][2 * r + 1];
+            }
+        }
+
+        /* O += P V, one 16-key block of P (two C fragments = one A fragment) at a time */
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb++) {
+            uint32_t a_hat[4], a_fq[4];
+            if constexpr (!QUANTIZE_P || WITH_O_PRIME) pack_a_from_c<DT>(a_hat, s[2 * kb], s[2 * kb + 1]);
+            if constexpr (QUANTIZE_P) quantized_p_fragment<DT>(a_fq, s[2 * kb], s[2 * kb + 1]);
+            const uint32_t *a_o = QUANTIZE_P ? a_fq : a_hat;
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                uint32_t vb[4];
+                ldsm_x4_trans(vb, vs + (kb * 16 + ldsm_row_mk(lane)) * LD + dp * 16 + ldsm_col_mk(lane));
+                mma_16816<DT>(o[2 * dp], a_o, vb[0], vb[1]);
+                mma_16816<DT>(o[2 * dp + 1], a_o, vb[2], vb[3]);
+                if constexpr (WITH_O_PRIME) {
+                    mma_16816<DT>(o2[2 * dp], a_hat, vb[0], vb[1]);
+                    mma_16816<DT>(o2[2 * dp + 1], a_hat, vb[2], vb[3]);
+                }
+            }
+        }
+    }
+
+    /* Epilogue. The barrier covers a CTA with no key tile: its Q rows, loaded by all threads, are reused below
+       as each warp's staging area. */
+    __syncthreads();
+    const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
+    float inv_l[2];
+    bool empty[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lsum = l[r] + __shfl_xor_sync(AQ_FULL_MASK, l[r], 1);
+        lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 2);
+        empty[r] = lsum == 0.0f; /* no visible key; a NaN l is not empty */
+        inv_l[r] = 1.0f / lsum;
+        const int row = q0 + row0 + frag_c_row(lane, 2 * r);
+        if ((lane & 3) == 0 && row < nq) {
+            p.frame_m[stat0 + row] = empty[r] ? -INFINITY : m[r];
+            p.row_sum[stat0 + row] = lsum;
+        }
+    }
+    /* empty rows store exact zeros, even if a 0-weighted V row held Inf or NaN */
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = e >> 1;
+            o[n][e] = empty[r] ? 0.0f : o[n][e] * (QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f) * inv_l[r];
+            if constexpr (WITH_O_PRIME) o2[n][e] = empty[r] ? 0.0f : o2[n][e] * inv_l[r];
+        }
+
+    uint16_t *stage = qs + row0 * LD;
+    const int valid = min(16, nq - q0 - row0);
+    store_warp_rows<D, DT>(o, stage,
+                           (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + (q0 + row0) * p.o_stride[2],
+                           p.o_stride[2], valid, vec);
+    if (p.o_prime) {
+        uint16_t *og = (uint16_t *)p.o_prime + b * p.o_prime_stride[0] + h * p.o_prime_stride[1] +
+                       (q0 + row0) * p.o_prime_stride[2];
+        if constexpr (WITH_O_PRIME)
+            store_warp_rows<D, DT>(o2, stage, og, p.o_prime_stride[2], valid, vec);
+        else
+            store_warp_rows<D, DT>(o, stage, og, p.o_prime_stride[2], valid, vec);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+   Kernel launcher */
+
+template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
+static const char *launch_fwd(const aq_attention_fwd_params *p, cudaStream_t stream, bool vec) {
+    void (*kernel)(const aq_attention_fwd_params, bool) = attention_fwd_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME>;
+    const int smem = (FWD_BM + 2 * fwd_keys_per_tile(D)) * (D + AQ_SMEM_PAD) * 2;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return cudaGetErrorString(err);
+    const dim3 grid((unsigned)((p->seqlen_q + FWD_BM - 1) / FWD_BM), (unsigned)p->heads_q, (unsigned)p->batch);
+    kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec);
+    err = cudaGetLastError();
+    return err == cudaSuccess ? NULL : cudaGetErrorString(err);
+}
+
+template <int D, aq_dtype DT>
+static const char *launch_fwd_mode(const aq_attention_fwd_params *p, cudaStream_t stream, bool vec) {
+    if (!p->quantize_p) return launch_fwd<D, DT, false, false>(p, stream, vec);
+    if (p->o_prime) return launch_fwd<D, DT, true, true>(p, stream, vec);
+    return launch_fwd<D, DT, true, false>(p, stream, vec);
+}
+
+const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, void *stream) {
+    const char *err = check_attention_sizes(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv, p->seqlen_q,
+                                            p->seqlen_k);
+    if (err) return err;
+    if (p->batch == 0 || p->seqlen_q == 0) return NULL;
+    const bool vec = vec_ok(p->q, p->q_stride) && vec_ok(p->k, p->k_stride) && vec_ok(p->v, p->v_stride) &&
+                     vec_ok(p->o, p->o_stride) && vec_ok(p->o_prime, p->o_prime_stride);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (p->dtype == AQ_BFLOAT16)
+        return p->head_dim == 64 ? launch_fwd_mode<64, AQ_BFLOAT16>(p, s, vec)
+                                 : launch_fwd_mode<128, AQ_BFLOAT16>(p, s, vec);
+    return p->head_dim == 64 ? launch_fwd_mode<64, AQ_FLOAT16>(p, s, vec) : launch_fwd_mode<128, AQ_FLOAT16>(p, s, vec);
+}
