@@ -16,8 +16,8 @@ fi
 status=0
 for part in "$@"; do
     case "$part" in
-    tests) python3 -m pytest tests -q -x -rs 2>&1 | tee "$OUT/tests.log" | tail -40; status=$((status | PIPESTATUS[0])) ;;
-    tests-all) python3 -m pytest tests -q -rs 2>&1 | tee "$OUT/tests.log" | tail -60; status=$((status | PIPESTATUS[0])) ;;
+    tests) ATTN_QAT_ERROR_LOG="$OUT/errors.jsonl" python3 -m pytest tests -q -x -rs 2>&1 | tee "$OUT/tests.log" | tail -40; status=$((status | PIPESTATUS[0])) ;;
+    tests-all) ATTN_QAT_ERROR_LOG="$OUT/errors.jsonl" python3 -m pytest tests -q -rs 2>&1 | tee "$OUT/tests.log" | tail -60; status=$((status | PIPESTATUS[0])) ;;
     quant) python3 benchmarks/bench_quant.py --out "$OUT/quant.json" 2>&1 | tee "$OUT/bench_quant.log" ;;
     attention) python3 benchmarks/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench_attention.log" ;;
     main) python3 -m attn_qat 2>&1 | tee "$OUT/main.log" ;;

@@ -101,21 +101,27 @@ AQ_HD float aq_e4m3_decode(uint8_t c) {
     return (c & 0x80) ? -mag : mag;
 }
 
-/* E2M1 code (sign << 3 | magnitude code 0..7) of a finite y: round to nearest, ties to the even code,
-   saturating at ±6, over the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}: ties 0.25->0, 0.75->1, 1.25->1,
-   1.75->2, 2.5->2, 3.5->4, 5->4. Branch-free bit arithmetic (about 10 instructions), checked against
-   the seven-comparison definition for every finite fp32 input. */
-AQ_HD uint8_t aq_e2m1_code(float y) {
+/* E2M1 rounding of a finite y (numerics.md §1): the nearest of {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6}, ties to
+   the even code (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4), saturating at ±6, keeping the
+   sign (-0.1 -> -0). Branch-free bit arithmetic, checked against the seven-comparison definition of the
+   reference for every finite fp32 input. */
+AQ_HD float aq_e2m1_round(float y) {
     const float a = fminf(fabsf(y), 6.0f);
-    /* below 1 the grid is {0, 0.5, 1}: the code is 2a rounded to an even integer, which the fp32
-       rounding of 2a + 2^23 leaves in the low mantissa bits */
-    const uint32_t below_one = aq_float_bits(aq_fma_rn(a, 2.0f, 8388608.0f)) & 3u;
-    /* from 1 on, the codes 2..7 are the numbers with one mantissa bit: round the mantissa to one bit,
-       ties to even; the exponent and that bit then spell the code */
-    uint32_t b = aq_float_bits(a);
-    b = (b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22;
-    const uint32_t mag = a < 1.0f ? below_one : b - 252u;
-    return (uint8_t)(mag | ((aq_float_bits(y) >> 28) & 8u));
+    /* below 1 the grid is {0, 0.5, 1}: 2a rounded to an even integer by the fp32 rounding of 2a + 2^23 */
+    const float below_one = aq_mul_rn(aq_fma_rn(a, 2.0f, 8388608.0f) - 8388608.0f, 0.5f);
+    /* from 1 on the values have one mantissa bit: round the mantissa to one bit, ties to even */
+    const uint32_t b = aq_float_bits(a);
+    const float from_one = aq_bits_float((b + 0x1FFFFFu + ((b >> 22) & 1u)) & 0xFFC00000u);
+    const float mag = a < 1.0f ? below_one : from_one;
+    return aq_bits_float(aq_float_bits(mag) | (aq_float_bits(y) & 0x80000000u));
+}
+
+/* The E2M1 code (sign << 3 | magnitude index 0..7) of aq_e2m1_round(y). From 1 on, the exponent and the
+   one mantissa bit of the rounded value spell the index; below 1 the value is 0 or 0.5. */
+AQ_HD uint8_t aq_e2m1_code(float y) {
+    const uint32_t v = aq_float_bits(aq_e2m1_round(y)), mag = v & 0x7FFFFFFFu;
+    const uint32_t index = mag >= 0x3F800000u ? (mag >> 22) - 252u : (mag != 0u);
+    return (uint8_t)(index | ((v >> 28) & 8u));
 }
 
 AQ_HD float aq_e2m1_value(uint8_t code) {
@@ -132,31 +138,50 @@ AQ_HD float aq_block_scale_from_amax_bits(uint32_t amax_bits) {
     return aq_e4m3_round(aq_div_rn(aq_bits_float(amax_bits), 6.0f));
 }
 
-/* Quantize n <= 16 values (a trailing partial block has n < 16; its missing codes are 0).
-   Writes the 16 codes and returns the scale s; the dequantized value is aq_e2m1_value(code) * s. */
-AQ_HD float aq_quantize_block(const float *x, int n, uint8_t *codes) {
-    uint32_t amax_bits = 0; /* max of |x| as integers: NaN > Inf > every finite value */
-    AQ_UNROLL /* constant trip counts keep x and codes in registers on the GPU */
-    for (int i = 0; i < AQ_BLOCK; i++) {
-        uint32_t a = i < n ? aq_float_bits(x[i]) & 0x7FFFFFFFu : 0u;
-        amax_bits = a > amax_bits ? a : amax_bits;
-    }
-    float s = aq_block_scale_from_amax_bits(amax_bits);
-    float r = aq_rcp_rn(s);
-    const uint8_t keep = s > 0.0f ? 0xF : 0; /* zero and NaN scales: every code 0 */
+/* max(amax_bits, |x| as an integer): NaN > Inf > every finite value, so the block amax propagates them. */
+AQ_HD uint32_t aq_abs_bits_max(uint32_t amax_bits, float x) {
+    const uint32_t a = aq_float_bits(x) & 0x7FFFFFFFu;
+    return a > amax_bits ? a : amax_bits;
+}
+
+/* One element of a fake-quantized block of scale s, r = aq_rcp_rn(s): e2m1(x * r) * s, exactly 0 in a
+   zero-scale block and NaN in a NaN-scale block. */
+AQ_HD float aq_fake_quantize_element(float x, float s, float r) {
+    return s == 0.0f ? 0.0f : aq_e2m1_round(aq_mul_rn(x, r)) * s;
+}
+
+/* The scale of n <= 16 values (a trailing partial block has n < 16). */
+AQ_HD float aq_block_scale(const float *x, int n) {
+    uint32_t amax_bits = 0;
+    AQ_UNROLL /* constant trip counts keep x in registers on the GPU */
+    for (int i = 0; i < AQ_BLOCK; i++)
+        if (i < n) amax_bits = aq_abs_bits_max(amax_bits, x[i]);
+    return aq_block_scale_from_amax_bits(amax_bits);
+}
+
+/* The 16 codes of n <= 16 values with block scale s (codes past n, and all of a zero or NaN block, are 0);
+   the dequantized value is aq_e2m1_value(code) * s. */
+AQ_HD void aq_block_codes(const float *x, int n, float s, uint8_t *codes) {
+    const float r = aq_rcp_rn(s);
+    const uint8_t keep = s > 0.0f ? 0xF : 0;
     AQ_UNROLL
     for (int i = 0; i < AQ_BLOCK; i++)
         codes[i] = i < n ? (uint8_t)(aq_e2m1_code(aq_mul_rn(x[i], r)) & keep) : 0;
-    return s;
 }
 
-/* Fake-quantize n <= 16 values in place: x_i <- e2m1(x_i / s) * s (exact in bf16 and fp16). */
-AQ_HD void aq_fake_quantize_block(float *x, int n) {
-    uint8_t codes[AQ_BLOCK];
-    float s = aq_quantize_block(x, n, codes);
+/* Fake-quantize n <= 16 values in place with block scale s: x_i <- e2m1(x_i / s) * s (exact in bf16, fp16). */
+AQ_HD void aq_block_fake_quantize(float *x, int n, float s) {
+    const float r = aq_rcp_rn(s);
     AQ_UNROLL
     for (int i = 0; i < AQ_BLOCK; i++)
-        if (i < n) x[i] = aq_e2m1_value(codes[i]) * s;
+        if (i < n) x[i] = aq_fake_quantize_element(x[i], s, r);
+}
+
+/* The whole block rule on n <= 16 values, in place. Returns s. */
+AQ_HD float aq_fake_quantize_block(float *x, int n) {
+    const float s = aq_block_scale(x, n);
+    aq_block_fake_quantize(x, n, s);
+    return s;
 }
 
 /* bf16 / fp16 <-> fp32 in plain C for the CPU kernels (CUDA code uses cuda_bf16.h / cuda_fp16.h). */

@@ -31,20 +31,23 @@ const char *aq_quantize_cpu(const aq_quantize_params *p) {
             const int n = (int)(p->axis_len - a0 < AQ_BLOCK ? p->axis_len - a0 : AQ_BLOCK);
             for (int64_t in = 0; in < p->inner; in++) {
                 float x[AQ_BLOCK];
-                uint8_t codes[AQ_BLOCK];
                 for (int i = 0; i < n; i++)
                     x[i] = load_element(p->x, p->dtype,
                                         base + (a0 + i) * p->stride_axis + in * p->stride_inner);
-                float s = aq_quantize_block(x, n, codes);
+                const float s = aq_block_scale(x, n);
                 if (p->scales) p->scales[(o * nblocks + blk) * p->inner + in] = aq_e4m3_encode(s);
-                if (p->codes)
+                if (p->codes) {
+                    uint8_t codes[AQ_BLOCK];
+                    aq_block_codes(x, n, s, codes);
                     for (int i = 0; i < n; i += 2)
                         p->codes[(o * packed_len + (a0 + i) / 2) * p->inner + in] =
                             (uint8_t)(codes[i] | (codes[i + 1] << 4));
-                if (p->fake)
+                }
+                if (p->fake) {
+                    aq_block_fake_quantize(x, n, s);
                     for (int i = 0; i < n; i++)
-                        store_element(p->fake, p->dtype, (o * p->axis_len + a0 + i) * p->inner + in,
-                                      aq_e2m1_value(codes[i]) * s);
+                        store_element(p->fake, p->dtype, (o * p->axis_len + a0 + i) * p->inner + in, x[i]);
+                }
             }
         }
     }

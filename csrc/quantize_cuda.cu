@@ -51,7 +51,6 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p
     if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * nblocks) return;
     const I blk = idx % nblocks, o = idx / nblocks;
     float v[AQ_BLOCK];
-    uint8_t codes[AQ_BLOCK];
     const uint4 *src = (const uint4 *)((const T *)p.x + outer_offset(p, o) + (int64_t)blk * AQ_BLOCK);
     uint4 raw[AQ_BLOCK / per_vec];
 #pragma unroll
@@ -60,9 +59,11 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p
     for (int c = 0; c < AQ_BLOCK / per_vec; c++)
 #pragma unroll
         for (int i = 0; i < per_vec; i++) v[c * per_vec + i] = to_float<T>(((const T *)&raw[c])[i]);
-    const float s = aq_quantize_block(v, AQ_BLOCK, codes);
+    const float s = aq_block_scale(v, AQ_BLOCK);
     if (p.scales) p.scales[idx] = aq_e4m3_encode(s);
     if (p.codes) {
+        uint8_t codes[AQ_BLOCK];
+        aq_block_codes(v, AQ_BLOCK, s, codes);
         uint2 packed;
         uint8_t *b = (uint8_t *)&packed;
 #pragma unroll
@@ -70,11 +71,11 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p
         ((uint2 *)p.codes)[idx] = packed;
     }
     if (p.fake) {
+        aq_block_fake_quantize(v, AQ_BLOCK, s);
 #pragma unroll
         for (int c = 0; c < AQ_BLOCK / per_vec; c++) {
 #pragma unroll
-            for (int i = 0; i < per_vec; i++)
-                ((T *)&raw[c])[i] = from_float<T>(aq_e2m1_value(codes[c * per_vec + i]) * s);
+            for (int i = 0; i < per_vec; i++) ((T *)&raw[c])[i] = from_float<T>(v[c * per_vec + i]);
             ((uint4 *)p.fake)[(int64_t)idx * (AQ_BLOCK / per_vec) + c] = raw[c];
         }
     }
@@ -103,23 +104,32 @@ __global__ void __launch_bounds__(256) quantize_strided_kernel(aq_quantize_param
             else rows[i] = __ldg((const Vec *)(src + i * p.stride_axis));
         }
     }
-    float s[COLS];
-    uint8_t codes[COLS][AQ_BLOCK];
+    // One column at a time keeps a single block of fp32 values live; fake values go back into `rows` so
+    // that each row is stored with one vector store.
+    uint8_t scales[COLS], packed[AQ_BLOCK / 2][COLS];
 #pragma unroll
     for (int c = 0; c < COLS; c++) {
         float v[AQ_BLOCK];
 #pragma unroll
         for (int i = 0; i < AQ_BLOCK; i++) v[i] = i < n ? to_float<T>(((const T *)&rows[i])[c]) : 0.0f;
-        s[c] = aq_quantize_block(v, n, codes[c]);
+        const float s = aq_block_scale(v, n);
+        scales[c] = aq_e4m3_encode(s);
+        if (p.codes) {
+            uint8_t codes[AQ_BLOCK];
+            aq_block_codes(v, n, s, codes);
+#pragma unroll
+            for (int i = 0; i < AQ_BLOCK / 2; i++) packed[i][c] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+        }
+        if (p.fake) {
+            aq_block_fake_quantize(v, n, s);
+#pragma unroll
+            for (int i = 0; i < AQ_BLOCK; i++) ((T *)&rows[i])[c] = from_float<T>(v[i]);
+        }
     }
     if (p.scales) {
-        typename Bytes<COLS < 2 ? 2 : COLS>::type packed_scales; // COLS bytes (2 for COLS == 1; one used)
-        uint8_t *b = (uint8_t *)&packed_scales;
-#pragma unroll
-        for (int c = 0; c < COLS; c++) b[c] = aq_e4m3_encode(s[c]);
         uint8_t *dst = p.scales + (o * nblocks + blk) * p.inner + in;
-        if (COLS == 1) *dst = b[0];
-        else *(decltype(packed_scales) *)dst = packed_scales;
+#pragma unroll
+        for (int c = 0; c < COLS; c++) dst[c] = scales[c];
     }
     if (p.codes) {
 #pragma unroll
@@ -127,20 +137,14 @@ __global__ void __launch_bounds__(256) quantize_strided_kernel(aq_quantize_param
             if (i < n) {
                 uint8_t *dst = p.codes + (o * packed_len + (a0 + i) / 2) * p.inner + in;
 #pragma unroll
-                for (int c = 0; c < COLS; c++) dst[c] = (uint8_t)(codes[c][i] | (codes[c][i + 1] << 4));
+                for (int c = 0; c < COLS; c++) dst[c] = packed[i / 2][c];
             }
         }
     }
     if (p.fake) {
 #pragma unroll
-        for (int i = 0; i < AQ_BLOCK; i++) {
-            if (i < n) {
-                Vec out;
-#pragma unroll
-                for (int c = 0; c < COLS; c++) ((T *)&out)[c] = from_float<T>(aq_e2m1_value(codes[c][i]) * s[c]);
-                *(Vec *)((T *)p.fake + (o * p.axis_len + a0 + i) * p.inner + in) = out;
-            }
-        }
+        for (int i = 0; i < AQ_BLOCK; i++)
+            if (i < n) *(Vec *)((T *)p.fake + (o * p.axis_len + a0 + i) * p.inner + in) = rows[i];
     }
 }
 
@@ -172,10 +176,10 @@ static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
     for (int i = 0; i < 3; i++) aligned_outer = aligned_outer && (p->stride_outer[i] * (int64_t)sizeof(T)) % 16 == 0;
     const bool rows = p->inner == 1 && p->stride_axis == 1 && p->axis_len % AQ_BLOCK == 0 && aligned_outer &&
                       (uintptr_t)p->x % 16 == 0 && (uintptr_t)p->codes % 8 == 0 && (uintptr_t)p->fake % 16 == 0;
-    constexpr int cols = 4;
-    const bool vec_cols = p->stride_inner == 1 && p->inner % cols == 0 && (p->stride_axis * sizeof(T)) % (cols * sizeof(T)) == 0 &&
+    constexpr int cols = 2;
+    const bool vec_cols = p->stride_inner == 1 && p->inner % cols == 0 && p->stride_axis % cols == 0 &&
                           aligned_outer && (uintptr_t)p->x % (cols * sizeof(T)) == 0 &&
-                          (uintptr_t)p->scales % cols == 0 && (uintptr_t)p->fake % (cols * sizeof(T)) == 0;
+                          (uintptr_t)p->fake % (cols * sizeof(T)) == 0;
     const int64_t work = rows ? outer * nblocks : outer * nblocks * (p->inner / (vec_cols ? cols : 1));
     const unsigned grid = grid_for(work, threads);
     const bool small = grid * (int64_t)threads < ((int64_t)1 << 32);

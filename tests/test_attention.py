@@ -1,6 +1,8 @@
 """Attention forward and backward against attn_qat.reference (float64) at numerics.md §7's tolerances,
 across the coverage matrix of the training issue, on fresh random inputs with poisoned outputs."""
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -65,6 +67,20 @@ def run(q, k, v, dout, *, mode="attn_qat", mask=None, causal=None, api="sdpa"):
     return out.detach(), qg.grad, kg.grad, vg.grad
 
 
+def log_errors(q, k, mode, causal, mask, api, label, errors):
+    """With ATTN_QAT_ERROR_LOG set, append each case's measured errors (JSON lines) for the coverage report."""
+    path = os.environ.get("ATTN_QAT_ERROR_LOG")
+    if not path:
+        return
+    case = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "label": label,
+            "device": q.device.type, "dtype": str(q.dtype).replace("torch.", ""),
+            "shape": [q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]],
+            "mode": mode, "causal": causal, "mask": None if mask is None else str(mask.dtype).replace("torch.", ""),
+            "api": api, "errors": errors}
+    with open(path, "a") as f:
+        f.write(json.dumps(case) + "\n")
+
+
 def check(q, k, v, dout, *, mode="attn_qat", mask=None, causal=None, api="sdpa", label=""):
     out, dq, dk, dv = run(q, k, v, dout, mode=mode, mask=mask, causal=causal, api=api)
     qc, kc, vc, dc = (t.cpu() for t in (q, k, v, dout))
@@ -74,6 +90,7 @@ def check(q, k, v, dout, *, mode="attn_qat", mask=None, causal=None, api="sdpa",
     errors = {"out": rel_error(out, ref)}
     errors.update({name: rel_error(ours, r) for name, ours, r in zip(("dq", "dk", "dv"), (dq, dk, dv), grads)})
     assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    log_errors(q, k, mode, causal, mask, api, label, errors)
     assert errors["out"] <= FWD_TOL, f"{label} forward error {errors}"
     assert max(errors["dq"], errors["dk"], errors["dv"]) <= BWD_TOL, f"{label} backward error {errors}"
     return errors
