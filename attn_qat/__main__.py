@@ -40,7 +40,7 @@ def self_check(device: str) -> bool:
     k = torch.randn(b, hkv, nk, d, generator=g).to(torch.bfloat16)
     v = torch.randn(b, hkv, nk, d, generator=g).to(torch.bfloat16)
     dout = torch.randn(b, hq, nq, d, generator=g).to(torch.bfloat16)
-    qd, kd, vd = (t.to(device).requires_grad_() for t in (q, k, v))
+    qd, kd, vd = (t.detach().clone().to(device).requires_grad_() for t in (q, k, v))
     out = attn_qat.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
     out.backward(dout.to(device))
     ref = reference.attention_forward(q, k, v, causal="top_left")["out"]
