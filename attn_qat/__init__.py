@@ -8,6 +8,9 @@ The numerics are fixed by docs/numerics.md; `attn_qat.reference` is their float6
 """
 from . import nvfp4, ops
 from .attention import SUPPORTED_HEAD_DIMS, attention, scaled_dot_product_attention
+from .integrations import (AttnQATFallbackWarning, QATConfig, WanAttnQATProcessor, convert, disable, enable,
+                           merge_attention_states, patch_sdpa, prepare, register_diffusers_backend,
+                           register_transformers)
 from .nvfp4 import NVFP4Tensor, dequantize, fake_quantize, fake_quantize_qkv, quantize
 from .ops import MODES
 
@@ -16,4 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MODES", "NVFP4Tensor", "SUPPORTED_HEAD_DIMS", "attention", "dequantize", "fake_quantize",
     "fake_quantize_qkv", "nvfp4", "ops", "quantize", "scaled_dot_product_attention",
+    # integrations (docs/integrations.md)
+    "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "convert", "disable", "enable",
+    "merge_attention_states", "patch_sdpa", "prepare", "register_diffusers_backend", "register_transformers",
 ]

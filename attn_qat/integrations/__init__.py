@@ -1,0 +1,19 @@
+"""Model integrations: a config and lifecycle (`prepare`, `convert`, `enable`, `disable`), a drop-in
+patch of `torch.nn.functional.scaled_dot_product_attention`, transformers' "attn_qat" attention
+implementation, a diffusers Wan processor and backend, and ring-attention merging.
+
+transformers and diffusers are imported only when an integration for them is used. See
+docs/integrations.md.
+"""
+from .config import AttentionState, AttnQATFallbackWarning, QATConfig
+from .diffusers import WanAttnQATProcessor, register_diffusers_backend
+from .distributed import merge_attention_states
+from .lifecycle import attention_states, convert, disable, enable, prepare
+from .sdpa_patch import patch_sdpa
+from .transformers import register_transformers
+
+__all__ = [
+    "AttentionState", "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "attention_states", "convert",
+    "disable", "enable", "merge_attention_states", "patch_sdpa", "prepare", "register_diffusers_backend",
+    "register_transformers",
+]

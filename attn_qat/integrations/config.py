@@ -1,0 +1,187 @@
+"""What every integration shares: the user's `QATConfig`, the per-module state that `prepare` installs,
+and one routine that runs an SDPA-shaped call through attn_qat or, for inputs attn_qat does not take,
+through PyTorch's SDPA with a warning (or an error under `strict`)."""
+import dataclasses
+import warnings
+from typing import Callable, Optional, Set
+
+import torch
+
+from ..attention import SUPPORTED_HEAD_DIMS, scaled_dot_product_attention
+from ..ops import MODES
+
+# The attribute under which `prepare` hangs an `AttentionState` on each attention module it handles.
+STATE_ATTR = "_attn_qat_state"
+
+
+class AttnQATFallbackWarning(UserWarning):
+    """An attention call that attn_qat does not support ran through PyTorch's SDPA instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QATConfig:
+    """How attn_qat replaces a model's attention.
+
+    mode: the numerics (docs/numerics.md §5): "attn_qat" (the default), "high_precision_p",
+        "low_precision_o", "drop_in" or "bf16" (no quantization, for baselines).
+    self_attention, cross_attention: which attentions `prepare` converts. Wan and other diffusion
+        transformers quantize self-attention by default; the text (and I2V image) cross-attention is
+        opt-in. `patch_sdpa` cannot tell them apart and ignores both fields.
+    strict: raise `NotImplementedError` for an attention call attn_qat does not support instead of
+        falling back to PyTorch's SDPA with an `AttnQATFallbackWarning`.
+    """
+
+    mode: str = "attn_qat"
+    self_attention: bool = True
+    cross_attention: bool = False
+    strict: bool = False
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"attn_qat.QATConfig: mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if not (self.self_attention or self.cross_attention):
+            raise ValueError("attn_qat.QATConfig: self_attention and cross_attention are both False, so nothing "
+                             "would be converted")
+
+    @property
+    def inference_mode(self) -> str:
+        """The numerics `convert` switches to: every FP4 training mode shares the §3 forward, so a model trained
+        in any of them runs the "attn_qat" forward; a "bf16" baseline stays unquantized."""
+        return "bf16" if self.mode == "bf16" else "attn_qat"
+
+
+@dataclasses.dataclass
+class AttentionState:
+    """Per-module switchboard that `prepare` installs and `enable`, `disable` and `convert` flip.
+
+    The integrations read it on every forward (under torch.compile: while tracing; dynamo guards on the
+    values read, so a flip recompiles). `selected` is False for modules that `prepare` saw but left out
+    (filter_fn, self/cross choice): they keep running the library's own attention whatever `enable` says.
+    `warned` is shared by all modules of one `prepare` call, so each fallback reason warns once per model.
+    """
+
+    config: QATConfig
+    selected: bool = True
+    enabled: bool = True
+    inference: bool = False
+    warned: Set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def active(self) -> bool:
+        return self.selected and self.enabled
+
+
+def module_state(module: torch.nn.Module) -> Optional[AttentionState]:
+    return getattr(module, STATE_ATTR, None)
+
+
+def torch_sdpa() -> Callable:
+    """PyTorch's SDPA as installed now, looking through an active `patch_sdpa` (whose wrapper records the
+    function it replaced), so that a fallback never re-enters attn_qat."""
+    fn = torch.nn.functional.scaled_dot_product_attention
+    return getattr(fn, "_attn_qat_fallback", fn)
+
+
+def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                       enable_gqa=False) -> Optional[str]:
+    """Why attn_qat cannot run this SDPA call (arguments as for torch's SDPA), or None when it can.
+
+    Mirrors the checks of `attn_qat.scaled_dot_product_attention` without raising, so the integrations can
+    fall back before any work is done; it only reads metadata, so it traces under torch.compile.
+    """
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "query, key and value must all be tensors"
+    if any(t.is_nested for t in tensors):
+        return "nested (jagged) tensors are not supported"
+    if not (query.dim() == key.dim() == value.dim() and query.dim() in (3, 4)):
+        return f"{query.dim()}-D inputs are not supported (3-D or 4-D only)"
+    device = query.device
+    if key.device != device or value.device != device:
+        return "query, key and value are on different devices"
+    if device.type not in ("cpu", "cuda"):
+        return f"device type {device.type!r} is not supported"
+    if not (query.dtype == key.dtype == value.dtype):
+        return "query, key and value have different dtypes"
+    dtype = query.dtype
+    if dtype == torch.float32 and torch.is_autocast_enabled(device.type):
+        dtype = torch.get_autocast_dtype(device.type)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} is not supported (bfloat16 or float16, or float32 under autocast)"
+    head_dim = query.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim} is not supported (one of {SUPPORTED_HEAD_DIMS})"
+    if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
+        return "query, key and value have different head dims"
+    if any(t.stride(-1) != 1 for t in tensors):
+        return "the last dimension of query, key or value is not contiguous"
+    if any(t.numel() == 0 for t in tensors):
+        return "empty inputs are not supported"
+    if dropout_p != 0.0:
+        return "dropout_p > 0 is not supported"
+    if query.shape[:-3] != key.shape[:-3] or key.shape != value.shape:
+        return "batch sizes differ between query, key and value, or key and value shapes differ"
+    heads_q, heads_kv = query.shape[-3], key.shape[-3]
+    if heads_q != heads_kv and not (enable_gqa and heads_q % heads_kv == 0):
+        return f"query heads ({heads_q}) and key/value heads ({heads_kv}) need enable_gqa=True and a whole ratio"
+    if attn_mask is not None:
+        if is_causal:
+            return "attn_mask and is_causal=True were both given"
+        if not isinstance(attn_mask, torch.Tensor):
+            return "attn_mask is not a tensor"
+        if attn_mask.requires_grad:
+            return "attn_mask requires grad (gradients with respect to the mask are not supported)"
+        if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+            return f"attn_mask dtype {attn_mask.dtype} is not supported (bool or floating point)"
+        if attn_mask.device != device:
+            return "attn_mask is on a different device"
+        target = (*query.shape[:-1], key.shape[-2])
+        if attn_mask.dim() > len(target) or any(
+                m not in (1, t) for m, t in zip(reversed(attn_mask.shape), reversed(target))):
+            return "attn_mask does not broadcast to (..., heads, query tokens, key tokens)"
+    return None
+
+
+@torch.compiler.disable
+def warn_once(message: str, warned: Set[str], category=AttnQATFallbackWarning) -> None:
+    """Warns once per distinct message per `warned` set (one set per patch_sdpa context, per prepared
+    model). Kept out of torch.compile graphs: it runs eagerly at every call, so the once-only bookkeeping
+    holds in compiled code too. (Python's default warning filter may further show an identical message
+    only once per process.)"""
+    if message not in warned:
+        warned.add(message)
+        warnings.warn(f"attn_qat: {message}", category, stacklevel=3)
+
+
+def inference_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, mode, warned):
+    """The attention of a module that `convert` switched to inference.
+
+    Today this is the training kernels' forward without autograd (no O', numerics.md §5 "inference").
+    It is the single place where a real NVFP4 inference kernel will slot in. A converted attention is
+    not differentiable: when a gradient was wanted, that is said once rather than silently dropped.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        warn_once("this attention was converted for inference (attn_qat.convert); its output carries no "
+                  "gradient", warned, UserWarning)
+    with torch.no_grad():
+        return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                            scale=scale, enable_gqa=enable_gqa, mode=mode)
+
+
+def run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, config: QATConfig,
+             warned: Set[str], inference: bool = False, where: str = "attn_qat") -> torch.Tensor:
+    """One SDPA-shaped call (torch's argument conventions, top-left causal) through attn_qat, or through
+    PyTorch's SDPA when attn_qat does not support it: a warning once per reason, or, with
+    `config.strict`, a `NotImplementedError` naming the reason."""
+    reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    if reason is not None:
+        if config.strict:
+            raise NotImplementedError(f"{where}: {reason} (strict=True forbids falling back to PyTorch SDPA)")
+        warn_once(f"falling back to PyTorch scaled_dot_product_attention: {reason}", warned)
+        return torch_sdpa()(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+    if inference:
+        return inference_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                                   config.inference_mode, warned)
+    return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                        enable_gqa=enable_gqa, mode=config.mode)

@@ -1,0 +1,94 @@
+"""The model lifecycle, after torchao's quantize-aware training flow: `prepare` installs FP4 attention,
+the model trains, `convert` switches it to inference; `disable` / `enable` toggle it in between."""
+import sys
+from typing import Callable, Optional
+
+import torch
+
+from .config import QATConfig, module_state
+
+FilterFn = Callable[[torch.nn.Module, str], bool]
+
+
+def _is_transformers_model(model: torch.nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _is_diffusers_model(model: torch.nn.Module) -> bool:
+    diffusers = sys.modules.get("diffusers")
+    return diffusers is not None and isinstance(model, diffusers.ModelMixin)
+
+
+def prepare(model: torch.nn.Module, config: Optional[QATConfig] = None,
+            filter_fn: Optional[FilterFn] = None) -> torch.nn.Module:
+    """Installs attn_qat attention in a supported model, in place, and returns the model.
+
+    - transformers `PreTrainedModel` (every model built on the AttentionInterface): registers the
+      "attn_qat" attention implementation and switches the model to it.
+    - diffusers Wan transformer (`WanTransformer3DModel`, anything holding `WanAttention` modules):
+      installs `WanAttnQATProcessor` on the selected attention modules.
+
+    `config.self_attention` / `config.cross_attention` pick the kinds of attention converted;
+    `filter_fn(module, fully_qualified_name) -> bool` (torchao's convention) narrows the choice further.
+    Modules left out keep the library's own attention (transformers' "sdpa", Wan's original processor).
+    Calling `prepare` again replaces the configuration. For any other model, wrap the forward in
+    `attn_qat.patch_sdpa`.
+    """
+    config = config if config is not None else QATConfig()
+    warned = set()
+    if _is_transformers_model(model):
+        from .transformers import prepare_transformers
+        prepare_transformers(model, config, filter_fn, warned)
+    elif _is_diffusers_model(model):
+        from .diffusers import prepare_diffusers
+        prepare_diffusers(model, config, filter_fn, warned)
+    else:
+        raise TypeError(f"attn_qat.prepare: {type(model).__name__} is neither a transformers PreTrainedModel nor a "
+                        "diffusers model (for a pipeline, pass pipe.transformer); for other models wrap the forward "
+                        "in `with attn_qat.patch_sdpa(config):`")
+    return model
+
+
+def _states(model: torch.nn.Module, fn: str):
+    states = [s for s in (module_state(m) for m in model.modules()) if s is not None and s.selected]
+    if not states:
+        raise ValueError(f"attn_qat.{fn}: {type(model).__name__} has no attention prepared by attn_qat.prepare")
+    return states
+
+
+def convert(model: torch.nn.Module) -> torch.nn.Module:
+    """Switches a prepared (and trained) model's attention to the inference path, in place; returns it.
+
+    Inference runs the forward of numerics.md §3 without autograd: every FP4 training mode shares that
+    forward, so the mode becomes "attn_qat" ("bf16" stays "bf16"); O' is not computed and nothing is
+    saved for a backward. Today that is the training kernels' forward under no_grad, exactly what the
+    model computed in training; a real NVFP4 inference kernel will replace it here without a change to
+    user code. The converted attention has no gradient (a forward with grad enabled warns once).
+    `convert` does not touch train/eval mode, weights or anything outside attention.
+    """
+    for state in _states(model, "convert"):
+        state.inference = True
+    return model
+
+
+def disable(model: torch.nn.Module) -> torch.nn.Module:
+    """Runs the prepared attention modules with the library's own attention again (transformers' "sdpa",
+    Wan's original processor) until `enable`; returns the model. Under torch.compile the switch is read
+    while tracing, so toggling recompiles the affected graphs."""
+    for state in _states(model, "disable"):
+        state.enabled = False
+    return model
+
+
+def enable(model: torch.nn.Module) -> torch.nn.Module:
+    """Undoes `disable`: the prepared attention modules run attn_qat again; returns the model."""
+    for state in _states(model, "enable"):
+        state.enabled = True
+    return model
+
+
+def attention_states(model: torch.nn.Module) -> dict:
+    """{module name: AttentionState} for the modules `prepare` configured (selected or not), to inspect."""
+    return {name: state for name, m in model.named_modules() if (state := module_state(m)) is not None}
+

@@ -1,0 +1,118 @@
+"""transformers integration: an "attn_qat" attention implementation.
+
+`register_transformers()` adds "attn_qat" to `transformers.AttentionInterface` (the attention function)
+and to `transformers.masking_utils.AttentionMaskInterface` (its mask function: transformers' SDPA mask,
+boolean, True = attend, or None when `is_causal` can stand in for it). Afterwards
+`from_pretrained(..., attn_implementation="attn_qat")` and `model.set_attn_implementation("attn_qat")`
+work for every model built on the AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...).
+Tested with transformers 5.17.0 and 5.23.0.
+"""
+from typing import Optional
+
+import torch
+
+from .config import AttentionState, QATConfig, STATE_ATTR, module_state, run_sdpa, warn_once
+
+IMPLEMENTATION = "attn_qat"
+
+# The state of attention modules that `prepare` did not configure (a model loaded directly with
+# attn_implementation="attn_qat"); `register_transformers(config)` replaces its config.
+_default_state = AttentionState(QATConfig())
+
+
+def register_transformers(config: Optional[QATConfig] = None) -> None:
+    """Registers the "attn_qat" attention implementation with transformers (idempotent).
+
+    `config` (default `QATConfig()`) applies to attention modules that `attn_qat.prepare` has not
+    configured, i.e. to models loaded or switched with `attn_implementation="attn_qat"` directly.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    global _default_state
+    if config is not None:
+        _default_state = AttentionState(config)
+    AttentionInterface.register(IMPLEMENTATION, attn_qat_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+
+
+def _sdpa_attention_forward():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward
+
+
+def attn_qat_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               is_causal=None, **kwargs):
+    """transformers attention function: (B, H, S, D) query and (B, H_kv, S_kv, D) key/value in, attention
+    output (B, S, H, D) and no weights out, like transformers' "sdpa".
+
+    Follows transformers' SDPA path: causal only without a mask, with more than one query and when the
+    module is causal (top-left alignment, keys beyond the queries cropped as for an empty static cache);
+    grouped KV heads go in unexpanded (enable_gqa); `scaling` is the softmax scale. Padding rows that are
+    masked entirely give 0 (attn_qat counts mask values <= -1e30 as -inf), as torch's SDPA does.
+    Modules left out by `prepare` or switched off by `attn_qat.disable` run transformers' "sdpa".
+    """
+    state = module_state(module) or _default_state
+    if not state.active:
+        return _sdpa_attention_forward()(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, is_causal=is_causal, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attn_qat attention does not support logit soft-capping (`softcap`); use attn_implementation="
+                         "'eager' for this model")
+    for name, reason in (("position_bias", "a learned additive position bias (`position_bias`) is not supported"),
+                         ("cache", "a paged attention cache (continuous batching) is not supported")):
+        if kwargs.get(name) is not None:
+            if state.config.strict:
+                raise NotImplementedError(f"attn_qat (transformers): {reason} (strict=True forbids falling back)")
+            warn_once(f"falling back to transformers' sdpa attention: {reason}", state.warned)
+            return _sdpa_attention_forward()(module, query, key, value, attention_mask, dropout=dropout,
+                                             scaling=scaling, is_causal=is_causal, **kwargs)
+    if kwargs.get("output_attentions", False):
+        warn_once("output_attentions=True is not supported; the attention weights are None", state.warned, UserWarning)
+
+    q_length, kv_length = query.shape[2], key.shape[2]
+    sliding_window = kwargs.get("sliding_window")
+    if sliding_window is not None and attention_mask is None and kv_length > sliding_window:
+        # transformers' SDPA mask function materialises sliding windows whenever they cut keys; a missing
+        # mask here means the caller built none, and causal alone would attend beyond the window.
+        raise ValueError(f"attn_qat (transformers): sliding_window={sliding_window} with {kv_length} keys needs an "
+                         "attention mask; build it with the 'attn_qat' (or 'sdpa') mask function")
+
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # Shape test first, as transformers does, so that dynamic shapes under torch.compile stay booleans.
+    is_causal = q_length > 1 and attention_mask is None and is_causal
+    if is_causal and kv_length > q_length:
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+
+    out = run_sdpa(query, key, value, attention_mask, dropout, is_causal, scaling, query.shape[1] != key.shape[1],
+                   config=state.config, warned=state.warned, inference=state.inference,
+                   where="attn_qat (transformers)")
+    return out.transpose(1, 2).contiguous(), None
+
+
+def is_attention_module(module: torch.nn.Module) -> bool:
+    """Attention modules of transformers models that dispatch through the AttentionInterface: by
+    convention their class names end in "Attention" and they carry the model config."""
+    return type(module).__name__.endswith("Attention") and hasattr(module, "config")
+
+
+def prepare_transformers(model, config: QATConfig, filter_fn, warned) -> None:
+    """Installs "attn_qat" in a transformers `PreTrainedModel` (see `attn_qat.prepare`)."""
+    register_transformers()
+    converted = 0
+    for name, module in model.named_modules():
+        if not is_attention_module(module):
+            continue
+        cross = bool(getattr(module, "is_cross_attention", False))
+        selected = (config.cross_attention if cross else config.self_attention) and (
+            filter_fn is None or filter_fn(module, name))
+        setattr(module, STATE_ATTR, AttentionState(config, selected=selected, warned=warned))
+        converted += selected
+    if converted == 0:
+        raise ValueError(f"attn_qat.prepare: no attention module of {type(model).__name__} was selected (looked for "
+                         "modules whose class name ends in 'Attention'; check filter_fn and the config)")
+    model.set_attn_implementation(IMPLEMENTATION)
+    if model.config._attn_implementation != IMPLEMENTATION:
+        raise TypeError(f"attn_qat.prepare: {type(model).__name__} cannot switch its attention implementation (it "
+                        "does not dispatch through transformers' AttentionInterface); use attn_qat.patch_sdpa with "
+                        "attn_implementation='sdpa' instead")
