@@ -61,14 +61,15 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *ks = (uint16_t *)smem, *vs = ks + BWD_KEYS * LD, *qs = vs + BWD_KEYS * LD, *dos = qs + BQ * LD;
     float *row_m = (float *)(dos + BQ * LD), *row_inv_l = row_m + BQ, *row_delta = row_inv_l + BQ;
+    uint64_t *q_nonfinite = (uint64_t *)(row_delta + BQ), *do_nonfinite = q_nonfinite + D; /* column masks */
 
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, key0 = 16 * warp;
     const int k0 = (int)blockIdx.x * BWD_KEYS, hk = (int)blockIdx.y, b = (int)blockIdx.z;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
 
-    load_tile<BWD_KEYS, D>(ks, (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1] + k0 * p.k_stride[2],
+    load_tile<BWD_KEYS, D, DT>(ks, (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1] + k0 * p.k_stride[2],
                            p.k_stride[2], min(BWD_KEYS, nk - k0), vec);
-    load_tile<BWD_KEYS, D>(vs, (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1] + k0 * p.v_stride[2],
+    load_tile<BWD_KEYS, D, DT>(vs, (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1] + k0 * p.v_stride[2],
                            p.v_stride[2], min(BWD_KEYS, nk - k0), vec);
 
     float dk[D / 8][4] = {}, dv[D / 8][4] = {};
@@ -81,12 +82,12 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
 
         for (int q0 = causal_query_begin(&lm, k0) / BQ * BQ; q0 < nq; q0 += BQ) {
             __syncthreads(); /* every warp is done with the previous Q, dO and statistics */
-            load_tile<BQ, D>(qs, qg + q0 * p.q_stride[2], p.q_stride[2], min(BQ, nq - q0), vec);
-            load_tile<BQ, D>(dos, dog + q0 * p.dout_stride[2], p.dout_stride[2], min(BQ, nq - q0), vec);
+            bool bad = load_tile<BQ, D, DT>(qs, qg + q0 * p.q_stride[2], p.q_stride[2], min(BQ, nq - q0), vec);
+            bad |= load_tile<BQ, D, DT>(dos, dog + q0 * p.dout_stride[2], p.dout_stride[2], min(BQ, nq - q0), vec);
             if ((int)threadIdx.x < BQ)
                 load_row_stats(&p, stat0, q0 + (int)threadIdx.x, &row_m[threadIdx.x], &row_inv_l[threadIdx.x],
                                &row_delta[threadIdx.x]);
-            __syncthreads();
+            bad = __syncthreads_or(bad); /* Q or dO holds Inf or NaN: they are scrubbed before dK, dV below */
 
             /* st[n], dpt[n]: queries 8n .. 8n+7 of the step, for the warp's 16 keys */
             float st[BQ / 8][4] = {}, dpt[BQ / 8][4] = {};
@@ -107,22 +108,27 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
                 }
             }
 
-            /* P̂, dS^T into dpt, and the dV operand into st: P̂ * 2^11 (quantized below) or P */
+            /* P̂, dS^T into dpt, and the dV operand into st: P̂ * 2^11 (quantized below) or P. A term counts
+               ("live") when the key is visible and the query row has one (inv_l != 0); others are exact zeros. */
             const bool masked = tile_needs_mask(&lm, q0, k0, BWD_KEYS);
+            uint32_t live_bits = 0; /* bit 4n + e: term st[n][e] is live */
 #pragma unroll
             for (int n = 0; n < BQ / 8; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int qi = 8 * n + frag_c_col(lane, e), kj = k0 + key0 + frag_c_row(lane, e);
-                    const float t = masked ? logit_log2(&lm, st[n][e], q0 + qi, kj) : st[n][e] * lm.scale_log2;
+                    float t = st[n][e] * lm.scale_log2;
+                    const bool visible = !masked || masked_logit_log2(&lm, st[n][e], q0 + qi, kj, &t);
                     const float inv_l = row_inv_l[qi];
-                    const bool live = inv_l != 0.0f;
-                    const float phat = live ? exp2f(t - row_m[qi]) : 0.0f;
-                    dpt[n][e] = live ? phat * inv_l * (dpt[n][e] - row_delta[qi]) : 0.0f;
-                    st[n][e] = QUANTIZE_DV ? phat * AQ_P_HEADROOM : phat * inv_l;
+                    const bool live = visible && inv_l != 0.0f;
+                    const float phat = live ? exp2f(t - row_m[qi]) : 0.0f, prob = live ? phat * inv_l : 0.0f;
+                    dpt[n][e] = live ? prob * (dpt[n][e] - row_delta[qi]) : 0.0f;
+                    st[n][e] = QUANTIZE_DV ? phat * AQ_P_HEADROOM : prob;
+                    live_bits |= (uint32_t)live << (4 * n + e);
                 }
             if constexpr (QUANTIZE_DV) {
-                /* P^F = fq16(P̂ * 2^11) * 2^-11 / l: the forward's P^F, since M is the forward's final frame */
+                /* P^F = fq16(P̂ * 2^11) * 2^-11 / l: the forward's P^F, since M is the forward's final frame. A block
+                   with a NaN is NaN throughout; its hidden terms stay absent (0). */
 #pragma unroll
                 for (int n = 0; n < BQ / 8; n++)
 #pragma unroll
@@ -130,9 +136,15 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
                         float x[2] = {st[n][c], st[n][c + 2]}; /* key rows g and g+8 of query column c */
                         fake_quantize_column_block(x);
                         const float inv_l = row_inv_l[8 * n + frag_c_col(lane, c)];
-                        st[n][c] = x[0] * AQ_P_HEADROOM_INV * inv_l;
-                        st[n][c + 2] = x[1] * AQ_P_HEADROOM_INV * inv_l;
+                        st[n][c] = (live_bits >> (4 * n + c)) & 1u ? x[0] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
+                        st[n][c + 2] = (live_bits >> (4 * n + c + 2)) & 1u ? x[1] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
                     }
+            }
+            if (bad) { /* S^T and dP^T are done with the raw Q and dO */
+                __syncthreads();
+                scrub_nonfinite_tile<BQ, D, DT>(qs, q_nonfinite);
+                scrub_nonfinite_tile<BQ, D, DT>(dos, do_nonfinite);
+                __syncthreads();
             }
 
             /* dV += P^T dO, dK += dS^T Q, 16 queries (two C fragments = one A fragment) at a time */
@@ -151,6 +163,13 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
                     mma_16816<DT>(dk[2 * dp], dsa, qb[0], qb[1]);
                     mma_16816<DT>(dk[2 * dp + 1], dsa, qb[2], qb[3]);
                 }
+            }
+            if (bad) {
+                const uint64_t visible[2] = {
+                    visible_queries_of_key(&lm, k0 + key0 + frag_c_row(lane, 0), q0, BQ),
+                    visible_queries_of_key(&lm, k0 + key0 + frag_c_row(lane, 2), q0, BQ)};
+                poison_nonfinite_products<D>(dv, visible, do_nonfinite);
+                poison_nonfinite_products<D>(dk, visible, q_nonfinite);
             }
         }
     }
@@ -180,6 +199,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     constexpr int LD = D + AQ_SMEM_PAD;
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *qs = (uint16_t *)smem, *dos = qs + BWD_ROWS * LD, *ks = dos + BWD_ROWS * LD, *vs = ks + BWD_KEYS * LD;
+    uint64_t *k_nonfinite = (uint64_t *)(vs + BWD_KEYS * LD); /* D column masks, for scrub_nonfinite_tile */
 
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
     /* causal: the last query tiles see the most keys, so they are scheduled first */
@@ -191,9 +211,9 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     const uint16_t *kg = (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1];
     const uint16_t *vg = (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1];
 
-    load_tile<BWD_ROWS, D>(qs, (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1] + q0 * p.q_stride[2],
+    load_tile<BWD_ROWS, D, DT>(qs, (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1] + q0 * p.q_stride[2],
                            p.q_stride[2], min(BWD_ROWS, nq - q0), vec);
-    load_tile<BWD_ROWS, D>(dos,
+    load_tile<BWD_ROWS, D, DT>(dos,
                            (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] +
                                q0 * p.dout_stride[2],
                            p.dout_stride[2], min(BWD_ROWS, nq - q0), vec);
@@ -209,9 +229,10 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     const int key_end = causal_key_end(&lm, min(q0 + BWD_ROWS, nq) - 1);
     for (int k0 = 0; k0 < key_end; k0 += BWD_KEYS) {
         __syncthreads(); /* every warp is done with the previous K, V tile */
-        load_tile<BWD_KEYS, D>(ks, kg + k0 * p.k_stride[2], p.k_stride[2], min(BWD_KEYS, nk - k0), vec);
-        load_tile<BWD_KEYS, D>(vs, vg + k0 * p.v_stride[2], p.v_stride[2], min(BWD_KEYS, nk - k0), vec);
-        __syncthreads();
+        const bool k_bad_here =
+            load_tile<BWD_KEYS, D, DT>(ks, kg + k0 * p.k_stride[2], p.k_stride[2], min(BWD_KEYS, nk - k0), vec);
+        load_tile<BWD_KEYS, D, DT>(vs, vg + k0 * p.v_stride[2], p.v_stride[2], min(BWD_KEYS, nk - k0), vec);
+        const bool k_bad = __syncthreads_or(k_bad_here); /* K holds Inf or NaN: scrubbed before dQ below */
 
         /* s[n], dps[n]: keys 8n .. 8n+7 of the tile */
         float s[BWD_KEYS / 8][4] = {}, dps[BWD_KEYS / 8][4] = {};
@@ -232,19 +253,25 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
             }
         }
 
-        /* dS = P (dP - delta) into dps, with the unquantized P = 2^(t - M) / l */
+        /* dS = P (dP - delta) into dps, with the unquantized P = 2^(t - M) / l; exact zeros where the key is
+           hidden or the row has no visible key (inv_l = 0) */
         const bool masked = tile_needs_mask(&lm, q0, k0, BWD_KEYS);
 #pragma unroll
         for (int n = 0; n < BWD_KEYS / 8; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int r = e >> 1;
-                const float t = masked ? logit_log2(&lm, s[n][e], q0 + row0 + frag_c_row(lane, e),
-                                                    k0 + 8 * n + frag_c_col(lane, e))
-                                       : s[n][e] * lm.scale_log2;
-                const bool live = inv_l[r] != 0.0f;
+                float t = s[n][e] * lm.scale_log2;
+                const bool visible = !masked || masked_logit_log2(&lm, s[n][e], q0 + row0 + frag_c_row(lane, e),
+                                                                  k0 + 8 * n + frag_c_col(lane, e), &t);
+                const bool live = visible && inv_l[r] != 0.0f;
                 dps[n][e] = live ? exp2f(t - m[r]) * inv_l[r] * (dps[n][e] - delta[r]) : 0.0f;
             }
+        if (k_bad) { /* S is done with the raw K */
+            __syncthreads();
+            scrub_nonfinite_tile<BWD_KEYS, D, DT>(ks, k_nonfinite);
+            __syncthreads();
+        }
 
         /* dQ += dS K, 16 keys (two C fragments = one A fragment) at a time */
 #pragma unroll
@@ -258,6 +285,12 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
                 mma_16816<DT>(dq[2 * dp], dsa, kt[0], kt[1]);
                 mma_16816<DT>(dq[2 * dp + 1], dsa, kt[2], kt[3]);
             }
+        }
+        if (k_bad) {
+            const uint64_t visible[2] = {
+                visible_keys_of_query(&lm, q0 + row0 + frag_c_row(lane, 0), k0, BWD_KEYS),
+                visible_keys_of_query(&lm, q0 + row0 + frag_c_row(lane, 2), k0, BWD_KEYS)};
+            poison_nonfinite_products<D>(dq, visible, k_nonfinite);
         }
     }
 
@@ -275,11 +308,6 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
 /* ------------------------------------------------------------------------------------------------
    Kernel launchers */
 
-static const char *launch_status(void) {
-    const cudaError_t err = cudaGetLastError();
-    return err == cudaSuccess ? NULL : cudaGetErrorString(err);
-}
-
 template <int D, aq_dtype DT>
 static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t stream, bool vec) {
     const char *err;
@@ -293,7 +321,7 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
         void (*kernel)(const aq_attention_bwd_params, bool) =
             p->quantize_p_for_dv ? attention_bwd_dkdv_kernel<D, DT, true> : attention_bwd_dkdv_kernel<D, DT, false>;
         const int bq = dkdv_queries_per_step(D);
-        const int smem = (2 * BWD_KEYS + 2 * bq) * ld_bytes + 3 * bq * (int)sizeof(float);
+        const int smem = (2 * BWD_KEYS + 2 * bq) * ld_bytes + 3 * bq * (int)sizeof(float) + 2 * D * (int)sizeof(uint64_t);
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);
         const dim3 grid((unsigned)((p->seqlen_k + BWD_KEYS - 1) / BWD_KEYS), (unsigned)p->heads_kv, (unsigned)p->batch);
@@ -302,7 +330,7 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
     }
     if (p->seqlen_q > 0) {
         void (*kernel)(const aq_attention_bwd_params, bool) = attention_bwd_dq_kernel<D, DT>;
-        const int smem = (2 * BWD_ROWS + 2 * BWD_KEYS) * ld_bytes;
+        const int smem = (2 * BWD_ROWS + 2 * BWD_KEYS) * ld_bytes + D * (int)sizeof(uint64_t);
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);
         const dim3 grid((unsigned)((p->seqlen_q + BWD_ROWS - 1) / BWD_ROWS), (unsigned)p->heads_q, (unsigned)p->batch);

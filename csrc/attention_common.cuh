@@ -132,20 +132,34 @@ AQ_D void store_chunk8(uint16_t *dst, uint4 v, bool vec) {
     }
 }
 
+/* Whether any of the 8 values of a chunk is Inf or NaN (all exponent bits set). Per 32-bit word: the masked
+   exponent of each half plus one unit of it reaches bit 15 only when the exponent was all ones, and no carry
+   crosses the halves. */
+template <aq_dtype DT>
+AQ_D bool chunk8_nonfinite(uint4 v) {
+    constexpr uint32_t EXP = DT == AQ_BFLOAT16 ? 0x7F807F80u : 0x7C007C00u;
+    constexpr uint32_t ONE = DT == AQ_BFLOAT16 ? 0x00800080u : 0x04000400u;
+    return (((v.x & EXP) + ONE) | ((v.y & EXP) + ONE) | ((v.z & EXP) + ONE) | ((v.w & EXP) + ONE)) & 0x80008000u;
+}
+
 /* All AQ_THREADS threads copy global rows [0, valid) (row stride `stride` elements) into the tile and write zeros
    to rows [valid, ROWS): padding keys then give finite scores and V rows of 0, so 0-weighted padding never makes
-   a NaN (0 * garbage). Rows >= valid are never read from global memory. */
-template <int ROWS, int D>
-AQ_D void load_tile(uint16_t *smem, const uint16_t *g, int64_t stride, int valid, bool vec) {
+   a NaN (0 * garbage). Rows >= valid are never read from global memory. Returns whether this thread loaded an
+   Inf or NaN (for the tiles that may need scrub_nonfinite_tile). */
+template <int ROWS, int D, aq_dtype DT>
+AQ_D bool load_tile(uint16_t *smem, const uint16_t *g, int64_t stride, int valid, bool vec) {
     constexpr int LD = D + AQ_SMEM_PAD, CHUNKS = D / 8;
     static_assert((ROWS * CHUNKS) % AQ_THREADS == 0, "tile chunks must split evenly over the CTA");
+    bool nonfinite = false;
 #pragma unroll
     for (int i = 0; i < ROWS * CHUNKS / AQ_THREADS; i++) {
         const int c = (int)threadIdx.x + i * AQ_THREADS, r = c / CHUNKS, col = (c % CHUNKS) * 8;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (r < valid) v = load_chunk8(g + r * stride + col, vec);
+        nonfinite |= chunk8_nonfinite<DT>(v);
         *(uint4 *)(smem + r * LD + col) = v;
     }
+    return nonfinite;
 }
 
 /* One warp writes its 16 x D fp32 accumulator (C fragments acc[n] = columns 8n .. 8n+7) as DT to global rows
@@ -213,22 +227,56 @@ AQ_D int causal_query_begin(const logit_map *lm, int first_key) {
     return (int)(begin < 0 ? 0 : begin > lm->seqlen_q ? lm->seqlen_q : begin);
 }
 
-/* Whether a tile of query rows [i0, i0 + ni) x keys [j0, j0 + nj) needs per-element logit_log2: an additive
-   mask, keys past seqlen_k, or a causal cut through it (its first row sees the fewest keys). Rows past seqlen_q
-   do not count: their results are discarded (forward) or zeroed by a row flag (backward). */
+/* Whether a tile of query rows [i0, ...) x keys [j0, j0 + nj) needs per-element visibility: an additive mask,
+   keys past seqlen_k, or a causal cut through it (its first row sees the fewest keys). Otherwise every key is
+   visible to every row (rows past seqlen_q do not count: their results are discarded or zeroed by a row flag). */
 AQ_D bool tile_needs_mask(const logit_map *lm, int i0, int j0, int nj) {
     return lm->mask != NULL || j0 + nj > lm->seqlen_k ||
            (lm->causal && (int64_t)j0 + nj - 1 > (int64_t)i0 + lm->causal_offset);
 }
 
-/* t_ij for the fp32 score s = q_i . k_j, or -inf where key j is invisible to query i. Rows and keys past the
-   sequence are invisible, so the mask is only read in bounds. */
-AQ_D float logit_log2(const logit_map *lm, float s, int i, int j) {
-    const bool visible = i < lm->seqlen_q && j < lm->seqlen_k &&
-                         (!lm->causal || (int64_t)j <= (int64_t)i + lm->causal_offset);
-    if (!visible) return -INFINITY;
-    if (lm->mask) return (s * lm->scale + lm->mask[i * lm->mask_stride_i + j * lm->mask_stride_j]) * AQ_LOG2E;
-    return s * lm->scale_log2;
+/* Inside both sequences and allowed by the causal rule; the mask is only read at such positions. */
+AQ_D bool in_causal_range(const logit_map *lm, int i, int j) {
+    return i < lm->seqlen_q && j < lm->seqlen_k && (!lm->causal || (int64_t)j <= (int64_t)i + lm->causal_offset);
+}
+
+AQ_D float mask_at(const logit_map *lm, int i, int j) {
+    return lm->mask[i * lm->mask_stride_i + j * lm->mask_stride_j];
+}
+
+/* Whether key j is visible to query i (attn_qat.h): in range, causal, and not masked with -inf. Visibility is
+   apart from the score: a visible key whose score is -inf or NaN is not a hidden one. */
+AQ_D bool key_visible(const logit_map *lm, int i, int j) {
+    return in_causal_range(lm, i, j) && (lm->mask == NULL || mask_at(lm, i, j) != -INFINITY);
+}
+
+/* For the fp32 score s = q_i . k_j: returns key_visible and sets *t to t_ij, or to -inf for a hidden key
+   (whose score, even NaN, is never used). */
+AQ_D bool masked_logit_log2(const logit_map *lm, float s, int i, int j, float *t) {
+    *t = -INFINITY;
+    if (!in_causal_range(lm, i, j)) return false;
+    if (lm->mask == NULL) {
+        *t = s * lm->scale_log2;
+        return true;
+    }
+    const float m = mask_at(lm, i, j);
+    if (m == -INFINITY) return false;
+    *t = (s * lm->scale + m) * AQ_LOG2E;
+    return true;
+}
+
+/* The visible keys j0 .. j0+n-1 (n <= 64) of query i, and the visible queries i0 .. i0+n-1 of key j, as bit
+   masks; only the rare non-finite path needs them whole. */
+AQ_D uint64_t visible_keys_of_query(const logit_map *lm, int i, int j0, int n) {
+    uint64_t bits = 0;
+    for (int jj = 0; jj < n; jj++) bits |= (uint64_t)key_visible(lm, i, j0 + jj) << jj;
+    return bits;
+}
+
+AQ_D uint64_t visible_queries_of_key(const logit_map *lm, int j, int i0, int n) {
+    uint64_t bits = 0;
+    for (int ii = 0; ii < n; ii++) bits |= (uint64_t)key_visible(lm, i0 + ii, j) << ii;
+    return bits;
 }
 
 /* 2^e for e an integer <= 0 (the step between two integer frames), built from the exponent bits so it is exact;
@@ -240,48 +288,78 @@ AQ_D float exp2_frame_step(float e) {
 /* ------------------------------------------------------------------------------------------------
    NVFP4 fake-quant of P̂ * 2^11 (numerics.md §3) where one 16-key block is spread over several lanes. */
 
-/* The block rule of nvfp4.h (aq_quantize_block then aq_fake_quantize_block) for the n values of a block that
-   this lane holds, once amax_bits (max |x| as integers, NaN > Inf > finite) is known for the whole block. */
-AQ_HD void fake_quantize_with_amax(float *x, int n, uint32_t amax_bits) {
-    const float s = aq_block_scale_from_amax_bits(amax_bits);
-    const float r = aq_rcp_rn(s);
-#pragma unroll
-    for (int i = 0; i < n; i++) {
-        const uint8_t code = s > 0.0f ? aq_e2m1_code(aq_mul_rn(x[i], r)) : 0;
-        x[i] = aq_e2m1_value(code) * s;
-    }
-}
-
-AQ_HD uint32_t abs_bits_max(uint32_t amax_bits, float x) {
-    const uint32_t a = aq_float_bits(x) & 0x7FFFFFFFu;
-    return a > amax_bits ? a : amax_bits;
-}
-
-/* Query rows in C-fragment rows (forward, dQ): one row's 16-key block is two adjacent n-blocks, held by the 4
-   lanes of a quad (lanes 4g .. 4g+3), 4 values each (keys 2t, 2t+1, 2t+8, 2t+9). */
+/* Query rows in C-fragment rows (forward): one row's 16-key block is two adjacent n-blocks, held by the 4 lanes
+   of a quad (lanes 4g .. 4g+3), 4 values each (keys 2t, 2t+1, 2t+8, 2t+9). The block amax (max of |x| as
+   integers, as in aq_block_scale) is reduced over the quad; then nvfp4.h's block rule applies to each lane's part. */
 AQ_D void fake_quantize_quad_block(float x[4]) {
     uint32_t amax = 0;
 #pragma unroll
-    for (int i = 0; i < 4; i++) amax = abs_bits_max(amax, x[i]);
+    for (int i = 0; i < 4; i++) amax = aq_abs_bits_max(amax, x[i]);
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 1));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 2));
-    fake_quantize_with_amax(x, 4, amax);
+    aq_block_fake_quantize(x, 4, aq_block_scale_from_amax_bits(amax));
 }
 
 /* Keys in C-fragment rows (dK/dV kernel, S^T = K Q^T): a warp's 16 keys are one block of every query column;
    that column's values sit in the 8 lanes sharing lane & 3, two each (key rows g and g+8). */
 AQ_D void fake_quantize_column_block(float x[2]) {
-    uint32_t amax = abs_bits_max(abs_bits_max(0, x[0]), x[1]);
+    uint32_t amax = aq_abs_bits_max(aq_abs_bits_max(0, x[0]), x[1]);
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 4));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 8));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 16));
-    fake_quantize_with_amax(x, 2, amax);
+    aq_block_fake_quantize(x, 2, aq_block_scale_from_amax_bits(amax));
+}
+
+/* ------------------------------------------------------------------------------------------------
+   Non-finite operands (numerics.md §6, attn_qat.reference._matmul_visible). In a product
+   acc[r, d] += sum_j w_rj B[j, d] a hidden term (w_rj = 0 by the kernels' selects) must be absent, not
+   0 * NaN, while a visible term meeting a non-finite B[j, d] must make acc[r, d] NaN. When a B tile in shared
+   memory holds any Inf or NaN (rare; flagged by load_tile), the kernels zero those entries before the product,
+   remembering for each column d the rows j that held one, and afterwards poison acc[r, d] where a visible j
+   is among them. */
+
+/* One thread per column (D <= AQ_THREADS): zero the non-finite values of a ROWS x D tile (ROWS <= 64) in place
+   and write col_rows[d] = the rows that held one in column d. */
+template <int ROWS, int D, aq_dtype DT>
+AQ_D void scrub_nonfinite_tile(uint16_t *tile, uint64_t *col_rows) {
+    static_assert(ROWS <= 64 && D <= AQ_THREADS, "one thread per column, one bit per row");
+    constexpr int LD = D + AQ_SMEM_PAD;
+    constexpr uint16_t EXP = DT == AQ_BFLOAT16 ? 0x7F80 : 0x7C00;
+    const int d = (int)threadIdx.x;
+    if (d >= D) return;
+    uint64_t rows = 0;
+    for (int r = 0; r < ROWS; r++) {
+        uint16_t *x = tile + r * LD + d;
+        if ((*x & EXP) == EXP) {
+            rows |= 1ull << r;
+            *x = 0;
+        }
+    }
+    col_rows[d] = rows;
+}
+
+/* NaN into acc (C fragments: acc[n][e] at row r = e >> 1, column 8n + frag_c_col) wherever a visible B row of
+   this lane's C row r (bits in visible_rows[r]) was non-finite in that column. */
+template <int D>
+AQ_D void poison_nonfinite_products(float (&acc)[D / 8][4], const uint64_t visible_rows[2], const uint64_t *col_rows) {
+    const int lane = (int)threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (visible_rows[e >> 1] & col_rows[8 * n + frag_c_col(lane, e)]) acc[n][e] = NAN;
 }
 
 /* ------------------------------------------------------------------------------------------------
    Launcher helpers. */
 
 AQ_HD bool aligned16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
+
+/* NULL, or the error of the last kernel launch. */
+static inline const char *launch_status(void) {
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? NULL : cudaGetErrorString(err);
+}
 
 /* The checks shared by the forward and backward launchers; NULL when the sizes are supported. */
 static inline const char *check_attention_sizes(aq_dtype dtype, int64_t head_dim, int64_t batch, int64_t heads_q,

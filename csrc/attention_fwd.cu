@@ -8,6 +8,12 @@
    D = 128 keeps S, O and O' (16 x 32, 16 x 128, 16 x 128 per warp) in registers without spilling; 64 at D = 64. */
 static constexpr __host__ __device__ int fwd_keys_per_tile(int d) { return d == 128 ? 32 : 64; }
 
+/* CTAs per SM that ptxas must fit in registers (<= 168 each for 3): all variants but D = 128 with the second
+   accumulator O' (about 250 registers) fit 3 without spilling; left to itself ptxas picks fewer or spills. */
+static constexpr __host__ __device__ int fwd_min_ctas_per_sm(int d, bool with_o_prime) {
+    return d == 128 && with_o_prime ? 1 : 3;
+}
+
 /* ------------------------------------------------------------------------------------------------
    CUDA kernel */
 
@@ -32,11 +38,12 @@ AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[
    QUANTIZE_P: O accumulates fq16(P̂ * 2^11) (scaled back by 2^-11 / l at the end) and, with WITH_O_PRIME, O'
    accumulates P̂. !QUANTIZE_P: O accumulates P̂, and O' (if wanted) is the same tensor, stored twice. */
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
-__global__ void __launch_bounds__(AQ_THREADS) attention_fwd_kernel(const aq_attention_fwd_params p, bool vec) {
+__global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIME)) attention_fwd_kernel(const aq_attention_fwd_params p, bool vec) {
     static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
     constexpr int LD = D + AQ_SMEM_PAD, BN = fwd_keys_per_tile(D);
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *qs = (uint16_t *)smem, *ks = qs + FWD_BM * LD, *vs = ks + BN * LD;
+    uint64_t *v_nonfinite = (uint64_t *)(vs + BN * LD); /* D column masks, for scrub_nonfinite_tile */
 
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
     /* causal: the last query tiles see the most keys, so they are scheduled first */
@@ -48,8 +55,9 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_fwd_kernel(const aq_atte
     const uint16_t *kg = (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1];
     const uint16_t *vg = (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1];
 
-    load_tile<FWD_BM, D>(qs, (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1] + q0 * p.q_stride[2],
-                         p.q_stride[2], min(FWD_BM, nq - q0), vec);
+    load_tile<FWD_BM, D, DT>(qs,
+                             (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1] + q0 * p.q_stride[2],
+                             p.q_stride[2], min(FWD_BM, nq - q0), vec);
 
     float o[D / 8][4], o2[WITH_O_PRIME ? D / 8 : 1][4];
 #pragma unroll
@@ -59,16 +67,21 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_fwd_kernel(const aq_atte
             o[n][e] = 0.0f;
             if constexpr (WITH_O_PRIME) o2[n][e] = 0.0f;
         }
-    /* per thread row r (r = 0: row g, C elements 0, 1; r = 1: row g+8, elements 2, 3): the integer frame m and
-       this lane's part of l (summed over the quad at the end) */
+    /* per thread row r (r = 0: row g, C elements 0, 1; r = 1: row g+8, elements 2, 3): the integer frame m, this
+       lane's part of l and whether this lane met a visible key (both combined over the quad at the end) */
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    bool seen[2] = {false, false};
 
     const int key_end = causal_key_end(&lm, min(q0 + FWD_BM, nq) - 1);
     for (int k0 = 0; k0 < key_end; k0 += BN) {
         __syncthreads(); /* every warp is done with the previous K, V tile */
-        load_tile<BN, D>(ks, kg + k0 * p.k_stride[2], p.k_stride[2], min(BN, nk - k0), vec);
-        load_tile<BN, D>(vs, vg + k0 * p.v_stride[2], p.v_stride[2], min(BN, nk - k0), vec);
-        __syncthreads();
+        load_tile<BN, D, DT>(ks, kg + k0 * p.k_stride[2], p.k_stride[2], min(BN, nk - k0), vec);
+        const bool v_bad =
+            __syncthreads_or(load_tile<BN, D, DT>(vs, vg + k0 * p.v_stride[2], p.v_stride[2], min(BN, nk - k0), vec));
+        if (v_bad) { /* V is only used by P V: scrub it now, poison O below */
+            scrub_nonfinite_tile<BN, D, DT>(vs, v_nonfinite);
+            __syncthreads();
+        }
 
         /* S = Q K^T: s[n] = keys 8n .. 8n+7 of the tile */
         float s[BN / 8][4] = {};
@@ -90,8 +103,10 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_fwd_kernel(const aq_atte
             for (int n = 0; n < BN / 8; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++)
-                    s[n][e] = logit_log2(&lm, s[n][e], q0 + row0 + frag_c_row(lane, e), k0 + 8 * n + frag_c_col(lane, e));
+                    seen[e >> 1] |= masked_logit_log2(&lm, s[n][e], q0 + row0 + frag_c_row(lane, e),
+                                                      k0 + 8 * n + frag_c_col(lane, e), &s[n][e]);
         } else {
+            seen[0] = seen[1] = true;
 #pragma unroll
             for (int n = 0; n < BN / 8; n++)
 #pragma unroll
@@ -121,7 +136,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_fwd_kernel(const aq_atte
                     o2[n][2 * r + 1] *= alpha;
                 }
             }
-            /* no visible key yet: frame 0, so exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN */
+            /* frame -inf (no finite score yet): exp2(t - 0), so a hidden key's -inf gives 0, not NaN; a row whose
+               visible scores are all -inf is made NaN at the end */
             const float frame = m_new == -INFINITY ? 0.0f : m_new;
 #pragma unroll
             for (int n = 0; n < BN / 8; n++) {
@@ -150,6 +166,13 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_fwd_kernel(const aq_atte
                 }
             }
         }
+        if (v_bad) {
+            const uint64_t visible[2] = {
+                visible_keys_of_query(&lm, q0 + row0 + frag_c_row(lane, 0), k0, BN),
+                visible_keys_of_query(&lm, q0 + row0 + frag_c_row(lane, 2), k0, BN)};
+            poison_nonfinite_products<D>(o, visible, v_nonfinite);
+            if constexpr (WITH_O_PRIME) poison_nonfinite_products<D>(o2, visible, v_nonfinite);
+        }
     }
 
     /* Epilogue. The barrier covers a CTA with no key tile: its Q rows, loaded by all threads, are reused below
@@ -162,15 +185,20 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_fwd_kernel(const aq_atte
     for (int r = 0; r < 2; r++) {
         float lsum = l[r] + __shfl_xor_sync(AQ_FULL_MASK, l[r], 1);
         lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 2);
-        empty[r] = lsum == 0.0f; /* no visible key; a NaN l is not empty */
+        int any_seen = (int)seen[r]; /* every lane shuffles: no short-circuit around __shfl_xor_sync */
+        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 1);
+        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 2);
+        empty[r] = !any_seen;
+        /* visible keys but l = 0: every visible score was -inf, so M = -inf and 2^(t - M) is NaN (reference) */
+        if (any_seen && lsum == 0.0f) lsum = NAN;
         inv_l[r] = 1.0f / lsum;
         const int row = q0 + row0 + frag_c_row(lane, 2 * r);
         if ((lane & 3) == 0 && row < nq) {
-            p.frame_m[stat0 + row] = empty[r] ? -INFINITY : m[r];
+            p.frame_m[stat0 + row] = m[r];
             p.row_sum[stat0 + row] = lsum;
         }
     }
-    /* empty rows store exact zeros, even if a 0-weighted V row held Inf or NaN */
+    /* empty rows store exact zeros */
 #pragma unroll
     for (int n = 0; n < D / 8; n++)
 #pragma unroll
@@ -201,13 +229,12 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_fwd_kernel(const aq_atte
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
 static const char *launch_fwd(const aq_attention_fwd_params *p, cudaStream_t stream, bool vec) {
     void (*kernel)(const aq_attention_fwd_params, bool) = attention_fwd_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME>;
-    const int smem = (FWD_BM + 2 * fwd_keys_per_tile(D)) * (D + AQ_SMEM_PAD) * 2;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const int smem = (FWD_BM + 2 * fwd_keys_per_tile(D)) * (D + AQ_SMEM_PAD) * 2 + D * (int)sizeof(uint64_t);
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cudaGetErrorString(err);
     const dim3 grid((unsigned)((p->seqlen_q + FWD_BM - 1) / FWD_BM), (unsigned)p->heads_q, (unsigned)p->batch);
     kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec);
-    err = cudaGetLastError();
-    return err == cudaSuccess ? NULL : cudaGetErrorString(err);
+    return launch_status();
 }
 
 template <int D, aq_dtype DT>
