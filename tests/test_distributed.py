@@ -1,6 +1,7 @@
 """attn_qat under data parallelism (DDP and FSDP2, two processes: NCCL on two GPUs where present, else
 gloo on the CPU) and as the building block of ring attention (merging per-chunk outputs by their LSEs)."""
 import copy
+import os
 import socket
 import time
 
@@ -174,8 +175,17 @@ def _free_port() -> int:
 
 
 def _launch(backend, wrapper, world_size=2, timeout_s=120.0):
-    context = mp.start_processes(_worker, args=(world_size, _free_port(), backend, wrapper), nprocs=world_size,
-                                 join=False, start_method="spawn")
+    # The gloo run is the CPU path: hide GPUs from its workers, or FSDP2's device mesh picks a CUDA device
+    # for a gloo group (it crashed so on a 1-GPU machine).
+    hidden = backend == "gloo" and "CUDA_VISIBLE_DEVICES" not in os.environ
+    if hidden:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        context = mp.start_processes(_worker, args=(world_size, _free_port(), backend, wrapper),
+                                     nprocs=world_size, join=False, start_method="spawn")
+    finally:
+        if hidden:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):  # re-raises a worker's exception with its traceback
         if time.monotonic() > deadline:

@@ -87,7 +87,9 @@ def _fallback_case(name, device):
         return (x, x, x), {}, "head_dim 80"
     if name == "mask_requires_grad":
         x = randn(1, 2, 16, 64, device=device)
-        return (x, x, x), {"attn_mask": torch.zeros(16, 16, device=device, requires_grad=True)}, "requires grad"
+        # the mask in the query's dtype: torch's own CUDA SDPA (the fallback) refuses a float32 mask for bf16 q
+        mask = torch.zeros(16, 16, device=device, dtype=x.dtype, requires_grad=True)
+        return (x, x, x), {"attn_mask": mask}, "requires grad"
     if name == "five_dims":
         x = randn(1, 2, 2, 16, 64, device=device)
         return (x, x, x), {}, "5-D"
