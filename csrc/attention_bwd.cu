@@ -19,7 +19,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_delta_kernel(const a
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int row = (int)blockIdx.x * (AQ_THREADS / 32) + warp, h = (int)blockIdx.y, b = (int)blockIdx.z;
     if (row >= p.seqlen_q) return;
-    const uint16_t *dog = (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] + row * p.dout_stride[2];
+    const uint16_t *dog =
+        (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] + row * p.dout_stride[2];
     const uint16_t *og = (const uint16_t *)p.out_for_delta + b * p.out_for_delta_stride[0] +
                          h * p.out_for_delta_stride[1] + row * p.out_for_delta_stride[2];
     float acc = 0.0f;
@@ -67,10 +68,12 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
     const int k0 = (int)blockIdx.x * BWD_KEYS, hk = (int)blockIdx.y, b = (int)blockIdx.z;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
 
-    load_tile<BWD_KEYS, D, DT>(ks, (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1] + k0 * p.k_stride[2],
-                           p.k_stride[2], min(BWD_KEYS, nk - k0), vec);
-    load_tile<BWD_KEYS, D, DT>(vs, (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1] + k0 * p.v_stride[2],
-                           p.v_stride[2], min(BWD_KEYS, nk - k0), vec);
+    load_tile<BWD_KEYS, D, DT>(ks,
+                               (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1] + k0 * p.k_stride[2],
+                               p.k_stride[2], min(BWD_KEYS, nk - k0), vec);
+    load_tile<BWD_KEYS, D, DT>(vs,
+                               (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1] + k0 * p.v_stride[2],
+                               p.v_stride[2], min(BWD_KEYS, nk - k0), vec);
 
     float dk[D / 8][4] = {}, dv[D / 8][4] = {};
     for (int h = hk * group; h < (hk + 1) * group; h++) {
@@ -211,12 +214,13 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     const uint16_t *kg = (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1];
     const uint16_t *vg = (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1];
 
-    load_tile<BWD_ROWS, D, DT>(qs, (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1] + q0 * p.q_stride[2],
-                           p.q_stride[2], min(BWD_ROWS, nq - q0), vec);
+    load_tile<BWD_ROWS, D, DT>(qs,
+                               (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1] + q0 * p.q_stride[2],
+                               p.q_stride[2], min(BWD_ROWS, nq - q0), vec);
     load_tile<BWD_ROWS, D, DT>(dos,
-                           (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] +
-                               q0 * p.dout_stride[2],
-                           p.dout_stride[2], min(BWD_ROWS, nq - q0), vec);
+                               (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] +
+                                   q0 * p.dout_stride[2],
+                               p.dout_stride[2], min(BWD_ROWS, nq - q0), vec);
 
     /* statistics of this thread's rows g (r = 0) and g+8 (r = 1) */
     const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
@@ -321,7 +325,8 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
         void (*kernel)(const aq_attention_bwd_params, bool) =
             p->quantize_p_for_dv ? attention_bwd_dkdv_kernel<D, DT, true> : attention_bwd_dkdv_kernel<D, DT, false>;
         const int bq = dkdv_queries_per_step(D);
-        const int smem = (2 * BWD_KEYS + 2 * bq) * ld_bytes + 3 * bq * (int)sizeof(float) + 2 * D * (int)sizeof(uint64_t);
+        const int smem =
+            (2 * BWD_KEYS + 2 * bq) * ld_bytes + 3 * bq * (int)sizeof(float) + 2 * D * (int)sizeof(uint64_t);
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);
         const dim3 grid((unsigned)((p->seqlen_k + BWD_KEYS - 1) / BWD_KEYS), (unsigned)p->heads_kv, (unsigned)p->batch);

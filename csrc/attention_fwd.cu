@@ -36,9 +36,12 @@ AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[
    tiles of BN that any of its rows can see (K and V through shared memory). Warp w owns rows 16w .. 16w+15 and
    keeps S (16 x BN), O (16 x D) and, with WITH_O_PRIME, O' (16 x D) in registers.
    QUANTIZE_P: O accumulates fq16(P̂ * 2^11) (scaled back by 2^-11 / l at the end) and, with WITH_O_PRIME, O'
-   accumulates P̂. !QUANTIZE_P: O accumulates P̂, and O' (if wanted) is the same tensor, stored twice. */
+   accumulates P̂. !QUANTIZE_P: O accumulates P̂, and O' (if wanted) is the same tensor, stored twice.
+   A row with no visible key stores O = O' = 0, M = -inf, l = 0; one whose visible scores are all -inf (or NaN)
+   stores M = -inf and NaN l, O, O', like attn_qat.reference. */
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
-__global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIME)) attention_fwd_kernel(const aq_attention_fwd_params p, bool vec) {
+__global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIME))
+    attention_fwd_kernel(const aq_attention_fwd_params p, bool vec) {
     static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
     constexpr int LD = D + AQ_SMEM_PAD, BN = fwd_keys_per_tile(D);
     extern __shared__ __align__(16) unsigned char smem[];
@@ -198,7 +201,7 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIM
             p.row_sum[stat0 + row] = lsum;
         }
     }
-    /* empty rows store exact zeros */
+    /* empty rows (l = 0, so 1 / l = inf) store exact zeros */
 #pragma unroll
     for (int n = 0; n < D / 8; n++)
 #pragma unroll

@@ -81,70 +81,88 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p
     }
 }
 
-// Any other layout (V along tokens, strided views): one thread per (outer, block, COLS adjacent inner
-// columns), inner fastest so a warp reads whole rows of the inner axis. COLS > 1 needs stride_inner == 1,
-// inner % COLS == 0 and aligned pointers; then each row of the block is one COLS-element vector load.
-template <typename T, int COLS, typename I>
-__global__ void __launch_bounds__(256) quantize_strided_kernel(aq_quantize_params p) {
-    using Vec = typename Bytes<COLS * sizeof(T)>::type;
+// Blocked axis not innermost, inner axis contiguous (V along tokens): a CTA takes one 16-row block of
+// TILE_COLS inner columns. It loads the tile with coalesced 16-byte loads into shared memory, each thread
+// quantizes one column there, and the fake values leave the same way; without the staging a thread would
+// read its column 2 bytes at a time. Needs stride_inner == 1, inner and the other strides multiples of 16
+// bytes, aligned pointers. Grid: (outer * nblocks, ceil(inner / TILE_COLS)).
+constexpr int TILE_COLS = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(TILE_COLS) quantize_tokens_kernel(aq_quantize_params p) {
+    constexpr int per_vec = 16 / sizeof(T), chunks_per_row = TILE_COLS / per_vec;
+    __shared__ __align__(16) T tile[AQ_BLOCK][TILE_COLS];
     const int64_t nblocks = (p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK, packed_len = (p.axis_len + 1) / 2;
-    const I groups = (I)(p.inner / COLS), iblocks = (I)nblocks;
-    const I idx = blockIdx.x * (I)blockDim.x + threadIdx.x;
-    if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * iblocks * groups) return;
-    const int64_t in = (int64_t)(idx % groups) * COLS, blk = (idx / groups) % iblocks;
-    const I o = idx / (groups * iblocks);
-    const int64_t a0 = blk * AQ_BLOCK;
+    const int64_t blk = blockIdx.x % nblocks, o = blockIdx.x / nblocks, a0 = blk * AQ_BLOCK;
+    const int64_t col0 = (int64_t)blockIdx.y * TILE_COLS;
     const int n = (int)min((int64_t)AQ_BLOCK, p.axis_len - a0);
-    const T *src = (const T *)p.x + outer_offset(p, o) + a0 * p.stride_axis + in * p.stride_inner;
-    Vec rows[AQ_BLOCK];
-#pragma unroll
-    for (int i = 0; i < AQ_BLOCK; i++) {
-        if (i < n) {
-            if (COLS == 1) rows[i] = *(const Vec *)(src + i * p.stride_axis);
-            else rows[i] = __ldg((const Vec *)(src + i * p.stride_axis));
-        }
+    const int cols = (int)min((int64_t)TILE_COLS, p.inner - col0);
+    const T *src = (const T *)p.x + outer_offset(p, (uint32_t)o) + a0 * p.stride_axis + col0;
+    for (int c = threadIdx.x; c < AQ_BLOCK * chunks_per_row; c += TILE_COLS) {
+        const int row = c / chunks_per_row, col = (c % chunks_per_row) * per_vec;
+        if (row < n && col < cols) *(uint4 *)&tile[row][col] = __ldg((const uint4 *)(src + row * p.stride_axis + col));
     }
-    // One column at a time keeps a single block of fp32 values live; fake values go back into `rows` so
-    // that each row is stored with one vector store.
-    uint8_t scales[COLS], packed[AQ_BLOCK / 2][COLS];
-#pragma unroll
-    for (int c = 0; c < COLS; c++) {
+    __syncthreads();
+    const int col = threadIdx.x;
+    if (col < cols) {
         float v[AQ_BLOCK];
 #pragma unroll
-        for (int i = 0; i < AQ_BLOCK; i++) v[i] = i < n ? to_float<T>(((const T *)&rows[i])[c]) : 0.0f;
+        for (int i = 0; i < AQ_BLOCK; i++) v[i] = i < n ? to_float<T>(tile[i][col]) : 0.0f;
         const float s = aq_block_scale(v, n);
-        scales[c] = aq_e4m3_encode(s);
+        const int64_t in = col0 + col;
+        if (p.scales) p.scales[(o * nblocks + blk) * p.inner + in] = aq_e4m3_encode(s);
         if (p.codes) {
             uint8_t codes[AQ_BLOCK];
             aq_block_codes(v, n, s, codes);
 #pragma unroll
-            for (int i = 0; i < AQ_BLOCK / 2; i++) packed[i][c] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+            for (int i = 0; i < AQ_BLOCK; i += 2)
+                if (i < n) p.codes[(o * packed_len + (a0 + i) / 2) * p.inner + in] = (uint8_t)(codes[i] | (codes[i + 1] << 4));
         }
         if (p.fake) {
             aq_block_fake_quantize(v, n, s);
 #pragma unroll
-            for (int i = 0; i < AQ_BLOCK; i++) ((T *)&rows[i])[c] = from_float<T>(v[i]);
+            for (int i = 0; i < AQ_BLOCK; i++) tile[i][col] = from_float<T>(v[i]);
         }
     }
-    if (p.scales) {
-        uint8_t *dst = p.scales + (o * nblocks + blk) * p.inner + in;
-#pragma unroll
-        for (int c = 0; c < COLS; c++) dst[c] = scales[c];
+    if (!p.fake) return;
+    __syncthreads();
+    T *dst = (T *)p.fake + (o * p.axis_len + a0) * p.inner + col0;
+    for (int c = threadIdx.x; c < AQ_BLOCK * chunks_per_row; c += TILE_COLS) {
+        const int row = c / chunks_per_row, col = (c % chunks_per_row) * per_vec;
+        if (row < n && col < cols) *(uint4 *)(dst + row * p.inner + col) = *(const uint4 *)&tile[row][col];
     }
+}
+
+// Any other layout: one thread per (outer, block, inner column), inner fastest.
+template <typename T, typename I>
+__global__ void __launch_bounds__(256) quantize_strided_kernel(aq_quantize_params p) {
+    const int64_t nblocks = (p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK, packed_len = (p.axis_len + 1) / 2;
+    const I inner = (I)p.inner, iblocks = (I)nblocks;
+    const I idx = blockIdx.x * (I)blockDim.x + threadIdx.x;
+    if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * iblocks * inner) return;
+    const int64_t in = (int64_t)(idx % inner), blk = (idx / inner) % iblocks;
+    const I o = idx / (inner * iblocks);
+    const int64_t a0 = blk * AQ_BLOCK;
+    const int n = (int)min((int64_t)AQ_BLOCK, p.axis_len - a0);
+    const T *src = (const T *)p.x + outer_offset(p, o) + a0 * p.stride_axis + in * p.stride_inner;
+    float v[AQ_BLOCK];
+#pragma unroll
+    for (int i = 0; i < AQ_BLOCK; i++) v[i] = i < n ? to_float<T>(src[i * p.stride_axis]) : 0.0f;
+    const float s = aq_block_scale(v, n);
+    if (p.scales) p.scales[(o * nblocks + blk) * p.inner + in] = aq_e4m3_encode(s);
     if (p.codes) {
+        uint8_t codes[AQ_BLOCK];
+        aq_block_codes(v, n, s, codes);
 #pragma unroll
-        for (int i = 0; i < AQ_BLOCK; i += 2) {
-            if (i < n) {
-                uint8_t *dst = p.codes + (o * packed_len + (a0 + i) / 2) * p.inner + in;
-#pragma unroll
-                for (int c = 0; c < COLS; c++) dst[c] = packed[i / 2][c];
-            }
-        }
+        for (int i = 0; i < AQ_BLOCK; i += 2)
+            if (i < n) p.codes[(o * packed_len + (a0 + i) / 2) * p.inner + in] = (uint8_t)(codes[i] | (codes[i + 1] << 4));
     }
     if (p.fake) {
+        aq_block_fake_quantize(v, n, s);
+        T *dst = (T *)p.fake + (o * p.axis_len + a0) * p.inner + in;
 #pragma unroll
         for (int i = 0; i < AQ_BLOCK; i++)
-            if (i < n) *(Vec *)((T *)p.fake + (o * p.axis_len + a0 + i) * p.inner + in) = rows[i];
+            if (i < n) dst[i * p.inner] = from_float<T>(v[i]);
     }
 }
 
@@ -176,19 +194,22 @@ static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
     for (int i = 0; i < 3; i++) aligned_outer = aligned_outer && (p->stride_outer[i] * (int64_t)sizeof(T)) % 16 == 0;
     const bool rows = p->inner == 1 && p->stride_axis == 1 && p->axis_len % AQ_BLOCK == 0 && aligned_outer &&
                       (uintptr_t)p->x % 16 == 0 && (uintptr_t)p->codes % 8 == 0 && (uintptr_t)p->fake % 16 == 0;
-    constexpr int cols = 2;
-    const bool vec_cols = p->stride_inner == 1 && p->inner % cols == 0 && p->stride_axis % cols == 0 &&
-                          aligned_outer && (uintptr_t)p->x % (cols * sizeof(T)) == 0 &&
-                          (uintptr_t)p->fake % (cols * sizeof(T)) == 0;
-    const int64_t work = rows ? outer * nblocks : outer * nblocks * (p->inner / (vec_cols ? cols : 1));
-    const unsigned grid = grid_for(work, threads);
-    const bool small = grid * (int64_t)threads < ((int64_t)1 << 32);
-    if (rows && small) quantize_rows_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
-    else if (rows) quantize_rows_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
-    else if (vec_cols && small) quantize_strided_kernel<T, cols, uint32_t><<<grid, threads, 0, stream>>>(*p);
-    else if (vec_cols) quantize_strided_kernel<T, cols, int64_t><<<grid, threads, 0, stream>>>(*p);
-    else if (small) quantize_strided_kernel<T, 1, uint32_t><<<grid, threads, 0, stream>>>(*p);
-    else quantize_strided_kernel<T, 1, int64_t><<<grid, threads, 0, stream>>>(*p);
+    constexpr int per_vec = 16 / sizeof(T);
+    const bool tokens = p->stride_inner == 1 && p->inner % per_vec == 0 && p->stride_axis % per_vec == 0 &&
+                        aligned_outer && (uintptr_t)p->x % 16 == 0 && (uintptr_t)p->fake % 16 == 0 &&
+                        outer * nblocks < ((int64_t)1 << 31) && outer < ((int64_t)1 << 32);
+    if (rows) {
+        const unsigned grid = grid_for(outer * nblocks, threads);
+        if (grid * (int64_t)threads < ((int64_t)1 << 32)) quantize_rows_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
+        else quantize_rows_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
+    } else if (tokens) {
+        const dim3 grid((unsigned)(outer * nblocks), (unsigned)((p->inner + TILE_COLS - 1) / TILE_COLS));
+        quantize_tokens_kernel<T><<<grid, TILE_COLS, 0, stream>>>(*p);
+    } else {
+        const unsigned grid = grid_for(outer * nblocks * p->inner, threads);
+        if (grid * (int64_t)threads < ((int64_t)1 << 32)) quantize_strided_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
+        else quantize_strided_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
+    }
 }
 
 extern "C" const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream) {

@@ -12,6 +12,10 @@ from attn_qat import reference
 from conftest import DEVICES, HAS_CUDA, rel_error, requires_cuda
 
 FWD_TOL, BWD_TOL = 3e-3, 1e-2
+# numerics.md §7 lets isolated P codes flip where the kernel's fp32 scores land on the other side of a
+# rounding boundary than the float64 reference's; one flip moves its row by a few percent. The forward
+# check sets aside up to this fraction of the rows (at least one), each within FLIP_ROW_TOL.
+FLIP_ROW_FRACTION, FLIP_ROW_TOL = 0.01, 0.25
 
 # (name, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim)
 SHAPES = [
@@ -81,13 +85,27 @@ def log_errors(q, k, mode, causal, mask, api, label, errors):
         f.write(json.dumps(case) + "\n")
 
 
+def forward_error(out: torch.Tensor, ref: torch.Tensor):
+    """(relative Frobenius error of O over the rows left after setting aside isolated flips, rows set aside)."""
+    out, ref = out.double().cpu().flatten(0, -2), ref.double().cpu().flatten(0, -2)
+    diff = (out - ref).norm(dim=-1)
+    row_error = diff / ref.norm(dim=-1).clamp_min(1e-30)
+    budget = max(1, int(FLIP_ROW_FRACTION * len(row_error)))
+    worst = row_error.nan_to_num(float("inf")).topk(budget).indices
+    flipped = worst[(row_error[worst] > 4 * FWD_TOL) & (row_error[worst] <= FLIP_ROW_TOL)]
+    keep = torch.ones(len(row_error), dtype=torch.bool)
+    keep[flipped] = False
+    return float(diff[keep].norm() / ref[keep].norm().clamp_min(1e-30)), len(flipped)
+
+
 def check(q, k, v, dout, *, mode="attn_qat", mask=None, causal=None, api="sdpa", label=""):
     out, dq, dk, dv = run(q, k, v, dout, mode=mode, mask=mask, causal=causal, api=api)
     qc, kc, vc, dc = (t.cpu() for t in (q, k, v, dout))
     mc = None if mask is None else mask.cpu()
     ref = reference.attention(qc, kc, vc, attn_mask=mc, causal=causal, mode=mode)
     grads = reference.attention_backward(qc, kc, vc, dc, mode=mode, attn_mask=mc, causal=causal)
-    errors = {"out": rel_error(out, ref)}
+    out_error, flipped_rows = forward_error(out, ref)
+    errors = {"out": out_error, "flipped_rows": flipped_rows}
     errors.update({name: rel_error(ours, r) for name, ours, r in zip(("dq", "dk", "dv"), (dq, dk, dv), grads)})
     assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     log_errors(q, k, mode, causal, mask, api, label, errors)
