@@ -8,7 +8,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, MODES, mode_code, ops
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, mode_code, ops
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LN2 = math.log(2.0)
@@ -162,8 +162,7 @@ def attention(
     fn = "attention"
     if layout not in ("bshd", "bhsd"):
         raise ValueError(f"attn_qat.{fn}: layout must be 'bshd' or 'bhsd', got {layout!r}")
-    if mode not in MODES:
-        mode_code(mode)
+    mode_code(mode)  # a bad mode fails here, before any work
     if layout == "bshd":
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
