@@ -94,6 +94,7 @@ def main() -> int:
     ok = all([self_check(dev) for dev in devices])
     print("Demo:")
     demo(devices[-1])
+    print("Training with FP4 attention: examples/train_lm.py; measured results in docs/results.md.")
     print("Self-check passed." if ok else "Self-check FAILED.")
     return 0 if ok else 1
 
