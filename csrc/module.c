@@ -10,7 +10,7 @@
 #endif
 
 static struct PyModuleDef attn_qat_module = {
-    PyModuleDef_HEAD_INIT, "_C", "attn_qat kernels; the ops live in torch.ops.attn_qat.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_C", "attn_qat kernels; the ops live in torch.ops.attn_qat.", -1, NULL, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__C(void) {
