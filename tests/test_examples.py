@@ -1,4 +1,5 @@
-"""CPU smoke test of examples/train_lm.py: a few steps of the tiny model in four arms, end to end."""
+"""CPU smoke tests of examples/train_lm.py and examples/train_wan.py: a few steps of the tiny model in four
+arms, end to end."""
 import csv
 import json
 import math
@@ -8,20 +9,13 @@ import sys
 
 import pytest
 
-pytest.importorskip("transformers")
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARMS = ("bf16", "fp4_inference", "attn_qat", "drop_in")
 
 
-def test_train_lm_tiny_cpu(tmp_path):
-    out = tmp_path / "lm"
-    cmd = [sys.executable, "examples/train_lm.py", "--size", "tiny", "--steps", "3", "--eval-every", "2",
-           "--eval-batches", "1", "--batch-size", "2", "--arms", ",".join(ARMS), "--device", "cpu", "--out", str(out)]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-    for arm in ARMS:
+def check_outputs(out, arms):
+    """Per-arm CSVs with evaluations at steps 2 and 3, and a summary close to bf16 for every arm."""
+    for arm in arms:
         with open(out / f"{arm}.csv", newline="") as f:
             rows = list(csv.DictReader(f))
         val_losses = [float(r["val_loss"]) for r in rows if r["val_loss"]]
@@ -34,9 +28,34 @@ def test_train_lm_tiny_cpu(tmp_path):
             assert all(math.isfinite(float(r[k])) for r in rows for k in ("train_loss", "grad_norm"))
 
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["arms"]) == set(ARMS)
+    assert set(summary["arms"]) == set(arms)
     for arm, entry in summary["arms"].items():
         assert math.isfinite(entry["final_val_loss"]) and math.isfinite(entry["gap_to_bf16"])
     assert summary["arms"]["bf16"]["gap_to_bf16"] == 0.0
     # Same seed, same data: the arms start equal and FP4 attention perturbs a 3-step tiny model only a little.
     assert all(abs(entry["gap_to_bf16"]) < 0.1 for entry in summary["arms"].values())
+    return summary
+
+
+def test_train_lm_tiny_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "lm"
+    cmd = [sys.executable, "examples/train_lm.py", "--size", "tiny", "--steps", "3", "--eval-every", "2",
+           "--eval-batches", "1", "--batch-size", "2", "--arms", ",".join(ARMS), "--device", "cpu", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    check_outputs(out, ARMS)
+
+
+def test_train_wan_tiny_cpu(tmp_path):
+    pytest.importorskip("diffusers")
+    out = tmp_path / "wan"
+    cmd = [sys.executable, "examples/train_wan.py", "--size", "tiny", "--steps", "3", "--eval-every", "2",
+           "--eval-batches", "1", "--batch-size", "2", "--arms", ",".join(ARMS), "--device", "cpu", "--cross-attention",
+           "--out", str(out)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = check_outputs(out, ARMS)
+    assert summary["cross_attention"] and summary["tokens_per_video"] == 32
+    assert (out / "loss.png").exists() and (out / "grad_norm.png").exists()
