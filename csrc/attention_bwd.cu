@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
 #pragma unroll
                     for (int c = 0; c < 2; c++) {
                         float x[2] = {st[n][c], st[n][c + 2]}; /* key rows g and g+8 of query column c */
-                        fake_quantize_column_block(x);
+                        fake_quantize_p_column(x);
                         const float inv_l = row_inv_l[8 * n + frag_c_col(lane, c)];
                         st[n][c] = (live_bits >> (4 * n + c)) & 1u ? x[0] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
                         st[n][c + 2] = (live_bits >> (4 * n + c + 2)) & 1u ? x[1] * AQ_P_HEADROOM_INV * inv_l : 0.0f;

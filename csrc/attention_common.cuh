@@ -187,6 +187,22 @@ AQ_D void store_warp_rows(const float (&acc)[D / 8][4], uint16_t *stage, uint16_
     __syncwarp();
 }
 
+/* A warp's 16 x D fp32 C fragments (acc[n] = columns 8n .. 8n+7) written as DT straight from registers to global
+   rows [0, valid), 4 bytes per store (the quad of a row fills 16 contiguous bytes): base 4-byte aligned, stride
+   even. */
+template <int D, aq_dtype DT>
+AQ_D void store_fragment_rows(const float (&acc)[D / 8][4], uint16_t *g, int64_t stride, int valid) {
+    const int lane = (int)threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = frag_c_row(lane, 2 * r);
+        if (row >= valid) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            *(uint32_t *)(g + row * stride + 8 * n + frag_c_col(lane, 0)) = pack2<DT>(acc[n][2 * r], acc[n][2 * r + 1]);
+    }
+}
+
 /* ------------------------------------------------------------------------------------------------
    Scores to the log2 domain (numerics.md §3) with masking, for one (batch, query head). */
 typedef struct {
@@ -286,28 +302,182 @@ AQ_D float exp2_frame_step(float e) {
 }
 
 /* ------------------------------------------------------------------------------------------------
-   NVFP4 fake-quant of P̂ * 2^11 (numerics.md §3) where one 16-key block is spread over several lanes. */
+   NVFP4 fake-quant of P̂ * 2^11 (numerics.md §3). P̂ is >= 0 (or NaN), which makes the block rule cheap; the
+   functions below give bit for bit aq_block_fake_quantize's result for such inputs:
+   - amax is the max of the values' bits (non-negative floats order like their bits; NaN above all);
+   - amax / 6 correctly rounded as x * fl(1/6) plus one fma correction (Markstein; checked for every fp32 x:
+     it differs from x / 6 only for subnormal x, whose scale is 0 either way);
+   - the E4M3 rounding by the hardware cvt (sm_89+; nvfp4.h's software rounding elsewhere);
+   - e2m1(y) for y >= 0 as (y + c) - c with c = 2^(22 + max(exponent(y), 0)): fp32 addition rounds y to the E2M1
+     spacing of its binade (0.5 below 2, 1 below 4, 2 from 4), ties to even, which is the E2M1 tie rule
+     (checked for every fp32 y in [0, 64]; fminf saturates at 6 first);
+   - a zero-scale block uses r = 0, so its y and values are 0; a NaN scale makes every value NaN. */
+
+/* The block scale s and r = fl(1 / s) (0 when s = 0) from the bits of the block's amax. */
+AQ_D void p_block_scale(uint32_t amax_bits, float *s, float *r) {
+    const float amax = __uint_as_float(amax_bits), sixth = 1.0f / 6.0f;
+    const float q0 = __fmul_rn(amax, sixth);
+    const float v = __fmaf_rn(__fmaf_rn(-q0, 6.0f, amax), sixth, q0);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint16_t pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;\n" : "=h"(pair) : "f"(v));
+    uint32_t halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(halves) : "h"(pair));
+    *s = __half2float(__ushort_as_half((uint16_t)(halves & 0xFFFFu)));
+#else
+    *s = amax_bits >= 0x7F800000u ? __uint_as_float(0x7FC00000u) : aq_e4m3_round(v);
+#endif
+    *r = *s == 0.0f ? 0.0f : __frcp_rn(*s);
+}
+
+/* e2m1(x * r) * s for x >= 0 or NaN. */
+AQ_D float p_fake_quantize_element(float x, float s, float r) {
+    const float y = fminf(__fmul_rn(x, r), 6.0f);
+    const uint32_t e = max(__float_as_uint(y) & 0x7F800000u, 0x3F800000u) + (22u << 23);
+    const float c = __uint_as_float(e);
+    return __fmul_rn(__fsub_rn(__fadd_rn(y, c), c), s);
+}
 
 /* Query rows in C-fragment rows (forward): one row's 16-key block is two adjacent n-blocks, held by the 4 lanes
-   of a quad (lanes 4g .. 4g+3), 4 values each (keys 2t, 2t+1, 2t+8, 2t+9). The block amax (max of |x| as
-   integers, as in aq_block_scale) is reduced over the quad; then nvfp4.h's block rule applies to each lane's part. */
-AQ_D void fake_quantize_quad_block(float x[4]) {
-    uint32_t amax = 0;
-#pragma unroll
-    for (int i = 0; i < 4; i++) amax = aq_abs_bits_max(amax, x[i]);
+   of a quad (lanes 4g .. 4g+3), 4 values each (keys 2t, 2t+1, 2t+8, 2t+9). x = P̂ * 2^11 in, P^F * 2^11 out. */
+AQ_D void fake_quantize_p_quad(float x[4]) {
+    uint32_t amax = max(max(__float_as_uint(x[0]), __float_as_uint(x[1])),
+                        max(__float_as_uint(x[2]), __float_as_uint(x[3])));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 1));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 2));
-    aq_block_fake_quantize(x, 4, aq_block_scale_from_amax_bits(amax));
+    float s, r;
+    p_block_scale(amax, &s, &r);
+#pragma unroll
+    for (int i = 0; i < 4; i++) x[i] = p_fake_quantize_element(x[i], s, r);
 }
 
 /* Keys in C-fragment rows (dK/dV kernel, S^T = K Q^T): a warp's 16 keys are one block of every query column;
    that column's values sit in the 8 lanes sharing lane & 3, two each (key rows g and g+8). */
-AQ_D void fake_quantize_column_block(float x[2]) {
-    uint32_t amax = aq_abs_bits_max(aq_abs_bits_max(0, x[0]), x[1]);
+AQ_D void fake_quantize_p_column(float x[2]) {
+    uint32_t amax = max(__float_as_uint(x[0]), __float_as_uint(x[1]));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 4));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 8));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 16));
-    aq_block_fake_quantize(x, 2, aq_block_scale_from_amax_bits(amax));
+    float s, r;
+    p_block_scale(amax, &s, &r);
+    x[0] = p_fake_quantize_element(x[0], s, r);
+    x[1] = p_fake_quantize_element(x[1], s, r);
+}
+
+/* The A fragment of fq16(P̂ * 2^11) for one 16-key block of a warp's 16 rows, from P̂ in C layout (c0 = keys
+   0..7, c1 = keys 8..15 of the block). Row g's block is c0[0..1], c1[0..1] across the lane quad, row g+8's is
+   c0[2..3], c1[2..3]. The results are exact in bf16 and fp16 (6 significant bits, <= 2112). */
+template <aq_dtype DT>
+AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[4]) {
+    float row_g[4] = {c0[0] * AQ_P_HEADROOM, c0[1] * AQ_P_HEADROOM, c1[0] * AQ_P_HEADROOM, c1[1] * AQ_P_HEADROOM};
+    float row_g8[4] = {c0[2] * AQ_P_HEADROOM, c0[3] * AQ_P_HEADROOM, c1[2] * AQ_P_HEADROOM, c1[3] * AQ_P_HEADROOM};
+    fake_quantize_p_quad(row_g);
+    fake_quantize_p_quad(row_g8);
+    const float q0[4] = {row_g[0], row_g[1], row_g8[0], row_g8[1]};
+    const float q1[4] = {row_g[2], row_g[3], row_g8[2], row_g8[3]};
+    pack_a_from_c<DT>(a, q0, q1);
+}
+
+/* ------------------------------------------------------------------------------------------------
+   The forward's per-row online softmax (numerics.md §3), shared by the mma.sync and wgmma forwards. A warp holds
+   16 query rows as C fragments: s[n][e] is row `row_base + frag_c_row(lane, e)`, key `k0 + 8n + frag_c_col`; each
+   thread keeps two rows (r = 0: row g, elements 0, 1; r = 1: row g+8, elements 2, 3) with their integer frame
+   m[r], its part of l[r] (summed over the quad at the end) and whether it met a visible key. */
+
+/* Scores q.k -> t = log2-domain logits, hidden keys -inf (attn_qat.h's visibility). */
+template <int BN>
+AQ_D void scores_to_log2(const logit_map *lm, float (&s)[BN / 8][4], int row_base, int k0, bool needs_mask,
+                         bool seen[2]) {
+    const int lane = (int)threadIdx.x & 31;
+    if (needs_mask) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                seen[e >> 1] |= masked_logit_log2(lm, s[n][e], row_base + frag_c_row(lane, e),
+                                                  k0 + 8 * n + frag_c_col(lane, e), &s[n][e]);
+    } else {
+        seen[0] = seen[1] = true;
+#pragma unroll
+        for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[n][e] *= lm->scale_log2;
+    }
+}
+
+/* One key tile of the online softmax in an integer frame: m = ceil(running max), so the rescale factor of the
+   accumulators (o, and o2 unless it is o itself: pass the same array only with RESCALE_O2 false) is an exact power
+   of two, which commutes with the P block rule. s becomes P̂ = 2^(t - m). The row max ignores NaN (fmaxf); a NaN
+   score still reaches l and O through exp2. */
+template <int BN, int D, bool RESCALE_O2>
+AQ_D void online_softmax_tile(float (&s)[BN / 8][4], float (&o)[D / 8][4], float (&o2)[D / 8][4], float m[2],
+                              float l[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 2));
+        const float m_new = fmaxf(m[r], ceilf(mx));
+        const float alpha = exp2_frame_step(m[r] - m_new);
+        m[r] = m_new;
+        l[r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            o[n][2 * r] *= alpha;
+            o[n][2 * r + 1] *= alpha;
+            if constexpr (RESCALE_O2) {
+                o2[n][2 * r] *= alpha;
+                o2[n][2 * r + 1] *= alpha;
+            }
+        }
+        /* frame -inf (no finite score yet): exp2(t - 0), so a hidden key's -inf gives 0, not NaN; a row whose
+           visible scores are all -inf is made NaN at the end */
+        const float frame = m_new == -INFINITY ? 0.0f : m_new;
+#pragma unroll
+        for (int n = 0; n < BN / 8; n++) {
+            s[n][2 * r] = exp2f(s[n][2 * r] - frame);
+            s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - frame);
+            l[r] += s[n][2 * r] + s[n][2 * r + 1];
+        }
+    }
+}
+
+/* End of the forward for a warp's 16 rows: sums l over the quad, stores M and l (rows < nq) at stats + row, and
+   turns o (and o2) into outputs: o * o_factor / l, o2 / l; exact zeros for empty rows (no visible key), NaN for
+   rows that saw keys but whose l is 0 (every visible score -inf, like attn_qat.reference). */
+template <int D, bool SCALE_O2>
+AQ_D void finish_forward_rows(float (&o)[D / 8][4], float (&o2)[D / 8][4], const float m[2], const float l[2],
+                              const bool seen[2], float o_factor, float *frame_m, float *row_sum, int row_base,
+                              int nq) {
+    const int lane = (int)threadIdx.x & 31;
+    float inv_l[2];
+    bool empty[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lsum = l[r] + __shfl_xor_sync(AQ_FULL_MASK, l[r], 1);
+        lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 2);
+        int any_seen = (int)seen[r]; /* every lane shuffles: no short-circuit around __shfl_xor_sync */
+        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 1);
+        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 2);
+        empty[r] = !any_seen;
+        if (any_seen && lsum == 0.0f) lsum = NAN;
+        inv_l[r] = 1.0f / lsum;
+        const int row = row_base + frag_c_row(lane, 2 * r);
+        if ((lane & 3) == 0 && row < nq) {
+            frame_m[row] = m[r];
+            row_sum[row] = lsum;
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = e >> 1;
+            o[n][e] = empty[r] ? 0.0f : o[n][e] * o_factor * inv_l[r];
+            if constexpr (SCALE_O2) o2[n][e] = empty[r] ? 0.0f : o2[n][e] * inv_l[r];
+        }
 }
 
 /* ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 /* Attention forward on CUDA (numerics.md §3): FlashAttention-2 on mma.sync, one pass with an integer running
    frame, the NVFP4 fake-quant of P in registers; writes O, optionally O', and the row statistics M and l. */
 #include "attention_common.cuh"
+#include "attention_sm90.h"
 
 #define FWD_BM 64 /* query rows per CTA, 16 per warp */
 
@@ -17,22 +18,9 @@ static constexpr __host__ __device__ int fwd_min_ctas_per_sm(int d, bool with_o_
 /* ------------------------------------------------------------------------------------------------
    CUDA kernel */
 
-/* The A fragment of fq16(P̂ * 2^11) for one 16-key block of the warp's 16 rows, from P̂ in C layout
-   (c0 = keys 0..7, c1 = keys 8..15 of the block). Row g's block is c0[0..1], c1[0..1] across the lane quad,
-   row g+8's is c0[2..3], c1[2..3]. The results are exact in bf16 and fp16 (6 significant bits, <= 2112). */
-template <aq_dtype DT>
-AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[4]) {
-    float row_g[4] = {c0[0] * AQ_P_HEADROOM, c0[1] * AQ_P_HEADROOM, c1[0] * AQ_P_HEADROOM, c1[1] * AQ_P_HEADROOM};
-    float row_g8[4] = {c0[2] * AQ_P_HEADROOM, c0[3] * AQ_P_HEADROOM, c1[2] * AQ_P_HEADROOM, c1[3] * AQ_P_HEADROOM};
-    fake_quantize_quad_block(row_g);
-    fake_quantize_quad_block(row_g8);
-    const float q0[4] = {row_g[0], row_g[1], row_g8[0], row_g8[1]};
-    const float q1[4] = {row_g[2], row_g[3], row_g8[2], row_g8[3]};
-    pack_a_from_c<DT>(a, q0, q1);
-}
-
 /* q, o, o_prime: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), strided; frame_m, row_sum: (B, Hq, Nq) fp32 contiguous.
-   grid (ceil(Nq / 64), Hq, B), 128 threads. The CTA keeps its 64 query rows in shared memory and walks the key
+   grid (ceil(Nq / 64), Hq, B), 128 threads; run_only_if: NULL, or a device flag without which the CTA exits at once
+   (attention_sm90.h). The CTA keeps its 64 query rows in shared memory and walks the key
    tiles of BN that any of its rows can see (K and V through shared memory). Warp w owns rows 16w .. 16w+15 and
    keeps S (16 x BN), O (16 x D) and, with WITH_O_PRIME, O' (16 x D) in registers.
    QUANTIZE_P: O accumulates fq16(P̂ * 2^11) (scaled back by 2^-11 / l at the end) and, with WITH_O_PRIME, O'
@@ -41,9 +29,10 @@ AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[
    stores M = -inf and NaN l, O, O', like attn_qat.reference. */
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
 __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIME))
-    attention_fwd_kernel(const aq_attention_fwd_params p, bool vec) {
+    attention_fwd_kernel(const aq_attention_fwd_params p, bool vec, const int *run_only_if) {
     static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
     constexpr int LD = D + AQ_SMEM_PAD, BN = fwd_keys_per_tile(D);
+    if (run_only_if != NULL && !*run_only_if) return;
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *qs = (uint16_t *)smem, *ks = qs + FWD_BM * LD, *vs = ks + BN * LD;
     uint64_t *v_nonfinite = (uint64_t *)(vs + BN * LD); /* D column masks, for scrub_nonfinite_tile */
@@ -62,7 +51,7 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIM
                              (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1] + q0 * p.q_stride[2],
                              p.q_stride[2], min(FWD_BM, nq - q0), vec);
 
-    float o[D / 8][4], o2[WITH_O_PRIME ? D / 8 : 1][4];
+    float o[D / 8][4], o2[D / 8][4]; /* o2: O', unused (and optimised away) without WITH_O_PRIME */
 #pragma unroll
     for (int n = 0; n < D / 8; n++)
 #pragma unroll
@@ -101,54 +90,8 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIM
             }
         }
 
-        if (tile_needs_mask(&lm, q0, k0, BN)) {
-#pragma unroll
-            for (int n = 0; n < BN / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    seen[e >> 1] |= masked_logit_log2(&lm, s[n][e], q0 + row0 + frag_c_row(lane, e),
-                                                      k0 + 8 * n + frag_c_col(lane, e), &s[n][e]);
-        } else {
-            seen[0] = seen[1] = true;
-#pragma unroll
-            for (int n = 0; n < BN / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[n][e] *= lm.scale_log2;
-        }
-
-        /* Online softmax in an integer frame: m = ceil(running max), so the rescale factor is an exact power of
-           two, which commutes with the P block rule (numerics.md §3). The row max ignores NaN (fmaxf); a NaN
-           score still reaches l and O through exp2. */
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 2));
-            const float m_new = fmaxf(m[r], ceilf(mx));
-            const float alpha = exp2_frame_step(m[r] - m_new);
-            m[r] = m_new;
-            l[r] *= alpha;
-#pragma unroll
-            for (int n = 0; n < D / 8; n++) {
-                o[n][2 * r] *= alpha;
-                o[n][2 * r + 1] *= alpha;
-                if constexpr (WITH_O_PRIME) {
-                    o2[n][2 * r] *= alpha;
-                    o2[n][2 * r + 1] *= alpha;
-                }
-            }
-            /* frame -inf (no finite score yet): exp2(t - 0), so a hidden key's -inf gives 0, not NaN; a row whose
-               visible scores are all -inf is made NaN at the end */
-            const float frame = m_new == -INFINITY ? 0.0f : m_new;
-#pragma unroll
-            for (int n = 0; n < BN / 8; n++) {
-                s[n][2 * r] = exp2f(s[n][2 * r] - frame);
-                s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - frame);
-                l[r] += s[n][2 * r] + s[n][2 * r + 1];
-            }
-        }
+        scores_to_log2<BN>(&lm, s, q0 + row0, k0, tile_needs_mask(&lm, q0, k0, BN), seen);
+        online_softmax_tile<BN, D, WITH_O_PRIME>(s, o, o2, m, l);
 
         /* O += P V, one 16-key block of P (two C fragments = one A fragment) at a time */
 #pragma unroll
@@ -182,34 +125,8 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIM
        as each warp's staging area. */
     __syncthreads();
     const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
-    float inv_l[2];
-    bool empty[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float lsum = l[r] + __shfl_xor_sync(AQ_FULL_MASK, l[r], 1);
-        lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 2);
-        int any_seen = (int)seen[r]; /* every lane shuffles: no short-circuit around __shfl_xor_sync */
-        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 1);
-        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 2);
-        empty[r] = !any_seen;
-        /* visible keys but l = 0: every visible score was -inf, so M = -inf and 2^(t - M) is NaN (reference) */
-        if (any_seen && lsum == 0.0f) lsum = NAN;
-        inv_l[r] = 1.0f / lsum;
-        const int row = q0 + row0 + frag_c_row(lane, 2 * r);
-        if ((lane & 3) == 0 && row < nq) {
-            p.frame_m[stat0 + row] = m[r];
-            p.row_sum[stat0 + row] = lsum;
-        }
-    }
-    /* empty rows (l = 0, so 1 / l = inf) store exact zeros */
-#pragma unroll
-    for (int n = 0; n < D / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int r = e >> 1;
-            o[n][e] = empty[r] ? 0.0f : o[n][e] * (QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f) * inv_l[r];
-            if constexpr (WITH_O_PRIME) o2[n][e] = empty[r] ? 0.0f : o2[n][e] * inv_l[r];
-        }
+    finish_forward_rows<D, WITH_O_PRIME>(o, o2, m, l, seen, QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f,
+                                         p.frame_m + stat0, p.row_sum + stat0, q0 + row0, nq);
 
     uint16_t *stage = qs + row0 * LD;
     const int valid = min(16, nq - q0 - row0);
@@ -230,21 +147,23 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIM
    Kernel launcher */
 
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
-static const char *launch_fwd(const aq_attention_fwd_params *p, cudaStream_t stream, bool vec) {
-    void (*kernel)(const aq_attention_fwd_params, bool) = attention_fwd_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME>;
+static const char *launch_fwd(const aq_attention_fwd_params *p, cudaStream_t stream, bool vec, const int *only_if) {
+    void (*kernel)(const aq_attention_fwd_params, bool, const int *) =
+        attention_fwd_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME>;
     const int smem = (FWD_BM + 2 * fwd_keys_per_tile(D)) * (D + AQ_SMEM_PAD) * 2 + D * (int)sizeof(uint64_t);
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cudaGetErrorString(err);
     const dim3 grid((unsigned)((p->seqlen_q + FWD_BM - 1) / FWD_BM), (unsigned)p->heads_q, (unsigned)p->batch);
-    kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec);
+    kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec, only_if);
     return launch_status();
 }
 
 template <int D, aq_dtype DT>
-static const char *launch_fwd_mode(const aq_attention_fwd_params *p, cudaStream_t stream, bool vec) {
-    if (!p->quantize_p) return launch_fwd<D, DT, false, false>(p, stream, vec);
-    if (p->o_prime) return launch_fwd<D, DT, true, true>(p, stream, vec);
-    return launch_fwd<D, DT, true, false>(p, stream, vec);
+static const char *launch_fwd_mode(const aq_attention_fwd_params *p, cudaStream_t stream, bool vec,
+                                   const int *only_if) {
+    if (!p->quantize_p) return launch_fwd<D, DT, false, false>(p, stream, vec, only_if);
+    if (p->o_prime) return launch_fwd<D, DT, true, true>(p, stream, vec, only_if);
+    return launch_fwd<D, DT, true, false>(p, stream, vec, only_if);
 }
 
 const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, void *stream) {
@@ -252,11 +171,16 @@ const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, void *stream
                                             p->seqlen_k);
     if (err) return err;
     if (p->batch == 0 || p->seqlen_q == 0) return NULL;
+    cudaStream_t s = (cudaStream_t)stream;
+    bool taken;
+    const int *only_if;
+    err = aq_attention_fwd_sm90(p, s, &taken, &only_if);
+    if (err || (taken && only_if == NULL)) return err;
     const bool vec = vec_ok(p->q, p->q_stride) && vec_ok(p->k, p->k_stride) && vec_ok(p->v, p->v_stride) &&
                      vec_ok(p->o, p->o_stride) && vec_ok(p->o_prime, p->o_prime_stride);
-    cudaStream_t s = (cudaStream_t)stream;
     if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_fwd_mode<64, AQ_BFLOAT16>(p, s, vec)
-                                 : launch_fwd_mode<128, AQ_BFLOAT16>(p, s, vec);
-    return p->head_dim == 64 ? launch_fwd_mode<64, AQ_FLOAT16>(p, s, vec) : launch_fwd_mode<128, AQ_FLOAT16>(p, s, vec);
+        return p->head_dim == 64 ? launch_fwd_mode<64, AQ_BFLOAT16>(p, s, vec, only_if)
+                                 : launch_fwd_mode<128, AQ_BFLOAT16>(p, s, vec, only_if);
+    return p->head_dim == 64 ? launch_fwd_mode<64, AQ_FLOAT16>(p, s, vec, only_if)
+                             : launch_fwd_mode<128, AQ_FLOAT16>(p, s, vec, only_if);
 }

@@ -65,6 +65,7 @@ typedef struct {
     int64_t causal_offset;
     int quantize_p;          /* 1: O uses P^F = fq16(P̂ * 2^11) * 2^-11, blocks of 16 keys from key 0 */
     aq_dtype dtype;          /* of q, k, v, o, o_prime: AQ_BFLOAT16 or AQ_FLOAT16 */
+    int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_fwd_sm90.cu) */
 } aq_attention_fwd_params;
 
 /* Backward (straight-through, numerics.md §4), given the forward's frame_m / row_sum:

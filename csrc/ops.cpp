@@ -295,6 +295,11 @@ void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::o
     set_causal(causal, s, &p.causal, &p.causal_offset);
     p.quantize_p = quantize_p;
     p.dtype = kernel_dtype(q, false);
+    Tensor scratch; // the CUDA launcher's flag for non-finite values under hidden keys (attention_fwd_sm90.cu)
+    if (!q.is_cpu() && (p.causal || p.mask)) {
+        scratch = torch::stable::new_empty(q, {1}, ScalarType::Int);
+        p.scratch = static_cast<int *>(scratch.data_ptr());
+    }
     launch(q, p, aq_attention_fwd_cpu, aq_attention_fwd_cuda);
 }
 

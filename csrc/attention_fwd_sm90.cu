@@ -1,0 +1,316 @@
+/* Attention forward on Hopper (numerics.md §3): the same computation as attention_fwd.cu's mma.sync kernel, on
+   warpgroup MMA (wgmma) fed by TMA, with a producer warp and two consumer warpgroups (FlashAttention-3's layout).
+
+   CTA = 3 warpgroups, 128 query rows:
+     warpgroup 0, the producer: one thread loads Q once and then K and V tiles (BN keys x D) with TMA into a ring of
+       STAGES slots, each guarded by "full" mbarriers (TMA bytes arrived) and an "empty" one (all consumer warps done);
+       it gives most of its registers away (setmaxnreg).
+     warpgroups 1 and 2, the consumers: 64 query rows each. Per key tile: S = Q K^T (wgmma, both operands in shared
+       memory), the online softmax in an integer frame and the P fake-quant in registers (attention_common.cuh,
+       shared with the mma.sync kernel), then O += P^F V and O' += P̂ V (wgmma, P from registers).
+   The accumulator layout of wgmma m64nN is, per warp, the mma.sync C fragment repeated along N, and the register
+   A operand is the mma.sync A fragment, so the softmax code and the P fragments are the mma.sync kernel's.
+   Rows and keys past the sequence arrive as zeros (TMA bounds); their results are masked or never stored.
+
+   Not handled here, left to the mma.sync kernel by the launcher: an input whose strides or alignment TMA cannot
+   take, and hidden keys (causal or masked) whose V rows hold Inf or NaN, which must stay absent (numerics.md §8):
+   a pre-pass sets a flag, this kernel then exits at once and the mma.sync kernel, launched behind it, does the
+   work. */
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include "attention_sm90.h"
+#include "hopper.cuh"
+
+#define SM90_BM 128         /* query rows per CTA: 64 per consumer warpgroup */
+#define SM90_THREADS 384    /* producer warpgroup + 2 consumer warpgroups */
+#define SM90_STAGES 2       /* K/V ring slots */
+#define SM90_PANEL 64       /* 16-bit columns per 128-byte swizzled panel */
+
+/* Keys per tile. 128 fills the wgmma N for S; with the second accumulator O' (64 more registers per thread) 64
+   keeps the consumer within its 240 registers. */
+static constexpr __host__ __device__ int sm90_keys_per_tile(int d, bool with_o_prime) {
+    return with_o_prime && d == 128 ? 64 : 128;
+}
+
+/* Shared memory: Q (BM x D), then STAGES K tiles and STAGES V tiles (BN x D), each as D / 64 swizzled panels,
+   then the mbarriers. */
+template <int D, int BN>
+struct Sm90Layout {
+    static constexpr int Q_BYTES = SM90_BM * D * 2, TILE_BYTES = BN * D * 2;
+    static constexpr int K_OFFSET = Q_BYTES, V_OFFSET = K_OFFSET + SM90_STAGES * TILE_BYTES;
+    static constexpr int BAR_OFFSET = V_OFFSET + SM90_STAGES * TILE_BYTES;
+    static constexpr int BYTES = BAR_OFFSET + 8 * (1 + 3 * SM90_STAGES);
+    static constexpr int ALLOC = BYTES + 1024; /* the panels need 1024-byte alignment */
+};
+
+#if AQ_SM90_ENABLED
+/* The descriptor of rows [row0, row0 + ...) x columns [16 kk, 16 kk + 16) of a K-major tile of `rows` rows. */
+AQ_D uint64_t k_major_descriptor(const unsigned char *tile, int rows, int row0, int kk) {
+    return smem_descriptor(tile + (kk / 4) * rows * 128 + row0 * 128 + (kk % 4) * 32, 16, 1024);
+}
+
+/* Rows [16 kb, 16 kb + 16) x all columns of an MN-major tile of `rows` rows (the panels are rows * 128 apart). */
+AQ_D uint64_t mn_major_descriptor(const unsigned char *tile, int rows, int kb) {
+    return smem_descriptor(tile + kb * 16 * 128, rows * 128, 1024);
+}
+#endif
+
+/* grid (ceil(Nq / 128), Hq, B), 384 threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of
+   64 columns x 128 (Q) or BN (K, V) tokens. skip_if: NULL, or a device flag that makes the whole CTA exit. */
+template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
+__global__ void __launch_bounds__(SM90_THREADS, 1)
+    attention_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                              const __grid_constant__ CUtensorMap tm_v, const aq_attention_fwd_params p,
+                              const int *skip_if) {
+#if AQ_SM90_ENABLED
+    static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
+    constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME), PANELS = D / SM90_PANEL;
+    using L = Sm90Layout<D, BN>;
+    if (skip_if != NULL && *skip_if) return;
+
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    unsigned char *qs = smem, *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET;
+    uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
+    uint64_t *q_full = bars, *k_full = bars + 1, *v_full = k_full + SM90_STAGES, *kv_empty = v_full + SM90_STAGES;
+
+    const int warpgroup = (int)threadIdx.x / 128, warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
+    const int nq = (int)p.seqlen_q, q0 = qtile * SM90_BM;
+    const logit_map lm =
+        make_logit_map(p.mask, p.mask_stride, b, h, nq, p.seqlen_k, p.causal, p.causal_offset, p.softmax_scale);
+    const int key_end = causal_key_end(&lm, min(q0 + SM90_BM, nq) - 1);
+    const int n_tiles = (key_end + BN - 1) / BN;
+
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < SM90_STAGES; s++) {
+            mbar_init(&k_full[s], 1);
+            mbar_init(&v_full[s], 1);
+            mbar_init(&kv_empty[s], 8); /* lane 0 of each consumer warp */
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) { /* producer */
+        setmaxnreg_dec<24>();
+        if (warp == 0 && lane == 0) {
+            tma_prefetch_descriptor(&tm_q);
+            tma_prefetch_descriptor(&tm_k);
+            tma_prefetch_descriptor(&tm_v);
+            mbar_arrive_expect_tx(q_full, L::Q_BYTES);
+            for (int pn = 0; pn < PANELS; pn++)
+                tma_load_4d(qs + pn * SM90_BM * 128, &tm_q, q_full, pn * SM90_PANEL, q0, h, b);
+            for (int j = 0; j < n_tiles; j++) {
+                const int s = j % SM90_STAGES;
+                mbar_wait(&kv_empty[s], ((j / SM90_STAGES) & 1) ^ 1);
+                mbar_arrive_expect_tx(&k_full[s], L::TILE_BYTES);
+                for (int pn = 0; pn < PANELS; pn++)
+                    tma_load_4d(ks + s * L::TILE_BYTES + pn * BN * 128, &tm_k, &k_full[s], pn * SM90_PANEL, j * BN,
+                                hk, b);
+                mbar_arrive_expect_tx(&v_full[s], L::TILE_BYTES);
+                for (int pn = 0; pn < PANELS; pn++)
+                    tma_load_4d(vs + s * L::TILE_BYTES + pn * BN * 128, &tm_v, &v_full[s], pn * SM90_PANEL, j * BN,
+                                hk, b);
+            }
+        }
+        return;
+    }
+
+    /* consumers: warpgroup c owns CTA rows 64c .. 64c+63, its warp w rows 64c + 16w .. +15 */
+    setmaxnreg_inc<240>();
+    const int c = warpgroup - 1, wrow = 64 * c, row0 = wrow + 16 * (warp % 4);
+
+    float o[D / 8][4], o2[D / 8][4]; /* o2: O', unused (and optimised away) without WITH_O_PRIME */
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[n][e] = o2[n][e] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    bool seen[2] = {false, false};
+
+    mbar_wait(q_full, 0);
+    for (int j = 0; j < n_tiles; j++) {
+        const int s = j % SM90_STAGES, k0 = j * BN;
+        const uint32_t parity = (j / SM90_STAGES) & 1;
+        const unsigned char *kt = ks + s * L::TILE_BYTES, *vt = vs + s * L::TILE_BYTES;
+
+        /* S = Q K^T */
+        float sc[BN / 8][4];
+        mbar_wait(&k_full[s], parity);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            wgmma_ss<BN, DT, 0>(sc, k_major_descriptor(qs, SM90_BM, wrow, kk), k_major_descriptor(kt, BN, 0, kk),
+                                kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(sc);
+
+        scores_to_log2<BN>(&lm, sc, q0 + row0, k0, tile_needs_mask(&lm, q0 + wrow, k0, BN), seen);
+        online_softmax_tile<BN, D, WITH_O_PRIME>(sc, o, o2, m, l);
+
+        /* O += P V, O' += P̂ V: one 16-key block of P (two C fragments = one A fragment) per wgmma */
+        uint32_t a_o[BN / 16][4], a_hat[WITH_O_PRIME ? BN / 16 : 1][4];
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb++) {
+            if constexpr (QUANTIZE_P) quantized_p_fragment<DT>(a_o[kb], sc[2 * kb], sc[2 * kb + 1]);
+            else pack_a_from_c<DT>(a_o[kb], sc[2 * kb], sc[2 * kb + 1]);
+            if constexpr (WITH_O_PRIME) pack_a_from_c<DT>(a_hat[kb], sc[2 * kb], sc[2 * kb + 1]);
+        }
+        mbar_wait(&v_full[s], parity);
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb++) {
+            wgmma_rs<D, DT, 1>(o, a_o[kb], mn_major_descriptor(vt, BN, kb), 1);
+            if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_descriptor(vt, BN, kb), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(o);
+        if constexpr (WITH_O_PRIME) fence_registers(o2);
+        if (lane == 0) mbar_arrive(&kv_empty[s]);
+    }
+
+    const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
+    finish_forward_rows<D, WITH_O_PRIME>(o, o2, m, l, seen, QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f,
+                                         p.frame_m + stat0, p.row_sum + stat0, q0 + row0, nq);
+    const int valid = nq - q0 - row0;
+    store_fragment_rows<D, DT>(o, (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + (q0 + row0) * p.o_stride[2],
+                               p.o_stride[2], valid);
+    if (p.o_prime) {
+        uint16_t *og = (uint16_t *)p.o_prime + b * p.o_prime_stride[0] + h * p.o_prime_stride[1] +
+                       (q0 + row0) * p.o_prime_stride[2];
+        store_fragment_rows<D, DT>(WITH_O_PRIME ? o2 : o, og, p.o_prime_stride[2], valid);
+    }
+#endif
+}
+
+/* *flag = 1 when an element of x (B, H, N, D, strided; 16-byte aligned, strides multiples of 8) is Inf or NaN.
+   grid (ceil(N * D / 8 / 256), H, B), 256 threads, one 16-byte chunk each. */
+template <aq_dtype DT>
+__global__ void __launch_bounds__(256) flag_nonfinite_kernel(const uint16_t *x, int64_t stride_b, int64_t stride_h,
+                                                             int64_t stride_n, int n, int d, int *flag) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, chunks = (int64_t)n * (d / 8);
+    if (i >= chunks) return;
+    const int64_t row = i / (d / 8), col = (i % (d / 8)) * 8;
+    const uint16_t *src = x + blockIdx.z * stride_b + blockIdx.y * stride_h + row * stride_n + col;
+    if (chunk8_nonfinite<DT>(*(const uint4 *)src)) *flag = 1;
+}
+
+/* ------------------------------------------------------------------------------------------------
+   Launcher */
+
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
+    if (fn == NULL) {
+        void *ptr = NULL;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) ==
+                cudaSuccess &&
+            found == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
+    }
+    return fn;
+}
+
+/* A 4-D tensor map over x (B, H, N, D) with boxes of 64 columns x box_rows tokens, 128-byte swizzled; false when
+   TMA cannot address the tensor (alignment, strides). */
+static bool make_tensor_map(CUtensorMap *map, const void *x, aq_dtype dtype, int64_t batch, int64_t heads,
+                            int64_t tokens, int64_t head_dim, const int64_t stride[3], int box_rows) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (encode == NULL || !aligned16(x)) return false;
+    const int64_t sizes[3] = {tokens, heads, batch}, strides[3] = {stride[2], stride[1], stride[0]};
+    cuuint64_t dims[4] = {(cuuint64_t)head_dim, 0, 0, 0}, byte_strides[3];
+    for (int i = 0; i < 3; i++) {
+        /* a dimension of size 1 is never stepped along: any legal stride will do */
+        const int64_t st = sizes[i] == 1 ? 8 : strides[i];
+        if (st <= 0 || st % 8 != 0 || st >= ((int64_t)1 << 39)) return false;
+        dims[i + 1] = (cuuint64_t)sizes[i];
+        byte_strides[i] = (cuuint64_t)st * 2;
+    }
+    const cuuint32_t box[4] = {SM90_PANEL, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
+    const CUtensorMapDataType type =
+        dtype == AQ_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, type, 4, (void *)x, dims, byte_strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* Outputs are written 4 bytes at a time from the fragments. */
+static bool out_ok(const void *ptr, const int64_t stride[3]) {
+    return ptr == NULL || (((uintptr_t)ptr & 3u) == 0 && stride[0] % 2 == 0 && stride[1] % 2 == 0 && stride[2] % 2 == 0);
+}
+
+/* Whether this process may use the wgmma kernels: an sm_90 device, an sm_90a build, and ATTN_QAT_SM90 not 0. */
+static bool sm90_available(const void *kernel) {
+    const char *env = getenv("ATTN_QAT_SM90");
+    if (env != NULL && env[0] == '0') return false;
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9)
+        return false;
+    cudaFuncAttributes attr;
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+        cudaGetLastError(); /* no sm_90a code in this build: not an error of the caller's */
+        return false;
+    }
+    return attr.binaryVersion >= 90;
+}
+
+template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
+static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t stream, bool *taken,
+                               const int **fallback_flag) {
+    void (*kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const aq_attention_fwd_params,
+                   const int *) = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME>;
+    constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME);
+    if (!sm90_available((const void *)kernel)) return NULL;
+    if (!out_ok(p->o, p->o_stride) || !out_ok(p->o_prime, p->o_prime_stride)) return NULL;
+    /* hidden keys whose V is not finite would need the mma.sync kernel's scrubbing: check V first */
+    const bool hidden_keys = p->causal || p->mask != NULL;
+    if (hidden_keys && p->scratch == NULL) return NULL;
+    CUtensorMap tm_q, tm_k, tm_v;
+    if (!make_tensor_map(&tm_q, p->q, DT, p->batch, p->heads_q, p->seqlen_q, D, p->q_stride, SM90_BM) ||
+        !make_tensor_map(&tm_k, p->k, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->k_stride, BN) ||
+        !make_tensor_map(&tm_v, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BN))
+        return NULL;
+
+    const int smem = Sm90Layout<D, BN>::ALLOC;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return cudaGetErrorString(err);
+    if (hidden_keys) {
+        err = cudaMemsetAsync(p->scratch, 0, sizeof(int), stream);
+        if (err != cudaSuccess) return cudaGetErrorString(err);
+        const int64_t chunks = p->seqlen_k * D / 8;
+        const dim3 grid((unsigned)((chunks + 255) / 256), (unsigned)p->heads_kv, (unsigned)p->batch);
+        flag_nonfinite_kernel<DT><<<grid, 256, 0, stream>>>((const uint16_t *)p->v, p->v_stride[0], p->v_stride[1],
+                                                            p->v_stride[2], (int)p->seqlen_k, D, p->scratch);
+        *fallback_flag = p->scratch;
+    }
+    const dim3 grid((unsigned)((p->seqlen_q + SM90_BM - 1) / SM90_BM), (unsigned)p->heads_q, (unsigned)p->batch);
+    kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, *p, hidden_keys ? p->scratch : NULL);
+    *taken = true;
+    return launch_status();
+}
+
+template <int D, aq_dtype DT>
+static const char *launch_sm90_mode(const aq_attention_fwd_params *p, cudaStream_t stream, bool *taken,
+                                    const int **fallback_flag) {
+    if (!p->quantize_p) return launch_sm90<D, DT, false, false>(p, stream, taken, fallback_flag);
+    if (p->o_prime) return launch_sm90<D, DT, true, true>(p, stream, taken, fallback_flag);
+    return launch_sm90<D, DT, true, false>(p, stream, taken, fallback_flag);
+}
+
+const char *aq_attention_fwd_sm90(const aq_attention_fwd_params *p, cudaStream_t stream, bool *taken,
+                                  const int **fallback_flag) {
+    *taken = false;
+    *fallback_flag = NULL;
+    if (p->dtype == AQ_BFLOAT16)
+        return p->head_dim == 64 ? launch_sm90_mode<64, AQ_BFLOAT16>(p, stream, taken, fallback_flag)
+                                 : launch_sm90_mode<128, AQ_BFLOAT16>(p, stream, taken, fallback_flag);
+    return p->head_dim == 64 ? launch_sm90_mode<64, AQ_FLOAT16>(p, stream, taken, fallback_flag)
+                             : launch_sm90_mode<128, AQ_FLOAT16>(p, stream, taken, fallback_flag);
+}

@@ -1,0 +1,198 @@
+/* Hopper (sm_90a) primitives for the attention kernels: mbarriers, TMA tile loads, warpgroup MMA (wgmma) and
+   its shared-memory matrix descriptors, register reallocation. Thin inline-PTX wrappers, named after the PTX they
+   emit (PTX ISA 8.x: "Asynchronous Warpgroup Level Matrix Multiply-Accumulate", "Tensor Copy", "mbarrier").
+   Every function here needs sm_90a; callers compile them only where AQ_SM90_ENABLED is 1. */
+#pragma once
+
+#include <stdint.h>
+
+#include "attention_common.cuh"
+
+/* Device code for sm_90a (wgmma, setmaxnreg) is generated only in the sm_90a pass of nvcc; the host pass and the
+   passes for other targets see the kernels' bodies as empty. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define AQ_SM90_ENABLED 1
+#else
+#define AQ_SM90_ENABLED 0
+#endif
+
+AQ_D uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* ------------------------------------------------------------------------------------------------
+   mbarrier: a shared-memory barrier that completes a phase when `count` arrivals and the expected transaction
+   bytes (TMA) have both come in. Waiters name the parity of the phase they wait for (0, 1, 0, ... per round). */
+
+AQ_D void mbar_init(uint64_t *bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+/* Makes the initialised barriers visible to the async proxy (TMA) before any thread uses them. */
+AQ_D void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+AQ_D void mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+/* One arrival that also announces `bytes` of TMA data to come. */
+AQ_D void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
+/* Spins until the phase of the given parity has completed. A fresh barrier counts its phase "1" as completed,
+   so a producer's first wait on an empty slot (parity 1) passes at once. */
+AQ_D void mbar_wait(uint64_t *bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+/* ------------------------------------------------------------------------------------------------
+   TMA: copies a box of a 4-D tensor (coordinates innermost first) into shared memory and signals `bar` with its
+   byte count. Out-of-bounds elements arrive as zeros, and nothing outside the tensor is read. */
+AQ_D void tma_load_4d(void *smem_dst, const void *tensor_map, uint64_t *bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(smem_addr(smem_dst)),
+        "l"((uint64_t)tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
+        : "memory");
+}
+
+AQ_D void tma_prefetch_descriptor(const void *tensor_map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)tensor_map) : "memory");
+}
+
+/* ------------------------------------------------------------------------------------------------
+   Register reallocation between warpgroups (setmaxnreg): the producer gives registers back, the consumers take
+   them. All warps of a warpgroup execute the same one. */
+template <int N>
+AQ_D void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+AQ_D void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+/* Named barrier over `threads` threads (a multiple of 32); id 0 is __syncthreads'. */
+AQ_D void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+/* ------------------------------------------------------------------------------------------------
+   wgmma shared-memory operands. Every tile here is stored the way TMA writes it with 128-byte swizzling: panels
+   of 64 16-bit columns, each panel [rows][64] with row r at byte 128 r and its eight 16-byte chunks permuted by
+   chunk ^= r % 8; panels 1024-byte aligned. The descriptor of such a tile (PTX "Matrix Descriptor Format"):
+   start address >> 4 in bits 0-13, leading byte offset >> 4 in 16-29, stride byte offset >> 4 in 32-45,
+   swizzle mode 1 (128 B) in bits 62-63.
+   K-major operand (the contraction runs along the 64 columns: Q and K in S = Q K^T): start = panel + 32 bytes per
+     16 columns; stride byte offset = 1024 (from one 8-row group to the next); leading byte offset unused.
+   MN-major operand (the contraction runs along the rows: V in O = P V): start = panel + 16 rows * 128 bytes per
+     k-step; stride byte offset = 1024 (8 rows); leading byte offset = the distance between 64-column panels. */
+AQ_D uint64_t smem_descriptor(const void *start, uint32_t leading_bytes, uint32_t stride_bytes) {
+    return (uint64_t)((smem_addr(start) & 0x3FFFFu) >> 4) | ((uint64_t)(leading_bytes >> 4) << 16) |
+           ((uint64_t)(stride_bytes >> 4) << 32) | (1ull << 62);
+}
+
+/* Ordering of wgmma with the registers and shared memory around it: fence before the first wgmma that reads
+   registers written since the last one; commit closes a group; wait_group<N> waits until at most N groups are
+   in flight. */
+AQ_D void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+AQ_D void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+AQ_D void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/* The accumulators of an in-flight wgmma are written behind the compiler's back: after wgmma_wait, this makes
+   every register of acc look freshly defined, so no read of it is scheduled before the wait. */
+template <int R>
+AQ_D void fence_registers(float (&acc)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[i][e])::"memory");
+}
+
+/* d (64 x 64, fp32) = (accumulate ? d : 0) + A (64 x 16, shared, K-major) * B (16 x 64, shared; K-major, or
+   MN-major when TRANS_B) */
+template <aq_dtype DT, int TRANS_B>
+AQ_D void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#define AQ_WGMMA_SS(TYPE)                                                                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                            \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                  \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "    \
+                 "%32, %33, p, 1, 1, 0, %35;\n}\n"                                                      \
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
+    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_SS("bf16");
+    else AQ_WGMMA_SS("f16");
+#undef AQ_WGMMA_SS
+}
+
+/* d (64 x 64, fp32) = (accumulate ? d : 0) + A (64 x 16 in registers: each warp holds its 16 rows as the mma.sync
+   m16n8k16 A fragment) * B (16 x 64, shared; K-major, or MN-major when TRANS_B) */
+template <aq_dtype DT, int TRANS_B>
+AQ_D void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t a[4], uint64_t desc_b, int accumulate) {
+#define AQ_WGMMA_RS(TYPE)                                                                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                            \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                  \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "    \
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                 \
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
+    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_RS("bf16");
+    else AQ_WGMMA_RS("f16");
+#undef AQ_WGMMA_RS
+}
+
+/* d (64 x 128, fp32) = (accumulate ? d : 0) + A (64 x 16, shared, K-major) * B (16 x 128, shared; K-major, or
+   MN-major when TRANS_B) */
+template <aq_dtype DT, int TRANS_B>
+AQ_D void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#define AQ_WGMMA_SS(TYPE)                                                                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                            \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                  \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "    \
+                 "%64, %65, p, 1, 1, 0, %67;\n}\n"                                                      \
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
+    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_SS("bf16");
+    else AQ_WGMMA_SS("f16");
+#undef AQ_WGMMA_SS
+}
+
+/* d (64 x 128, fp32) = (accumulate ? d : 0) + A (64 x 16 in registers: each warp holds its 16 rows as the mma.sync
+   m16n8k16 A fragment) * B (16 x 128, shared; K-major, or MN-major when TRANS_B) */
+template <aq_dtype DT, int TRANS_B>
+AQ_D void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t a[4], uint64_t desc_b, int accumulate) {
+#define AQ_WGMMA_RS(TYPE)                                                                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                            \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                  \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "    \
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                 \
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
+    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_RS("bf16");
+    else AQ_WGMMA_RS("f16");
+#undef AQ_WGMMA_RS
+}
+
+/* The two shapes above by N. */
+template <int N, aq_dtype DT, int TRANS_B>
+AQ_D void wgmma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
+    if constexpr (N == 64) wgmma_m64n64k16_ss<DT, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else wgmma_m64n128k16_ss<DT, TRANS_B>(d, desc_a, desc_b, accumulate);
+}
+
+template <int N, aq_dtype DT, int TRANS_B>
+AQ_D void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t desc_b, int accumulate) {
+    static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
+    if constexpr (N == 64) wgmma_m64n64k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
+    else wgmma_m64n128k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
+}
