@@ -1,6 +1,7 @@
 /* Attention backward on CUDA (numerics.md §4), deterministic and without atomics: delta = rowsum(dO * O'), then
    dK/dV per key tile (summing over the query heads of its KV group) and dQ per query tile, both recomputing P. */
 #include "attention_common.cuh"
+#include "attention_sm90.h"
 
 #define BWD_KEYS 64 /* keys per dK/dV CTA (16 per warp) and per dQ key tile */
 #define BWD_ROWS 64 /* query rows per dQ CTA (16 per warp) */
@@ -31,21 +32,6 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_delta_kernel(const a
     if (lane == 0) p.delta[((int64_t)b * p.heads_q + h) * p.seqlen_q + row] = acc;
 }
 
-/* The backward's statistics of query row `row`: M_i, 1/l_i and delta_i. A row past seqlen_q or with no visible
-   key (l = 0) gets inv_l = 0, which the kernels read as "contributes nothing"; a NaN l stays NaN and spreads. */
-AQ_D void load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int row, float *m, float *inv_l,
-                         float *delta) {
-    *m = 0.0f;
-    *inv_l = 0.0f;
-    *delta = 0.0f;
-    if (row >= p->seqlen_q) return;
-    const float l = p->row_sum[stat0 + row];
-    if (l == 0.0f) return;
-    *m = p->frame_m[stat0 + row];
-    *inv_l = 1.0f / l;
-    *delta = p->delta[stat0 + row];
-}
-
 /* q, dout: (B, Hq, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D), strided; frame_m, row_sum, delta: (B, Hq, Nq) fp32.
    grid (ceil(Nk / 64), Hkv, B), 128 threads. The CTA keeps its 64 keys (K, V) in shared memory and, for every query
    head of the KV group and every step of BQ queries that can see its keys, loads Q, dO and the row statistics.
@@ -57,8 +43,9 @@ AQ_D void load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int ro
    tile start that is a multiple of 64, so the blocks start at multiples of 16 from key 0, like the forward's), and
    those 16 values of one query column sit in the 8 lanes sharing lane & 3, so the block amax takes 3 shuffles. */
 template <int D, aq_dtype DT, bool QUANTIZE_DV>
-__global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq_attention_bwd_params p, bool vec) {
+__global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq_attention_bwd_params p, bool vec, const int *run_only_if) {
     constexpr int LD = D + AQ_SMEM_PAD, BQ = dkdv_queries_per_step(D);
+    if (run_only_if != NULL && !*run_only_if) return;
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *ks = (uint16_t *)smem, *vs = ks + BWD_KEYS * LD, *qs = vs + BWD_KEYS * LD, *dos = qs + BQ * LD;
     float *row_m = (float *)(dos + BQ * LD), *row_inv_l = row_m + BQ, *row_delta = row_inv_l + BQ;
@@ -111,38 +98,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
                 }
             }
 
-            /* P̂, dS^T into dpt, and the dV operand into st: P̂ * 2^11 (quantized below) or P. A term counts
-               ("live") when the key is visible and the query row has one (inv_l != 0); others are exact zeros. */
-            const bool masked = tile_needs_mask(&lm, q0, k0, BWD_KEYS);
-            uint32_t live_bits = 0; /* bit 4n + e: term st[n][e] is live */
-#pragma unroll
-            for (int n = 0; n < BQ / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int qi = 8 * n + frag_c_col(lane, e), kj = k0 + key0 + frag_c_row(lane, e);
-                    float t = st[n][e] * lm.scale_log2;
-                    const bool visible = !masked || masked_logit_log2(&lm, st[n][e], q0 + qi, kj, &t);
-                    const float inv_l = row_inv_l[qi];
-                    const bool live = visible && inv_l != 0.0f;
-                    const float phat = live ? exp2f(t - row_m[qi]) : 0.0f, prob = live ? phat * inv_l : 0.0f;
-                    dpt[n][e] = live ? prob * (dpt[n][e] - row_delta[qi]) : 0.0f;
-                    st[n][e] = QUANTIZE_DV ? phat * AQ_P_HEADROOM : prob;
-                    live_bits |= (uint32_t)live << (4 * n + e);
-                }
-            if constexpr (QUANTIZE_DV) {
-                /* P^F = fq16(P̂ * 2^11) * 2^-11 / l: the forward's P^F, since M is the forward's final frame. A block
-                   with a NaN is NaN throughout; its hidden terms stay absent (0). */
-#pragma unroll
-                for (int n = 0; n < BQ / 8; n++)
-#pragma unroll
-                    for (int c = 0; c < 2; c++) {
-                        float x[2] = {st[n][c], st[n][c + 2]}; /* key rows g and g+8 of query column c */
-                        fake_quantize_p_column(x);
-                        const float inv_l = row_inv_l[8 * n + frag_c_col(lane, c)];
-                        st[n][c] = (live_bits >> (4 * n + c)) & 1u ? x[0] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
-                        st[n][c + 2] = (live_bits >> (4 * n + c + 2)) & 1u ? x[1] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
-                    }
-            }
+            dkdv_step_elementwise<BQ, QUANTIZE_DV>(&lm, st, dpt, row_m, row_inv_l, row_delta, q0, k0 + key0,
+                                                   tile_needs_mask(&lm, q0, k0, BWD_KEYS));
             if (bad) { /* S^T and dP^T are done with the raw Q and dO */
                 __syncthreads();
                 scrub_nonfinite_tile<BQ, D, DT>(qs, q_nonfinite);
@@ -198,8 +155,9 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
    tiles of 64 that they can see stream through it. Warp w owns rows 16w .. 16w+15: S = Q K^T and dP = dO V^T
    (16 x 64), dS = P ∘ (dP - delta) in registers, which is the A fragment of dQ += dS K (16 x D, fp32). */
 template <int D, aq_dtype DT>
-__global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_attention_bwd_params p, bool vec) {
+__global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_attention_bwd_params p, bool vec, const int *run_only_if) {
     constexpr int LD = D + AQ_SMEM_PAD;
+    if (run_only_if != NULL && !*run_only_if) return;
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *qs = (uint16_t *)smem, *dos = qs + BWD_ROWS * LD, *ks = dos + BWD_ROWS * LD, *vs = ks + BWD_KEYS * LD;
     uint64_t *k_nonfinite = (uint64_t *)(vs + BWD_KEYS * LD); /* D column masks, for scrub_nonfinite_tile */
@@ -257,20 +215,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
             }
         }
 
-        /* dS = P (dP - delta) into dps, with the unquantized P = 2^(t - M) / l; exact zeros where the key is
-           hidden or the row has no visible key (inv_l = 0) */
-        const bool masked = tile_needs_mask(&lm, q0, k0, BWD_KEYS);
-#pragma unroll
-        for (int n = 0; n < BWD_KEYS / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = e >> 1;
-                float t = s[n][e] * lm.scale_log2;
-                const bool visible = !masked || masked_logit_log2(&lm, s[n][e], q0 + row0 + frag_c_row(lane, e),
-                                                                  k0 + 8 * n + frag_c_col(lane, e), &t);
-                const bool live = visible && inv_l[r] != 0.0f;
-                dps[n][e] = live ? exp2f(t - m[r]) * inv_l[r] * (dps[n][e] - delta[r]) : 0.0f;
-            }
+        dq_step_elementwise<BWD_KEYS>(&lm, s, dps, m, inv_l, delta, q0 + row0, k0,
+                                      tile_needs_mask(&lm, q0, k0, BWD_KEYS));
         if (k_bad) { /* S is done with the raw K */
             __syncthreads();
             scrub_nonfinite_tile<BWD_KEYS, D, DT>(ks, k_nonfinite);
@@ -313,16 +259,20 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
    Kernel launchers */
 
 template <int D, aq_dtype DT>
-static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t stream, bool vec) {
+static const char *launch_bwd_delta(const aq_attention_bwd_params *p, cudaStream_t stream) {
+    if (p->seqlen_q == 0) return NULL;
+    const dim3 grid((unsigned)((p->seqlen_q + 3) / 4), (unsigned)p->heads_q, (unsigned)p->batch);
+    attention_bwd_delta_kernel<D, DT><<<grid, AQ_THREADS, 0, stream>>>(*p);
+    return launch_status();
+}
+
+/* The dK/dV and dQ kernels; only_if: NULL, or the device flag without which they exit at once. */
+template <int D, aq_dtype DT>
+static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t stream, bool vec, const int *only_if) {
     const char *err;
     const int ld_bytes = (D + AQ_SMEM_PAD) * 2;
-    if (p->seqlen_q > 0) {
-        const dim3 grid((unsigned)((p->seqlen_q + 3) / 4), (unsigned)p->heads_q, (unsigned)p->batch);
-        attention_bwd_delta_kernel<D, DT><<<grid, AQ_THREADS, 0, stream>>>(*p);
-        if ((err = launch_status())) return err;
-    }
     if (p->seqlen_k > 0) {
-        void (*kernel)(const aq_attention_bwd_params, bool) =
+        void (*kernel)(const aq_attention_bwd_params, bool, const int *) =
             p->quantize_p_for_dv ? attention_bwd_dkdv_kernel<D, DT, true> : attention_bwd_dkdv_kernel<D, DT, false>;
         const int bq = dkdv_queries_per_step(D);
         const int smem =
@@ -330,19 +280,30 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);
         const dim3 grid((unsigned)((p->seqlen_k + BWD_KEYS - 1) / BWD_KEYS), (unsigned)p->heads_kv, (unsigned)p->batch);
-        kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec);
+        kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec, only_if);
         if ((err = launch_status())) return err;
     }
     if (p->seqlen_q > 0) {
-        void (*kernel)(const aq_attention_bwd_params, bool) = attention_bwd_dq_kernel<D, DT>;
+        void (*kernel)(const aq_attention_bwd_params, bool, const int *) = attention_bwd_dq_kernel<D, DT>;
         const int smem = (2 * BWD_ROWS + 2 * BWD_KEYS) * ld_bytes + D * (int)sizeof(uint64_t);
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);
         const dim3 grid((unsigned)((p->seqlen_q + BWD_ROWS - 1) / BWD_ROWS), (unsigned)p->heads_q, (unsigned)p->batch);
-        kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec);
+        kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec, only_if);
         if ((err = launch_status())) return err;
     }
     return NULL;
+}
+
+template <int D, aq_dtype DT>
+static const char *launch_bwd_all(const aq_attention_bwd_params *p, cudaStream_t stream, bool vec) {
+    const char *err = launch_bwd_delta<D, DT>(p, stream);
+    if (err) return err;
+    bool taken;
+    const int *only_if;
+    err = aq_attention_bwd_sm90(p, stream, &taken, &only_if);
+    if (err || (taken && only_if == NULL)) return err;
+    return launch_bwd<D, DT>(p, stream, vec, only_if);
 }
 
 const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, void *stream) {
@@ -355,6 +316,6 @@ const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, void *stream
                      vec_ok(p->dv, p->dv_stride);
     cudaStream_t s = (cudaStream_t)stream;
     if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_bwd<64, AQ_BFLOAT16>(p, s, vec) : launch_bwd<128, AQ_BFLOAT16>(p, s, vec);
-    return p->head_dim == 64 ? launch_bwd<64, AQ_FLOAT16>(p, s, vec) : launch_bwd<128, AQ_FLOAT16>(p, s, vec);
+        return p->head_dim == 64 ? launch_bwd_all<64, AQ_BFLOAT16>(p, s, vec) : launch_bwd_all<128, AQ_BFLOAT16>(p, s, vec);
+    return p->head_dim == 64 ? launch_bwd_all<64, AQ_FLOAT16>(p, s, vec) : launch_bwd_all<128, AQ_FLOAT16>(p, s, vec);
 }

@@ -480,6 +480,84 @@ AQ_D void finish_forward_rows(float (&o)[D / 8][4], float (&o2)[D / 8][4], const
         }
 }
 
+/* The backward's statistics of query row `row`: M_i, 1/l_i and delta_i. A row past seqlen_q or with no visible
+   key (l = 0) gets inv_l = 0, which the kernels read as "contributes nothing"; a NaN l stays NaN and spreads. */
+AQ_D void load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int row, float *m, float *inv_l,
+                         float *delta) {
+    *m = 0.0f;
+    *inv_l = 0.0f;
+    *delta = 0.0f;
+    if (row >= p->seqlen_q) return;
+    const float l = p->row_sum[stat0 + row];
+    if (l == 0.0f) return;
+    *m = p->frame_m[stat0 + row];
+    *inv_l = 1.0f / l;
+    *delta = p->delta[stat0 + row];
+}
+
+/* ------------------------------------------------------------------------------------------------
+   The backward's elementwise steps (numerics.md §4), shared by the mma.sync and wgmma backwards. A term counts
+   ("live") when the key is visible and the query row has a visible key (inv_l != 0, attention_bwd.cu's
+   load_row_stats); every other term is an exact zero. */
+
+/* dK/dV orientation, keys as C rows: st = S^T (key key_base + frag_c_row, query q0 + 8n + frag_c_col), dpt = dP^T;
+   row_m / row_inv_l / row_delta indexed by the query's place in the step. Leaves dS^T = P^T (dP^T - delta) in dpt
+   and the dV operand in st: P^F = fq16(P̂ * 2^11) * 2^-11 / l with QUANTIZE_DV (the forward's P^F, since M is the
+   forward's final frame; a block with a NaN is NaN throughout, its dead terms stay 0), else P = P̂ / l. */
+template <int BQ, bool QUANTIZE_DV>
+AQ_D void dkdv_step_elementwise(const logit_map *lm, float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4],
+                                const float *row_m, const float *row_inv_l, const float *row_delta, int q0,
+                                int key_base, bool masked) {
+    const int lane = (int)threadIdx.x & 31;
+    uint32_t live_bits = 0; /* bit 4n + e: term st[n][e] is live */
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
+            float t = st[n][e] * lm->scale_log2;
+            const bool visible = !masked || masked_logit_log2(lm, st[n][e], q0 + qi, kj, &t);
+            const float inv_l = row_inv_l[qi];
+            const bool live = visible && inv_l != 0.0f;
+            const float phat = live ? exp2f(t - row_m[qi]) : 0.0f, prob = live ? phat * inv_l : 0.0f;
+            dpt[n][e] = live ? prob * (dpt[n][e] - row_delta[qi]) : 0.0f;
+            st[n][e] = QUANTIZE_DV ? phat * AQ_P_HEADROOM : prob;
+            live_bits |= (uint32_t)live << (4 * n + e);
+        }
+    if constexpr (QUANTIZE_DV) {
+#pragma unroll
+        for (int n = 0; n < BQ / 8; n++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                float x[2] = {st[n][c], st[n][c + 2]}; /* key rows g and g+8 of query column c */
+                fake_quantize_p_column(x);
+                const float inv_l = row_inv_l[8 * n + frag_c_col(lane, c)];
+                st[n][c] = (live_bits >> (4 * n + c)) & 1u ? x[0] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
+                st[n][c + 2] = (live_bits >> (4 * n + c + 2)) & 1u ? x[1] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
+            }
+    }
+}
+
+/* dQ orientation, queries as C rows: s = S (row row_base + frag_c_row, key k0 + 8n + frag_c_col), dps = dP; the
+   thread's two rows' statistics in m, inv_l, delta. Leaves dS = P (dP - delta) in dps, with the unquantized P. */
+template <int BK>
+AQ_D void dq_step_elementwise(const logit_map *lm, const float (&s)[BK / 8][4], float (&dps)[BK / 8][4],
+                              const float m[2], const float inv_l[2], const float delta[2], int row_base, int k0,
+                              bool masked) {
+    const int lane = (int)threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = e >> 1;
+            float t = s[n][e] * lm->scale_log2;
+            const bool visible = !masked || masked_logit_log2(lm, s[n][e], row_base + frag_c_row(lane, e),
+                                                              k0 + 8 * n + frag_c_col(lane, e), &t);
+            const bool live = visible && inv_l[r] != 0.0f;
+            dps[n][e] = live ? exp2f(t - m[r]) * inv_l[r] * (dps[n][e] - delta[r]) : 0.0f;
+        }
+}
+
 /* ------------------------------------------------------------------------------------------------
    Non-finite operands (numerics.md §6, attn_qat.reference._matmul_visible). In a product
    acc[r, d] += sum_j w_rj B[j, d] a hidden term (w_rj = 0 by the kernels' selects) must be absent, not

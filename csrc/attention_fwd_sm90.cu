@@ -16,16 +16,12 @@
    take, and hidden keys (causal or masked) whose V rows hold Inf or NaN, which must stay absent (numerics.md §8):
    a pre-pass sets a flag, this kernel then exits at once and the mma.sync kernel, launched behind it, does the
    work. */
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include "attention_sm90.h"
 #include "hopper.cuh"
 
 #define SM90_BM 128         /* query rows per CTA: 64 per consumer warpgroup */
 #define SM90_THREADS 384    /* producer warpgroup + 2 consumer warpgroups */
 #define SM90_STAGES 2       /* K/V ring slots */
-#define SM90_PANEL 64       /* 16-bit columns per 128-byte swizzled panel */
 
 /* Keys per tile. 128 fills the wgmma N for S; with the second accumulator O' (64 more registers per thread) 64
    keeps the consumer within its 240 registers. */
@@ -189,77 +185,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
 #endif
 }
 
-/* *flag = 1 when an element of x (B, H, N, D, strided; 16-byte aligned, strides multiples of 8) is Inf or NaN.
-   grid (ceil(N * D / 8 / 256), H, B), 256 threads, one 16-byte chunk each. */
-template <aq_dtype DT>
-__global__ void __launch_bounds__(256) flag_nonfinite_kernel(const uint16_t *x, int64_t stride_b, int64_t stride_h,
-                                                             int64_t stride_n, int n, int d, int *flag) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, chunks = (int64_t)n * (d / 8);
-    if (i >= chunks) return;
-    const int64_t row = i / (d / 8), col = (i % (d / 8)) * 8;
-    const uint16_t *src = x + blockIdx.z * stride_b + blockIdx.y * stride_h + row * stride_n + col;
-    if (chunk8_nonfinite<DT>(*(const uint4 *)src)) *flag = 1;
-}
-
 /* ------------------------------------------------------------------------------------------------
    Launcher */
-
-static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
-    if (fn == NULL) {
-        void *ptr = NULL;
-        cudaDriverEntryPointQueryResult found;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) ==
-                cudaSuccess &&
-            found == cudaDriverEntryPointSuccess)
-            fn = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
-    }
-    return fn;
-}
-
-/* A 4-D tensor map over x (B, H, N, D) with boxes of 64 columns x box_rows tokens, 128-byte swizzled; false when
-   TMA cannot address the tensor (alignment, strides). */
-static bool make_tensor_map(CUtensorMap *map, const void *x, aq_dtype dtype, int64_t batch, int64_t heads,
-                            int64_t tokens, int64_t head_dim, const int64_t stride[3], int box_rows) {
-    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-    if (encode == NULL || !aligned16(x)) return false;
-    const int64_t sizes[3] = {tokens, heads, batch}, strides[3] = {stride[2], stride[1], stride[0]};
-    cuuint64_t dims[4] = {(cuuint64_t)head_dim, 0, 0, 0}, byte_strides[3];
-    for (int i = 0; i < 3; i++) {
-        /* a dimension of size 1 is never stepped along: any legal stride will do */
-        const int64_t st = sizes[i] == 1 ? 8 : strides[i];
-        if (st <= 0 || st % 8 != 0 || st >= ((int64_t)1 << 39)) return false;
-        dims[i + 1] = (cuuint64_t)sizes[i];
-        byte_strides[i] = (cuuint64_t)st * 2;
-    }
-    const cuuint32_t box[4] = {SM90_PANEL, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
-    const CUtensorMapDataType type =
-        dtype == AQ_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, type, 4, (void *)x, dims, byte_strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-/* Outputs are written 4 bytes at a time from the fragments. */
-static bool out_ok(const void *ptr, const int64_t stride[3]) {
-    return ptr == NULL || (((uintptr_t)ptr & 3u) == 0 && stride[0] % 2 == 0 && stride[1] % 2 == 0 && stride[2] % 2 == 0);
-}
-
-/* Whether this process may use the wgmma kernels: an sm_90 device, an sm_90a build, and ATTN_QAT_SM90 not 0. */
-static bool sm90_available(const void *kernel) {
-    const char *env = getenv("ATTN_QAT_SM90");
-    if (env != NULL && env[0] == '0') return false;
-    int device = 0, major = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9)
-        return false;
-    cudaFuncAttributes attr;
-    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-        cudaGetLastError(); /* no sm_90a code in this build: not an error of the caller's */
-        return false;
-    }
-    return attr.binaryVersion >= 90;
-}
 
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
 static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t stream, bool *taken,
@@ -268,7 +195,7 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
                    const int *) = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME>;
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME);
     if (!sm90_available((const void *)kernel)) return NULL;
-    if (!out_ok(p->o, p->o_stride) || !out_ok(p->o_prime, p->o_prime_stride)) return NULL;
+    if (!fragment_store_ok(p->o, p->o_stride) || !fragment_store_ok(p->o_prime, p->o_prime_stride)) return NULL;
     /* hidden keys whose V is not finite would need the mma.sync kernel's scrubbing: check V first */
     const bool hidden_keys = p->causal || p->mask != NULL;
     if (hidden_keys && p->scratch == NULL) return NULL;
@@ -284,10 +211,9 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     if (hidden_keys) {
         err = cudaMemsetAsync(p->scratch, 0, sizeof(int), stream);
         if (err != cudaSuccess) return cudaGetErrorString(err);
-        const int64_t chunks = p->seqlen_k * D / 8;
-        const dim3 grid((unsigned)((chunks + 255) / 256), (unsigned)p->heads_kv, (unsigned)p->batch);
-        flag_nonfinite_kernel<DT><<<grid, 256, 0, stream>>>((const uint16_t *)p->v, p->v_stride[0], p->v_stride[1],
-                                                            p->v_stride[2], (int)p->seqlen_k, D, p->scratch);
+        const char *msg =
+            launch_flag_nonfinite<DT>(p->v, p->v_stride, p->batch, p->heads_kv, p->seqlen_k, D, p->scratch, stream);
+        if (msg) return msg;
         *fallback_flag = p->scratch;
     }
     const dim3 grid((unsigned)((p->seqlen_q + SM90_BM - 1) / SM90_BM), (unsigned)p->heads_q, (unsigned)p->batch);

@@ -11,3 +11,7 @@
    kernel handles). Returns NULL or an error message. */
 const char *aq_attention_fwd_sm90(const aq_attention_fwd_params *p, cudaStream_t stream, bool *taken,
                                   const int **fallback_flag);
+
+/* The same for the backward's dK/dV and dQ kernels (the delta kernel has run before). */
+const char *aq_attention_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_t stream, bool *taken,
+                                  const int **fallback_flag);

@@ -91,6 +91,7 @@ typedef struct {
     int64_t causal_offset;
     int quantize_p_for_dv;
     aq_dtype dtype;
+    int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_bwd_sm90.cu) */
 } aq_attention_bwd_params;
 
 /* CPU kernels (C) */

@@ -4,7 +4,10 @@
    Every function here needs sm_90a; callers compile them only where AQ_SM90_ENABLED is 1. */
 #pragma once
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "attention_common.cuh"
 
@@ -15,6 +18,8 @@
 #else
 #define AQ_SM90_ENABLED 0
 #endif
+
+#define SM90_PANEL 64 /* 16-bit columns per 128-byte swizzled panel (one TMA box row, one wgmma swizzle atom) */
 
 AQ_D uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -195,4 +200,89 @@ AQ_D void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t desc_b, i
     static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
     if constexpr (N == 64) wgmma_m64n64k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
     else wgmma_m64n128k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
+}
+
+/* ------------------------------------------------------------------------------------------------
+   Host side: launch conditions and TMA descriptors, and the non-finite pre-check. */
+
+/* *flag = 1 when an element of x (B, H, N, D, strided; 16-byte aligned, strides multiples of 8) is Inf or NaN.
+   grid (ceil(N * D / 8 / 256), H, B), 256 threads, one 16-byte chunk each. */
+template <aq_dtype DT>
+__global__ void __launch_bounds__(256) flag_nonfinite_kernel(const uint16_t *x, int64_t stride_b, int64_t stride_h,
+                                                             int64_t stride_n, int n, int d, int *flag) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, chunks = (int64_t)n * (d / 8);
+    if (i >= chunks) return;
+    const int64_t row = i / (d / 8), col = (i % (d / 8)) * 8;
+    const uint16_t *src = x + blockIdx.z * stride_b + blockIdx.y * stride_h + row * stride_n + col;
+    if (chunk8_nonfinite<DT>(*(const uint4 *)src)) *flag = 1;
+}
+
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
+    if (fn == NULL) {
+        void *ptr = NULL;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) ==
+                cudaSuccess &&
+            found == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
+    }
+    return fn;
+}
+
+/* A 4-D tensor map over x (B, H, N, D) with boxes of 64 columns x box_rows tokens, 128-byte swizzled; false when
+   TMA cannot address the tensor (alignment, strides). */
+static bool make_tensor_map(CUtensorMap *map, const void *x, aq_dtype dtype, int64_t batch, int64_t heads,
+                            int64_t tokens, int64_t head_dim, const int64_t stride[3], int box_rows) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (encode == NULL || !aligned16(x)) return false;
+    const int64_t sizes[3] = {tokens, heads, batch}, strides[3] = {stride[2], stride[1], stride[0]};
+    cuuint64_t dims[4] = {(cuuint64_t)head_dim, 0, 0, 0}, byte_strides[3];
+    for (int i = 0; i < 3; i++) {
+        /* a dimension of size 1 is never stepped along: any legal stride will do */
+        const int64_t st = sizes[i] == 1 ? 8 : strides[i];
+        if (st <= 0 || st % 8 != 0 || st >= ((int64_t)1 << 39)) return false;
+        dims[i + 1] = (cuuint64_t)sizes[i];
+        byte_strides[i] = (cuuint64_t)st * 2;
+    }
+    const cuuint32_t box[4] = {SM90_PANEL, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
+    const CUtensorMapDataType type =
+        dtype == AQ_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, type, 4, (void *)x, dims, byte_strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* Outputs written 4 bytes at a time from the fragments (store_fragment_rows). */
+static bool fragment_store_ok(const void *ptr, const int64_t stride[3]) {
+    return ptr == NULL || (((uintptr_t)ptr & 3u) == 0 && stride[0] % 2 == 0 && stride[1] % 2 == 0 && stride[2] % 2 == 0);
+}
+
+/* Whether this process may use the wgmma kernels: an sm_90 device, an sm_90a build, and ATTN_QAT_SM90 not 0. */
+static bool sm90_available(const void *kernel) {
+    const char *env = getenv("ATTN_QAT_SM90");
+    if (env != NULL && env[0] == '0') return false;
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9)
+        return false;
+    cudaFuncAttributes attr;
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+        cudaGetLastError(); /* no sm_90a code in this build: not an error of the caller's */
+        return false;
+    }
+    return attr.binaryVersion >= 90;
+}
+
+
+/* Sets *flag (not cleared here) when x (B, H, N, D), TMA-eligible, holds an Inf or NaN. */
+template <aq_dtype DT>
+static const char *launch_flag_nonfinite(const void *x, const int64_t stride[3], int64_t batch, int64_t heads,
+                                         int64_t tokens, int head_dim, int *flag, cudaStream_t stream) {
+    if (tokens == 0) return NULL;
+    const int64_t chunks = tokens * head_dim / 8;
+    const dim3 grid((unsigned)((chunks + 255) / 256), (unsigned)heads, (unsigned)batch);
+    flag_nonfinite_kernel<DT><<<grid, 256, 0, stream>>>((const uint16_t *)x, stride[0], stride[1], stride[2],
+                                                        (int)tokens, head_dim, flag);
+    return launch_status();
 }

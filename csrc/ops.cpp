@@ -295,10 +295,10 @@ void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::o
     set_causal(causal, s, &p.causal, &p.causal_offset);
     p.quantize_p = quantize_p;
     p.dtype = kernel_dtype(q, false);
-    Tensor scratch; // the CUDA launcher's flag for non-finite values under hidden keys (attention_fwd_sm90.cu)
+    Tensor nonfinite_flag; // the CUDA launcher's flag for non-finite values under hidden keys (attention_fwd_sm90.cu)
     if (!q.is_cpu() && (p.causal || p.mask)) {
-        scratch = torch::stable::new_empty(q, {1}, ScalarType::Int);
-        p.scratch = static_cast<int *>(scratch.data_ptr());
+        nonfinite_flag = torch::stable::new_empty(q, {1}, ScalarType::Int);
+        p.scratch = static_cast<int *>(nonfinite_flag.data_ptr());
     }
     launch(q, p, aq_attention_fwd_cpu, aq_attention_fwd_cuda);
 }
@@ -395,6 +395,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     set_causal(causal, s, &p.causal, &p.causal_offset);
     p.quantize_p_for_dv = mode == MODE_ATTN_QAT || mode == MODE_LOW_PRECISION_O;
     p.dtype = kernel_dtype(q, false);
+    Tensor nonfinite_flag; // the CUDA launcher's flag for non-finite values under hidden keys (attention_bwd_sm90.cu)
+    if (!q.is_cpu() && (p.causal || p.mask)) {
+        nonfinite_flag = torch::stable::new_empty(q, {1}, ScalarType::Int);
+        p.scratch = static_cast<int *>(nonfinite_flag.data_ptr());
+    }
     launch(q, p, aq_attention_bwd_cpu, aq_attention_bwd_cuda);
     return {dq, dk, dv};
 }

@@ -1,0 +1,371 @@
+/* Attention backward on Hopper (numerics.md §4): attention_bwd.cu's dK/dV and dQ kernels on wgmma fed by TMA, with
+   a producer warp and two consumer warpgroups, and the same elementwise code (attention_common.cuh). Deterministic
+   and without atomics like them: dK/dV per key tile (looping over the query heads of its KV group), dQ per query
+   tile. The delta kernel of attention_bwd.cu runs first.
+
+   dK/dV: CTA = 128 keys (64 per consumer warpgroup), K and V loaded once; Q, dO and the row statistics of 64
+     queries stream through a ring of 2 slots. Per step: S^T = K Q^T and dP^T = V dO^T (64 x 64), the elementwise
+     step, dV += (P^F or P)^T dO and dK += dS^T Q (P^T and dS^T from registers, dO and Q as MN-major operands).
+   dQ: CTA = 128 query rows (64 per consumer warpgroup), Q and dO loaded once; K and V tiles of 64 keys stream.
+     Per step: S = Q K^T and dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+   Left to the mma.sync kernels by the launcher: operands TMA cannot take, and hidden terms over non-finite Q, dO
+   or K (a pre-pass flag, as in attention_fwd_sm90.cu). */
+#include "attention_sm90.h"
+#include "hopper.cuh"
+
+#define BWD90_THREADS 384 /* producer warpgroup + 2 consumer warpgroups */
+#define BWD90_STAGES 2
+#define BWD90_KEYS 128    /* dK/dV: keys per CTA */
+#define BWD90_Q_STEP 64   /* dK/dV: queries per step */
+#define BWD90_ROWS 128    /* dQ: query rows per CTA */
+#define BWD90_K_STEP 64   /* dQ: keys per step */
+
+template <int D>
+struct DkdvLayout {
+    static constexpr int KV_BYTES = BWD90_KEYS * D * 2, STEP_BYTES = BWD90_Q_STEP * D * 2;
+    static constexpr int K_OFFSET = 0, V_OFFSET = KV_BYTES, Q_OFFSET = 2 * KV_BYTES;
+    static constexpr int DO_OFFSET = Q_OFFSET + BWD90_STAGES * STEP_BYTES;
+    static constexpr int STATS_OFFSET = DO_OFFSET + BWD90_STAGES * STEP_BYTES; /* [stage][m, inv_l, delta][64] */
+    static constexpr int BAR_OFFSET = STATS_OFFSET + BWD90_STAGES * 3 * BWD90_Q_STEP * 4;
+    static constexpr int ALLOC = BAR_OFFSET + 8 * (1 + 2 * BWD90_STAGES) + 1024;
+};
+
+template <int D>
+struct DqLayout {
+    static constexpr int ROWS_BYTES = BWD90_ROWS * D * 2, STEP_BYTES = BWD90_K_STEP * D * 2;
+    static constexpr int Q_OFFSET = 0, DO_OFFSET = ROWS_BYTES, K_OFFSET = 2 * ROWS_BYTES;
+    static constexpr int V_OFFSET = K_OFFSET + BWD90_STAGES * STEP_BYTES;
+    static constexpr int BAR_OFFSET = V_OFFSET + BWD90_STAGES * STEP_BYTES;
+    static constexpr int ALLOC = BAR_OFFSET + 8 * (1 + 2 * BWD90_STAGES) + 1024;
+};
+
+#if AQ_SM90_ENABLED
+AQ_D unsigned char *align1024(unsigned char *p) { return p + ((1024 - (smem_addr(p) & 1023)) & 1023); }
+
+/* Rows [row0, ...) x columns [16 kk, 16 kk + 16) of a K-major tile of `rows` rows (see hopper.cuh). */
+AQ_D uint64_t k_major_desc(const unsigned char *tile, int rows, int row0, int kk) {
+    return smem_descriptor(tile + (kk / 4) * rows * 128 + row0 * 128 + (kk % 4) * 32, 16, 1024);
+}
+
+/* Rows [16 kb, 16 kb + 16) x all columns of an MN-major tile of `rows` rows. */
+AQ_D uint64_t mn_major_desc(const unsigned char *tile, int rows, int kb) {
+    return smem_descriptor(tile + kb * 16 * 128, rows * 128, 1024);
+}
+
+/* TMA of rows [row0, row0 + rows) of head h, batch b into a tile of D / 64 panels. */
+template <int D>
+AQ_D void tma_load_rows(unsigned char *tile, const CUtensorMap *map, uint64_t *bar, int rows, int row0, int h, int b) {
+#pragma unroll
+    for (int pn = 0; pn < D / SM90_PANEL; pn++) tma_load_4d(tile + pn * rows * 128, map, bar, pn * SM90_PANEL, row0, h, b);
+}
+#endif
+
+/* grid (ceil(Nk / 128), Hkv, B), 384 threads. Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v
+   (B, Hkv, Nk, D) with boxes of 128 rows. */
+template <int D, aq_dtype DT, bool QUANTIZE_DV>
+__global__ void __launch_bounds__(BWD90_THREADS, 1)
+    attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                                   const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                                   const aq_attention_bwd_params p, const int *skip_if) {
+#if AQ_SM90_ENABLED
+    using L = DkdvLayout<D>;
+    constexpr int BQ = BWD90_Q_STEP;
+    if (skip_if != NULL && *skip_if) return;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = align1024(smem_raw);
+    unsigned char *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET, *qs = smem + L::Q_OFFSET,
+                  *dos = smem + L::DO_OFFSET;
+    float *stats = (float *)(smem + L::STATS_OFFSET);
+    uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
+    uint64_t *kv_full = bars, *step_full = bars + 1, *step_empty = step_full + BWD90_STAGES;
+
+    const int warpgroup = (int)threadIdx.x / 128, warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int k0 = (int)blockIdx.x * BWD90_KEYS, hk = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
+    /* the first query step that sees key k0 (the same for every head: masks do not move it) */
+    const logit_map lm0 = make_logit_map(NULL, p.mask_stride, b, 0, nq, nk, p.causal, p.causal_offset, 0.0f);
+    const int q_begin = causal_query_begin(&lm0, k0) / BQ * BQ;
+    const int steps_per_head = (nq - q_begin + BQ - 1) / BQ, n_steps = group * steps_per_head;
+
+    if (threadIdx.x == 0) {
+        mbar_init(kv_full, 1);
+        for (int s = 0; s < BWD90_STAGES; s++) {
+            mbar_init(&step_full[s], 32); /* the producer warp's lanes, after writing the statistics */
+            mbar_init(&step_empty[s], 8); /* lane 0 of each consumer warp */
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) { /* producer */
+        setmaxnreg_dec<24>();
+        if (warp != 0) return;
+        if (lane == 0) {
+            mbar_arrive_expect_tx(kv_full, 2 * L::KV_BYTES);
+            tma_load_rows<D>(ks, &tm_k, kv_full, BWD90_KEYS, k0, hk, b);
+            tma_load_rows<D>(vs, &tm_v, kv_full, BWD90_KEYS, k0, hk, b);
+        }
+        for (int step = 0; step < n_steps; step++) {
+            const int s = step % BWD90_STAGES, h = hk * group + step / steps_per_head;
+            const int q0 = q_begin + (step % steps_per_head) * BQ;
+            mbar_wait(&step_empty[s], ((step / BWD90_STAGES) & 1) ^ 1);
+            const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
+            float *st = stats + s * 3 * BQ;
+            for (int i = lane; i < BQ; i += 32) load_row_stats(&p, stat0, q0 + i, &st[i], &st[BQ + i], &st[2 * BQ + i]);
+            if (lane == 0) {
+                mbar_arrive_expect_tx(&step_full[s], 2 * L::STEP_BYTES);
+                tma_load_rows<D>(qs + s * L::STEP_BYTES, &tm_q, &step_full[s], BQ, q0, h, b);
+                tma_load_rows<D>(dos + s * L::STEP_BYTES, &tm_do, &step_full[s], BQ, q0, h, b);
+            } else {
+                mbar_arrive(&step_full[s]);
+            }
+        }
+        return;
+    }
+
+    /* consumers: warpgroup c owns keys k0 + 64c .. +63, its warp w keys k0 + 64c + 16w .. +15 */
+    setmaxnreg_inc<240>();
+    const int c = warpgroup - 1, key0 = 64 * c + 16 * (warp % 4);
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.0f;
+
+    mbar_wait(kv_full, 0);
+    for (int step = 0; step < n_steps; step++) {
+        const int s = step % BWD90_STAGES, h = hk * group + step / steps_per_head;
+        const int q0 = q_begin + (step % steps_per_head) * BQ;
+        const logit_map lm =
+            make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
+        const unsigned char *qt = qs + s * L::STEP_BYTES, *dot = dos + s * L::STEP_BYTES;
+        const float *st_m = stats + s * 3 * BQ;
+
+        float st[BQ / 8][4], dpt[BQ / 8][4];
+        mbar_wait(&step_full[s], (step / BWD90_STAGES) & 1);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            wgmma_ss<BQ, DT, 0>(st, k_major_desc(ks, BWD90_KEYS, 64 * c, kk), k_major_desc(qt, BQ, 0, kk), kk > 0);
+            wgmma_ss<BQ, DT, 0>(dpt, k_major_desc(vs, BWD90_KEYS, 64 * c, kk), k_major_desc(dot, BQ, 0, kk), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(st);
+        fence_registers(dpt);
+
+        dkdv_step_elementwise<BQ, QUANTIZE_DV>(&lm, st, dpt, st_m, st_m + BQ, st_m + 2 * BQ, q0, k0 + key0,
+                                               tile_needs_mask(&lm, q0, k0 + 64 * c, 64));
+
+        uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
+#pragma unroll
+        for (int kb = 0; kb < BQ / 16; kb++) {
+            pack_a_from_c<DT>(pa[kb], st[2 * kb], st[2 * kb + 1]);
+            pack_a_from_c<DT>(dsa[kb], dpt[2 * kb], dpt[2 * kb + 1]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < BQ / 16; kb++) {
+            wgmma_rs<D, DT, 1>(dv, pa[kb], mn_major_desc(dot, BQ, kb), 1);
+            wgmma_rs<D, DT, 1>(dk, dsa[kb], mn_major_desc(qt, BQ, kb), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(dv);
+        fence_registers(dk);
+        if (lane == 0) mbar_arrive(&step_empty[s]);
+    }
+
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dk[n][e] *= p.softmax_scale;
+    const int valid = nk - k0 - key0;
+    store_fragment_rows<D, DT>(dk, (uint16_t *)p.dk + b * p.dk_stride[0] + hk * p.dk_stride[1] +
+                                       (k0 + key0) * p.dk_stride[2], p.dk_stride[2], valid);
+    store_fragment_rows<D, DT>(dv, (uint16_t *)p.dv + b * p.dv_stride[0] + hk * p.dv_stride[1] +
+                                       (k0 + key0) * p.dv_stride[2], p.dv_stride[2], valid);
+#endif
+}
+
+/* grid (ceil(Nq / 128), Hq, B), 384 threads. Tensor maps: q, dout with boxes of 128 rows; k, v of 64 rows. */
+template <int D, aq_dtype DT>
+__global__ void __launch_bounds__(BWD90_THREADS, 1)
+    attention_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                                 const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                                 const aq_attention_bwd_params p, const int *skip_if) {
+#if AQ_SM90_ENABLED
+    using L = DqLayout<D>;
+    constexpr int BK = BWD90_K_STEP;
+    if (skip_if != NULL && *skip_if) return;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = align1024(smem_raw);
+    unsigned char *qs = smem + L::Q_OFFSET, *dos = smem + L::DO_OFFSET, *ks = smem + L::K_OFFSET,
+                  *vs = smem + L::V_OFFSET;
+    uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
+    uint64_t *rows_full = bars, *kv_full = bars + 1, *kv_empty = kv_full + BWD90_STAGES;
+
+    const int warpgroup = (int)threadIdx.x / 128, warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
+    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, q0 = qtile * BWD90_ROWS;
+    const logit_map lm =
+        make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
+    const int key_end = causal_key_end(&lm, min(q0 + BWD90_ROWS, nq) - 1);
+    const int n_tiles = (key_end + BK - 1) / BK;
+
+    if (threadIdx.x == 0) {
+        mbar_init(rows_full, 1);
+        for (int s = 0; s < BWD90_STAGES; s++) {
+            mbar_init(&kv_full[s], 1);
+            mbar_init(&kv_empty[s], 8);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) { /* producer */
+        setmaxnreg_dec<24>();
+        if (warp == 0 && lane == 0) {
+            mbar_arrive_expect_tx(rows_full, 2 * L::ROWS_BYTES);
+            tma_load_rows<D>(qs, &tm_q, rows_full, BWD90_ROWS, q0, h, b);
+            tma_load_rows<D>(dos, &tm_do, rows_full, BWD90_ROWS, q0, h, b);
+            for (int j = 0; j < n_tiles; j++) {
+                const int s = j % BWD90_STAGES;
+                mbar_wait(&kv_empty[s], ((j / BWD90_STAGES) & 1) ^ 1);
+                mbar_arrive_expect_tx(&kv_full[s], 2 * L::STEP_BYTES);
+                tma_load_rows<D>(ks + s * L::STEP_BYTES, &tm_k, &kv_full[s], BK, j * BK, hk, b);
+                tma_load_rows<D>(vs + s * L::STEP_BYTES, &tm_v, &kv_full[s], BK, j * BK, hk, b);
+            }
+        }
+        return;
+    }
+
+    setmaxnreg_inc<240>();
+    const int c = warpgroup - 1, wrow = 64 * c, row0 = wrow + 16 * (warp % 4);
+    const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
+    float m[2], inv_l[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        load_row_stats(&p, stat0, q0 + row0 + frag_c_row(lane, 2 * r), &m[r], &inv_l[r], &delta[r]);
+    float dq[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dq[n][e] = 0.0f;
+
+    mbar_wait(rows_full, 0);
+    for (int j = 0; j < n_tiles; j++) {
+        const int s = j % BWD90_STAGES, k0 = j * BK;
+        const unsigned char *kt = ks + s * L::STEP_BYTES, *vt = vs + s * L::STEP_BYTES;
+        float sc[BK / 8][4], dps[BK / 8][4];
+        mbar_wait(&kv_full[s], (j / BWD90_STAGES) & 1);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            wgmma_ss<BK, DT, 0>(sc, k_major_desc(qs, BWD90_ROWS, wrow, kk), k_major_desc(kt, BK, 0, kk), kk > 0);
+            wgmma_ss<BK, DT, 0>(dps, k_major_desc(dos, BWD90_ROWS, wrow, kk), k_major_desc(vt, BK, 0, kk), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(sc);
+        fence_registers(dps);
+
+        dq_step_elementwise<BK>(&lm, sc, dps, m, inv_l, delta, q0 + row0, k0, tile_needs_mask(&lm, q0 + wrow, k0, BK));
+
+        uint32_t dsa[BK / 16][4];
+#pragma unroll
+        for (int kb = 0; kb < BK / 16; kb++) pack_a_from_c<DT>(dsa[kb], dps[2 * kb], dps[2 * kb + 1]);
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < BK / 16; kb++) wgmma_rs<D, DT, 1>(dq, dsa[kb], mn_major_desc(kt, BK, kb), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(dq);
+        if (lane == 0) mbar_arrive(&kv_empty[s]);
+    }
+
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dq[n][e] *= p.softmax_scale;
+    store_fragment_rows<D, DT>(dq, (uint16_t *)p.dq + b * p.dq_stride[0] + h * p.dq_stride[1] +
+                                       (q0 + row0) * p.dq_stride[2], p.dq_stride[2], nq - q0 - row0);
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------
+   Launcher */
+
+template <int D, aq_dtype DT>
+static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_t stream, bool *taken,
+                                   const int **fallback_flag) {
+    void (*dkdv)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
+                 const aq_attention_bwd_params, const int *) =
+        p->quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true> : attention_bwd_dkdv_sm90_kernel<D, DT, false>;
+    void (*dq)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
+               const aq_attention_bwd_params, const int *) = attention_bwd_dq_sm90_kernel<D, DT>;
+    if (!sm90_available((const void *)dkdv)) return NULL;
+    if (!fragment_store_ok(p->dq, p->dq_stride) || !fragment_store_ok(p->dk, p->dk_stride) ||
+        !fragment_store_ok(p->dv, p->dv_stride))
+        return NULL;
+    const bool hidden_terms = p->causal || p->mask != NULL;
+    if (hidden_terms && p->scratch == NULL) return NULL;
+    /* boxes: Q and dO of 64 rows (dK/dV) and 128 rows (dQ); K and V of 128 rows (dK/dV) and 64 rows (dQ) */
+    CUtensorMap q64, do64, k128, v128, q128, do128, k64, v64;
+    if (!make_tensor_map(&q64, p->q, DT, p->batch, p->heads_q, p->seqlen_q, D, p->q_stride, BWD90_Q_STEP) ||
+        !make_tensor_map(&do64, p->dout, DT, p->batch, p->heads_q, p->seqlen_q, D, p->dout_stride, BWD90_Q_STEP) ||
+        !make_tensor_map(&k128, p->k, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->k_stride, BWD90_KEYS) ||
+        !make_tensor_map(&v128, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BWD90_KEYS) ||
+        !make_tensor_map(&q128, p->q, DT, p->batch, p->heads_q, p->seqlen_q, D, p->q_stride, BWD90_ROWS) ||
+        !make_tensor_map(&do128, p->dout, DT, p->batch, p->heads_q, p->seqlen_q, D, p->dout_stride, BWD90_ROWS) ||
+        !make_tensor_map(&k64, p->k, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->k_stride, BWD90_K_STEP) ||
+        !make_tensor_map(&v64, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BWD90_K_STEP))
+        return NULL;
+
+    cudaError_t err = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, DkdvLayout<D>::ALLOC);
+    if (err == cudaSuccess)
+        err = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, DqLayout<D>::ALLOC);
+    if (err != cudaSuccess) return cudaGetErrorString(err);
+    if (hidden_terms) { /* Q and dO meet hidden terms in dK, K in dQ */
+        err = cudaMemsetAsync(p->scratch, 0, sizeof(int), stream);
+        if (err != cudaSuccess) return cudaGetErrorString(err);
+        const char *msg =
+            launch_flag_nonfinite<DT>(p->q, p->q_stride, p->batch, p->heads_q, p->seqlen_q, D, p->scratch, stream);
+        if (!msg)
+            msg = launch_flag_nonfinite<DT>(p->dout, p->dout_stride, p->batch, p->heads_q, p->seqlen_q, D, p->scratch,
+                                            stream);
+        if (!msg)
+            msg = launch_flag_nonfinite<DT>(p->k, p->k_stride, p->batch, p->heads_kv, p->seqlen_k, D, p->scratch,
+                                            stream);
+        if (msg) return msg;
+        *fallback_flag = p->scratch;
+    }
+    const int *skip_if = hidden_terms ? p->scratch : NULL;
+    *taken = true;
+    if (p->seqlen_k > 0) {
+        const dim3 grid((unsigned)((p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS), (unsigned)p->heads_kv,
+                        (unsigned)p->batch);
+        dkdv<<<grid, BWD90_THREADS, DkdvLayout<D>::ALLOC, stream>>>(q64, do64, k128, v128, *p, skip_if);
+        const char *msg = launch_status();
+        if (msg) return msg;
+    }
+    if (p->seqlen_q > 0) {
+        const dim3 grid((unsigned)((p->seqlen_q + BWD90_ROWS - 1) / BWD90_ROWS), (unsigned)p->heads_q,
+                        (unsigned)p->batch);
+        dq<<<grid, BWD90_THREADS, DqLayout<D>::ALLOC, stream>>>(q128, do128, k64, v64, *p, skip_if);
+        return launch_status();
+    }
+    return NULL;
+}
+
+const char *aq_attention_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_t stream, bool *taken,
+                                  const int **fallback_flag) {
+    *taken = false;
+    *fallback_flag = NULL;
+    if (p->dtype == AQ_BFLOAT16)
+        return p->head_dim == 64 ? launch_bwd_sm90<64, AQ_BFLOAT16>(p, stream, taken, fallback_flag)
+                                 : launch_bwd_sm90<128, AQ_BFLOAT16>(p, stream, taken, fallback_flag);
+    return p->head_dim == 64 ? launch_bwd_sm90<64, AQ_FLOAT16>(p, stream, taken, fallback_flag)
+                             : launch_bwd_sm90<128, AQ_FLOAT16>(p, stream, taken, fallback_flag);
+}
