@@ -57,7 +57,7 @@ MODEL_KEYS = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_di
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser, steps=800, batch_size=8, lr=5e-4, eval_every=100, eval_batches=4, out="examples/out/wan")
+    add_common_args(parser, steps=2000, batch_size=8, lr=5e-4, eval_every=200, eval_batches=4, out="examples/out/wan")
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--frames", type=int, default=None, help="latent frames per video (default: 8, tiny: 2)")
     parser.add_argument("--resolution", type=int, default=None,
