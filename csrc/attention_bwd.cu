@@ -98,8 +98,10 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
                 }
             }
 
-            dkdv_step_elementwise<BQ, QUANTIZE_DV>(&lm, st, dpt, row_m, row_inv_l, row_delta, q0, k0 + key0,
-                                                   tile_needs_mask(&lm, q0, k0, BWD_KEYS));
+            uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
+            const uint32_t live = dkdv_step_p<BQ, QUANTIZE_DV, DT>(&lm, st, pa, row_m, row_inv_l, q0, k0 + key0,
+                                                                   tile_needs_mask(&lm, q0, k0, BWD_KEYS));
+            dkdv_step_ds<BQ, DT>(st, dpt, dsa, row_delta, live);
             if (bad) { /* S^T and dP^T are done with the raw Q and dO */
                 __syncthreads();
                 scrub_nonfinite_tile<BQ, D, DT>(qs, q_nonfinite);
@@ -110,18 +112,15 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
             /* dV += P^T dO, dK += dS^T Q, 16 queries (two C fragments = one A fragment) at a time */
 #pragma unroll
             for (int kb = 0; kb < BQ / 16; kb++) {
-                uint32_t pa[4], dsa[4];
-                pack_a_from_c<DT>(pa, st[2 * kb], st[2 * kb + 1]);
-                pack_a_from_c<DT>(dsa, dpt[2 * kb], dpt[2 * kb + 1]);
 #pragma unroll
                 for (int dp = 0; dp < D / 16; dp++) {
                     uint32_t dob[4], qb[4];
                     ldsm_x4_trans(dob, dos + (kb * 16 + ldsm_row_mk(lane)) * LD + dp * 16 + ldsm_col_mk(lane));
                     ldsm_x4_trans(qb, qs + (kb * 16 + ldsm_row_mk(lane)) * LD + dp * 16 + ldsm_col_mk(lane));
-                    mma_16816<DT>(dv[2 * dp], pa, dob[0], dob[1]);
-                    mma_16816<DT>(dv[2 * dp + 1], pa, dob[2], dob[3]);
-                    mma_16816<DT>(dk[2 * dp], dsa, qb[0], qb[1]);
-                    mma_16816<DT>(dk[2 * dp + 1], dsa, qb[2], qb[3]);
+                    mma_16816<DT>(dv[2 * dp], pa[kb], dob[0], dob[1]);
+                    mma_16816<DT>(dv[2 * dp + 1], pa[kb], dob[2], dob[3]);
+                    mma_16816<DT>(dk[2 * dp], dsa[kb], qb[0], qb[1]);
+                    mma_16816<DT>(dk[2 * dp + 1], dsa[kb], qb[2], qb[3]);
                 }
             }
             if (bad) {
@@ -215,8 +214,9 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
             }
         }
 
-        dq_step_elementwise<BWD_KEYS>(&lm, s, dps, m, inv_l, delta, q0 + row0, k0,
-                                      tile_needs_mask(&lm, q0, k0, BWD_KEYS));
+        uint32_t dsa[BWD_KEYS / 16][4];
+        const uint32_t live = dq_step_p<BWD_KEYS>(&lm, s, m, inv_l, q0 + row0, k0, tile_needs_mask(&lm, q0, k0, BWD_KEYS));
+        dq_step_ds<BWD_KEYS, DT>(s, dps, dsa, delta, live);
         if (k_bad) { /* S is done with the raw K */
             __syncthreads();
             scrub_nonfinite_tile<BWD_KEYS, D, DT>(ks, k_nonfinite);
@@ -226,14 +226,12 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
         /* dQ += dS K, 16 keys (two C fragments = one A fragment) at a time */
 #pragma unroll
         for (int kb = 0; kb < BWD_KEYS / 16; kb++) {
-            uint32_t dsa[4];
-            pack_a_from_c<DT>(dsa, dps[2 * kb], dps[2 * kb + 1]);
 #pragma unroll
             for (int dp = 0; dp < D / 16; dp++) {
                 uint32_t kt[4];
                 ldsm_x4_trans(kt, ks + (kb * 16 + ldsm_row_mk(lane)) * LD + dp * 16 + ldsm_col_mk(lane));
-                mma_16816<DT>(dq[2 * dp], dsa, kt[0], kt[1]);
-                mma_16816<DT>(dq[2 * dp + 1], dsa, kt[2], kt[3]);
+                mma_16816<DT>(dq[2 * dp], dsa[kb], kt[0], kt[1]);
+                mma_16816<DT>(dq[2 * dp + 1], dsa[kb], kt[2], kt[3]);
             }
         }
         if (k_bad) {

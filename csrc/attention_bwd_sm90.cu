@@ -141,34 +141,38 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         const unsigned char *qt = qs + s * L::STEP_BYTES, *dot = dos + s * L::STEP_BYTES;
         const float *st_m = stats + s * 3 * BQ;
 
+        /* S^T and dP^T as two groups: the P part of the step (exp2, and the P^F column quant) runs while the
+           tensor cores compute dP^T, and the dS part while they compute dV */
         float st[BQ / 8][4], dpt[BQ / 8][4];
         mbar_wait(&step_full[s], (step / BWD90_STAGES) & 1);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
+        for (int kk = 0; kk < D / 16; kk++)
             wgmma_ss<BQ, DT, 0>(st, k_major_desc(ks, BWD90_KEYS, 64 * c, kk), k_major_desc(qt, BQ, 0, kk), kk > 0);
-            wgmma_ss<BQ, DT, 0>(dpt, k_major_desc(vs, BWD90_KEYS, 64 * c, kk), k_major_desc(dot, BQ, 0, kk), kk > 0);
-        }
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(st);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            wgmma_ss<BQ, DT, 0>(dpt, k_major_desc(vs, BWD90_KEYS, 64 * c, kk), k_major_desc(dot, BQ, 0, kk), kk > 0);
+        wgmma_commit();
         fence_registers(dpt);
-
-        dkdv_step_elementwise<BQ, QUANTIZE_DV>(&lm, st, dpt, st_m, st_m + BQ, st_m + 2 * BQ, q0, k0 + key0,
-                                               tile_needs_mask(&lm, q0, k0 + 64 * c, 64));
+        wgmma_wait<1>();
+        fence_registers(st);
 
         uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
-#pragma unroll
-        for (int kb = 0; kb < BQ / 16; kb++) {
-            pack_a_from_c<DT>(pa[kb], st[2 * kb], st[2 * kb + 1]);
-            pack_a_from_c<DT>(dsa[kb], dpt[2 * kb], dpt[2 * kb + 1]);
-        }
+        const uint32_t live = dkdv_step_p<BQ, QUANTIZE_DV, DT>(&lm, st, pa, st_m, st_m + BQ, q0, k0 + key0,
+                                                               tile_needs_mask(&lm, q0, k0 + 64 * c, 64));
         wgmma_fence();
 #pragma unroll
-        for (int kb = 0; kb < BQ / 16; kb++) {
-            wgmma_rs<D, DT, 1>(dv, pa[kb], mn_major_desc(dot, BQ, kb), 1);
-            wgmma_rs<D, DT, 1>(dk, dsa[kb], mn_major_desc(qt, BQ, kb), 1);
-        }
+        for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dv, pa[kb], mn_major_desc(dot, BQ, kb), 1);
+        wgmma_commit();
+        fence_registers(dv);
+        wgmma_wait<1>();
+        fence_registers(dpt);
+
+        dkdv_step_ds<BQ, DT>(st, dpt, dsa, st_m + 2 * BQ, live);
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dk, dsa[kb], mn_major_desc(qt, BQ, kb), 1);
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(dv);
@@ -258,24 +262,27 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     for (int j = 0; j < n_tiles; j++) {
         const int s = j % BWD90_STAGES, k0 = j * BK;
         const unsigned char *kt = ks + s * L::STEP_BYTES, *vt = vs + s * L::STEP_BYTES;
+        /* S and dP as two groups: the P part of the step runs while the tensor cores compute dP */
         float sc[BK / 8][4], dps[BK / 8][4];
         mbar_wait(&kv_full[s], (j / BWD90_STAGES) & 1);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
+        for (int kk = 0; kk < D / 16; kk++)
             wgmma_ss<BK, DT, 0>(sc, k_major_desc(qs, BWD90_ROWS, wrow, kk), k_major_desc(kt, BK, 0, kk), kk > 0);
-            wgmma_ss<BK, DT, 0>(dps, k_major_desc(dos, BWD90_ROWS, wrow, kk), k_major_desc(vt, BK, 0, kk), kk > 0);
-        }
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(sc);
-        fence_registers(dps);
-
-        dq_step_elementwise<BK>(&lm, sc, dps, m, inv_l, delta, q0 + row0, k0, tile_needs_mask(&lm, q0 + wrow, k0, BK));
-
-        uint32_t dsa[BK / 16][4];
 #pragma unroll
-        for (int kb = 0; kb < BK / 16; kb++) pack_a_from_c<DT>(dsa[kb], dps[2 * kb], dps[2 * kb + 1]);
+        for (int kk = 0; kk < D / 16; kk++)
+            wgmma_ss<BK, DT, 0>(dps, k_major_desc(dos, BWD90_ROWS, wrow, kk), k_major_desc(vt, BK, 0, kk), kk > 0);
+        wgmma_commit();
+        fence_registers(dps);
+        wgmma_wait<1>();
+        fence_registers(sc);
+
+        const uint32_t live = dq_step_p<BK>(&lm, sc, m, inv_l, q0 + row0, k0, tile_needs_mask(&lm, q0 + wrow, k0, BK));
+        wgmma_wait<0>();
+        fence_registers(dps);
+        uint32_t dsa[BK / 16][4];
+        dq_step_ds<BK, DT>(sc, dps, dsa, delta, live);
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BK / 16; kb++) wgmma_rs<D, DT, 1>(dq, dsa[kb], mn_major_desc(kt, BK, kb), 1);

@@ -311,6 +311,7 @@ AQ_D float exp2_frame_step(float e) {
    - e2m1(y) for y >= 0 as (y + c) - c with c = 2^(22 + max(exponent(y), 0)): fp32 addition rounds y to the E2M1
      spacing of its binade (0.5 below 2, 1 below 4, 2 from 4), ties to even, which is the E2M1 tie rule
      (checked for every fp32 y in [0, 64]; fminf saturates at 6 first);
+   - r = fl(1 / s) from the approximate reciprocal and one Newton step (exact for E4M3 scales, see below);
    - a zero-scale block uses r = 0, so its y and values are 0; a NaN scale makes every value NaN. */
 
 /* The block scale s and r = fl(1 / s) (0 when s = 0) from the bits of the block's amax. */
@@ -327,7 +328,13 @@ AQ_D void p_block_scale(uint32_t amax_bits, float *s, float *r) {
 #else
     *s = amax_bits >= 0x7F800000u ? __uint_as_float(0x7FC00000u) : aq_e4m3_round(v);
 #endif
-    *r = *s == 0.0f ? 0.0f : __frcp_rn(*s);
+    /* 1 / s correctly rounded without __frcp_rn's special-case branch: the approximate reciprocal (within an ulp)
+       and one Newton step land within 2^-45 of 1 / s, while 1 / s = 2^-e * 8 / (8 + m) (or 512 / m) is a
+       fraction with an odd denominator below 16, at least 2^-29 away from any rounding midpoint; a power of two
+       comes out exact. So the rounding is the correct one for every E4M3 scale. */
+    float r0;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r0) : "f"(*s));
+    *r = *s == 0.0f ? 0.0f : __fmaf_rn(r0, __fmaf_rn(-*s, r0, 1.0f), r0);
 }
 
 /* e2m1(x * r) * s for x >= 0 or NaN. */
@@ -405,13 +412,12 @@ AQ_D void scores_to_log2(const logit_map *lm, float (&s)[BN / 8][4], int row_bas
     }
 }
 
-/* One key tile of the online softmax in an integer frame: m = ceil(running max), so the rescale factor of the
-   accumulators (o, and o2 unless it is o itself: pass the same array only with RESCALE_O2 false) is an exact power
-   of two, which commutes with the P block rule. s becomes P̂ = 2^(t - m). The row max ignores NaN (fmaxf); a NaN
-   score still reaches l and O through exp2. */
-template <int BN, int D, bool RESCALE_O2>
-AQ_D void online_softmax_tile(float (&s)[BN / 8][4], float (&o)[D / 8][4], float (&o2)[D / 8][4], float m[2],
-                              float l[2]) {
+/* One key tile of the online softmax in an integer frame: m = ceil(running max), so the factor alpha by which the
+   accumulators must be rescaled (rescale_rows) is an exact power of two, which commutes with the P block rule.
+   s becomes P̂ = 2^(t - m), and l is rescaled and accumulated. The row max ignores NaN (fmaxf); a NaN score still
+   reaches l and O through exp2. */
+template <int BN>
+AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2]) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         float mx = -INFINITY;
@@ -420,18 +426,9 @@ AQ_D void online_softmax_tile(float (&s)[BN / 8][4], float (&o)[D / 8][4], float
         mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 2));
         const float m_new = fmaxf(m[r], ceilf(mx));
-        const float alpha = exp2_frame_step(m[r] - m_new);
+        alpha[r] = exp2_frame_step(m[r] - m_new);
         m[r] = m_new;
-        l[r] *= alpha;
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            o[n][2 * r] *= alpha;
-            o[n][2 * r + 1] *= alpha;
-            if constexpr (RESCALE_O2) {
-                o2[n][2 * r] *= alpha;
-                o2[n][2 * r + 1] *= alpha;
-            }
-        }
+        l[r] *= alpha[r];
         /* frame -inf (no finite score yet): exp2(t - 0), so a hidden key's -inf gives 0, not NaN; a row whose
            visible scores are all -inf is made NaN at the end */
         const float frame = m_new == -INFINITY ? 0.0f : m_new;
@@ -442,6 +439,25 @@ AQ_D void online_softmax_tile(float (&s)[BN / 8][4], float (&o)[D / 8][4], float
             l[r] += s[n][2 * r] + s[n][2 * r + 1];
         }
     }
+}
+
+/* acc *= alpha of each of the thread's two rows. */
+template <int D>
+AQ_D void rescale_rows(float (&acc)[D / 8][4], const float alpha[2]) {
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[n][e] *= alpha[e >> 1];
+}
+
+/* online_softmax_scores, then the rescale of o (and o2 with RESCALE_O2). */
+template <int BN, int D, bool RESCALE_O2>
+AQ_D void online_softmax_tile(float (&s)[BN / 8][4], float (&o)[D / 8][4], float (&o2)[D / 8][4], float m[2],
+                              float l[2]) {
+    float alpha[2];
+    online_softmax_scores<BN>(s, m, l, alpha);
+    rescale_rows<D>(o, alpha);
+    if constexpr (RESCALE_O2) rescale_rows<D>(o2, alpha);
 }
 
 /* End of the forward for a warp's 16 rows: sums l over the quad, stores M and l (rows < nq) at stats + row, and
@@ -497,54 +513,83 @@ AQ_D void load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int ro
 
 /* ------------------------------------------------------------------------------------------------
    The backward's elementwise steps (numerics.md §4), shared by the mma.sync and wgmma backwards. A term counts
-   ("live") when the key is visible and the query row has a visible key (inv_l != 0, attention_bwd.cu's
-   load_row_stats); every other term is an exact zero. */
+   ("live") when the key is visible and the query row has a visible key (inv_l != 0, load_row_stats); every
+   other term is an exact zero. */
 
-/* dK/dV orientation, keys as C rows: st = S^T (key key_base + frag_c_row, query q0 + 8n + frag_c_col), dpt = dP^T;
-   row_m / row_inv_l / row_delta indexed by the query's place in the step. Leaves dS^T = P^T (dP^T - delta) in dpt
-   and the dV operand in st: P^F = fq16(P̂ * 2^11) * 2^-11 / l with QUANTIZE_DV (the forward's P^F, since M is the
-   forward's final frame; a block with a NaN is NaN throughout, its dead terms stay 0), else P = P̂ / l. */
-template <int BQ, bool QUANTIZE_DV>
-AQ_D void dkdv_step_elementwise(const logit_map *lm, float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4],
-                                const float *row_m, const float *row_inv_l, const float *row_delta, int q0,
-                                int key_base, bool masked) {
+/* Each step comes in two parts, so a wgmma kernel can run the first while the tensor cores compute dP: the
+   P part needs only S and the row statistics, the dS part then needs dP. live_bits (bit 4n + e) carries which
+   terms count from one to the other; P is 0 on dead terms, but dS must be an exact 0 there even where dP is
+   not finite. */
+
+/* dK/dV orientation, keys as C rows: st = S^T (key key_base + frag_c_row, query q0 + 8n + frag_c_col);
+   row_m / row_inv_l indexed by the query's place in the step. Leaves P^T = P̂ / l in st and the dV operand as
+   A fragments in pa (16 queries each): P^F = fq16(P̂ * 2^11) * 2^-11 / l with QUANTIZE_DV (the forward's P^F,
+   since M is the forward's final frame; a block with a NaN is NaN throughout, its dead terms stay 0), else P. */
+template <int BQ, bool QUANTIZE_DV, aq_dtype DT>
+AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
+                          const float *row_m, const float *row_inv_l, int q0, int key_base, bool masked) {
+    static_assert(BQ <= 64, "one live bit per term of the step");
     const int lane = (int)threadIdx.x & 31;
-    uint32_t live_bits = 0; /* bit 4n + e: term st[n][e] is live */
+    uint32_t live_bits = 0;
+#pragma unroll
+    for (int kb = 0; kb < BQ / 16; kb++) { /* 16 queries at a time, so only their P̂ * 2^11 is kept aside */
+        float xq[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int n = 2 * kb + h;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
+                float t = st[n][e] * lm->scale_log2;
+                const bool visible = !masked || masked_logit_log2(lm, st[n][e], q0 + qi, kj, &t);
+                const float inv_l = row_inv_l[qi];
+                const bool live = visible && inv_l != 0.0f;
+                const float phat = live ? exp2f(t - row_m[qi]) : 0.0f;
+                st[n][e] = live ? phat * inv_l : 0.0f;
+                xq[h][e] = phat * AQ_P_HEADROOM;
+                live_bits |= (uint32_t)live << (4 * n + e);
+            }
+            if constexpr (QUANTIZE_DV) {
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    float x[2] = {xq[h][c], xq[h][c + 2]}; /* key rows g and g+8 of query column c */
+                    fake_quantize_p_column(x);
+                    const float inv_l = row_inv_l[8 * n + frag_c_col(lane, c)];
+                    xq[h][c] = (live_bits >> (4 * n + c)) & 1u ? x[0] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
+                    xq[h][c + 2] = (live_bits >> (4 * n + c + 2)) & 1u ? x[1] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
+                }
+            }
+        }
+        if constexpr (QUANTIZE_DV) pack_a_from_c<DT>(pa[kb], xq[0], xq[1]);
+        else pack_a_from_c<DT>(pa[kb], st[2 * kb], st[2 * kb + 1]);
+    }
+    return live_bits;
+}
+
+/* dS^T = P^T (dP^T - delta) into dpt as A fragments dsa, from dkdv_step_p's st and live bits. */
+template <int BQ, aq_dtype DT>
+AQ_D void dkdv_step_ds(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][4], uint32_t (&dsa)[BQ / 16][4],
+                       const float *row_delta, uint32_t live_bits) {
+    const int lane = (int)threadIdx.x & 31;
+    float ds[BQ / 8][4];
 #pragma unroll
     for (int n = 0; n < BQ / 8; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
-            float t = st[n][e] * lm->scale_log2;
-            const bool visible = !masked || masked_logit_log2(lm, st[n][e], q0 + qi, kj, &t);
-            const float inv_l = row_inv_l[qi];
-            const bool live = visible && inv_l != 0.0f;
-            const float phat = live ? exp2f(t - row_m[qi]) : 0.0f, prob = live ? phat * inv_l : 0.0f;
-            dpt[n][e] = live ? prob * (dpt[n][e] - row_delta[qi]) : 0.0f;
-            st[n][e] = QUANTIZE_DV ? phat * AQ_P_HEADROOM : prob;
-            live_bits |= (uint32_t)live << (4 * n + e);
-        }
-    if constexpr (QUANTIZE_DV) {
+        for (int e = 0; e < 4; e++)
+            ds[n][e] = (live_bits >> (4 * n + e)) & 1u ? st[n][e] * (dpt[n][e] - row_delta[8 * n + frag_c_col(lane, e)])
+                                                       : 0.0f;
 #pragma unroll
-        for (int n = 0; n < BQ / 8; n++)
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                float x[2] = {st[n][c], st[n][c + 2]}; /* key rows g and g+8 of query column c */
-                fake_quantize_p_column(x);
-                const float inv_l = row_inv_l[8 * n + frag_c_col(lane, c)];
-                st[n][c] = (live_bits >> (4 * n + c)) & 1u ? x[0] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
-                st[n][c + 2] = (live_bits >> (4 * n + c + 2)) & 1u ? x[1] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
-            }
-    }
+    for (int kb = 0; kb < BQ / 16; kb++) pack_a_from_c<DT>(dsa[kb], ds[2 * kb], ds[2 * kb + 1]);
 }
 
-/* dQ orientation, queries as C rows: s = S (row row_base + frag_c_row, key k0 + 8n + frag_c_col), dps = dP; the
-   thread's two rows' statistics in m, inv_l, delta. Leaves dS = P (dP - delta) in dps, with the unquantized P. */
+/* dQ orientation, queries as C rows: s = S (row row_base + frag_c_row, key k0 + 8n + frag_c_col); the thread's
+   two rows' statistics in m, inv_l. Leaves P = P̂ / l (unquantized) in s. */
 template <int BK>
-AQ_D void dq_step_elementwise(const logit_map *lm, const float (&s)[BK / 8][4], float (&dps)[BK / 8][4],
-                              const float m[2], const float inv_l[2], const float delta[2], int row_base, int k0,
-                              bool masked) {
+AQ_D uint32_t dq_step_p(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
+                        int row_base, int k0, bool masked) {
+    static_assert(BK <= 64, "one live bit per term of the step");
     const int lane = (int)threadIdx.x & 31;
+    uint32_t live_bits = 0;
 #pragma unroll
     for (int n = 0; n < BK / 8; n++)
 #pragma unroll
@@ -554,8 +599,24 @@ AQ_D void dq_step_elementwise(const logit_map *lm, const float (&s)[BK / 8][4], 
             const bool visible = !masked || masked_logit_log2(lm, s[n][e], row_base + frag_c_row(lane, e),
                                                               k0 + 8 * n + frag_c_col(lane, e), &t);
             const bool live = visible && inv_l[r] != 0.0f;
-            dps[n][e] = live ? exp2f(t - m[r]) * inv_l[r] * (dps[n][e] - delta[r]) : 0.0f;
+            s[n][e] = live ? exp2f(t - m[r]) * inv_l[r] : 0.0f;
+            live_bits |= (uint32_t)live << (4 * n + e);
         }
+    return live_bits;
+}
+
+/* dS = P (dP - delta) as A fragments dsa (16 keys each), from dq_step_p's s and live bits. */
+template <int BK, aq_dtype DT>
+AQ_D void dq_step_ds(const float (&s)[BK / 8][4], const float (&dps)[BK / 8][4], uint32_t (&dsa)[BK / 16][4],
+                     const float delta[2], uint32_t live_bits) {
+    float ds[BK / 8][4];
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            ds[n][e] = (live_bits >> (4 * n + e)) & 1u ? s[n][e] * (dps[n][e] - delta[e >> 1]) : 0.0f;
+#pragma unroll
+    for (int kb = 0; kb < BK / 16; kb++) pack_a_from_c<DT>(dsa[kb], ds[2 * kb], ds[2 * kb + 1]);
 }
 
 /* ------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ struct Sm90Layout {
     static constexpr int Q_BYTES = SM90_BM * D * 2, TILE_BYTES = BN * D * 2;
     static constexpr int K_OFFSET = Q_BYTES, V_OFFSET = K_OFFSET + SM90_STAGES * TILE_BYTES;
     static constexpr int BAR_OFFSET = V_OFFSET + SM90_STAGES * TILE_BYTES;
-    static constexpr int BYTES = BAR_OFFSET + 8 * (1 + 3 * SM90_STAGES);
+    static constexpr int BYTES = BAR_OFFSET + 8 * (1 + 4 * SM90_STAGES);
     static constexpr int ALLOC = BYTES + 1024; /* the panels need 1024-byte alignment */
 };
 
@@ -69,7 +69,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     unsigned char *qs = smem, *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET;
     uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
-    uint64_t *q_full = bars, *k_full = bars + 1, *v_full = k_full + SM90_STAGES, *kv_empty = v_full + SM90_STAGES;
+    uint64_t *q_full = bars, *k_full = bars + 1, *v_full = k_full + SM90_STAGES, *k_empty = v_full + SM90_STAGES,
+             *v_empty = k_empty + SM90_STAGES;
 
     const int warpgroup = (int)threadIdx.x / 128, warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
@@ -85,7 +86,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
         for (int s = 0; s < SM90_STAGES; s++) {
             mbar_init(&k_full[s], 1);
             mbar_init(&v_full[s], 1);
-            mbar_init(&kv_empty[s], 8); /* lane 0 of each consumer warp */
+            mbar_init(&k_empty[s], 8); /* lane 0 of each consumer warp */
+            mbar_init(&v_empty[s], 8);
         }
         mbar_init_fence();
     }
@@ -102,11 +104,13 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
                 tma_load_4d(qs + pn * SM90_BM * 128, &tm_q, q_full, pn * SM90_PANEL, q0, h, b);
             for (int j = 0; j < n_tiles; j++) {
                 const int s = j % SM90_STAGES;
-                mbar_wait(&kv_empty[s], ((j / SM90_STAGES) & 1) ^ 1);
+                /* K and V slots free up separately: K(j) once S(j) is done, V(j) once P(j) V is */
+                mbar_wait(&k_empty[s], ((j / SM90_STAGES) & 1) ^ 1);
                 mbar_arrive_expect_tx(&k_full[s], L::TILE_BYTES);
                 for (int pn = 0; pn < PANELS; pn++)
                     tma_load_4d(ks + s * L::TILE_BYTES + pn * BN * 128, &tm_k, &k_full[s], pn * SM90_PANEL, j * BN,
                                 hk, b);
+                mbar_wait(&v_empty[s], ((j / SM90_STAGES) & 1) ^ 1);
                 mbar_arrive_expect_tx(&v_full[s], L::TILE_BYTES);
                 for (int pn = 0; pn < PANELS; pn++)
                     tma_load_4d(vs + s * L::TILE_BYTES + pn * BN * 128, &tm_v, &v_full[s], pn * SM90_PANEL, j * BN,
@@ -128,36 +132,49 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     bool seen[2] = {false, false};
 
-    mbar_wait(q_full, 0);
-    for (int j = 0; j < n_tiles; j++) {
-        const int s = j % SM90_STAGES, k0 = j * BN;
-        const uint32_t parity = (j / SM90_STAGES) & 1;
-        const unsigned char *kt = ks + s * L::TILE_BYTES, *vt = vs + s * L::TILE_BYTES;
-
-        /* S = Q K^T */
-        float sc[BN / 8][4];
-        mbar_wait(&k_full[s], parity);
+    /* Software pipeline over key tiles: S(j+1) is issued before P(j) V, and the softmax and P fake-quant of
+       tile j+1 run on the FP32 pipe while the tensor cores compute P(j) V. The accumulators are rescaled by the
+       frame step of tile j+1 only once P(j) V has landed in them. */
+    float sc[BN / 8][4];
+    uint32_t a_o[BN / 16][4], a_hat[WITH_O_PRIME ? BN / 16 : 1][4]; /* P of the tile whose P V is next */
+    auto issue_scores = [&](int j) { /* S = Q K^T of tile j into sc, one commit group */
+        const int s = j % SM90_STAGES;
+        mbar_wait(&k_full[s], (j / SM90_STAGES) & 1);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++)
-            wgmma_ss<BN, DT, 0>(sc, k_major_descriptor(qs, SM90_BM, wrow, kk), k_major_descriptor(kt, BN, 0, kk),
-                                kk > 0);
+            wgmma_ss<BN, DT, 0>(sc, k_major_descriptor(qs, SM90_BM, wrow, kk),
+                                k_major_descriptor(ks + s * L::TILE_BYTES, BN, 0, kk), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(sc);
-
+    };
+    /* the softmax of tile j (scores in sc) and its P fragments; alpha: the rescale the accumulators owe */
+    auto softmax_to_p = [&](int j, uint32_t (&po)[BN / 16][4], uint32_t (&ph)[WITH_O_PRIME ? BN / 16 : 1][4],
+                            float alpha[2]) {
+        const int k0 = j * BN;
         scores_to_log2<BN>(&lm, sc, q0 + row0, k0, tile_needs_mask(&lm, q0 + wrow, k0, BN), seen);
-        online_softmax_tile<BN, D, WITH_O_PRIME>(sc, o, o2, m, l);
-
-        /* O += P V, O' += P̂ V: one 16-key block of P (two C fragments = one A fragment) per wgmma */
-        uint32_t a_o[BN / 16][4], a_hat[WITH_O_PRIME ? BN / 16 : 1][4];
+        online_softmax_scores<BN>(sc, m, l, alpha);
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb++) {
-            if constexpr (QUANTIZE_P) quantized_p_fragment<DT>(a_o[kb], sc[2 * kb], sc[2 * kb + 1]);
-            else pack_a_from_c<DT>(a_o[kb], sc[2 * kb], sc[2 * kb + 1]);
-            if constexpr (WITH_O_PRIME) pack_a_from_c<DT>(a_hat[kb], sc[2 * kb], sc[2 * kb + 1]);
+            if constexpr (QUANTIZE_P) quantized_p_fragment<DT>(po[kb], sc[2 * kb], sc[2 * kb + 1]);
+            else pack_a_from_c<DT>(po[kb], sc[2 * kb], sc[2 * kb + 1]);
+            if constexpr (WITH_O_PRIME) pack_a_from_c<DT>(ph[kb], sc[2 * kb], sc[2 * kb + 1]);
         }
-        mbar_wait(&v_full[s], parity);
+    };
+
+    mbar_wait(q_full, 0);
+    if (n_tiles > 0) {
+        float alpha[2]; /* the accumulators are still 0: nothing to rescale */
+        issue_scores(0);
+        wgmma_wait<0>();
+        fence_registers(sc);
+        if (lane == 0) mbar_arrive(&k_empty[0]);
+        softmax_to_p(0, a_o, a_hat, alpha);
+    }
+    /* O += P V, O' += P̂ V for tile j: one 16-key block of P (two C fragments = one A fragment) per wgmma */
+    auto issue_pv = [&](int j) {
+        const int s = j % SM90_STAGES;
+        const unsigned char *vt = vs + s * L::TILE_BYTES;
+        mbar_wait(&v_full[s], (j / SM90_STAGES) & 1);
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb++) {
@@ -165,10 +182,36 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
             if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_descriptor(vt, BN, kb), 1);
         }
         wgmma_commit();
+    };
+    auto finish_pv = [&](int j) { /* waits for every group; V(j) is then consumed */
         wgmma_wait<0>();
         fence_registers(o);
         if constexpr (WITH_O_PRIME) fence_registers(o2);
-        if (lane == 0) mbar_arrive(&kv_empty[s]);
+        if (lane == 0) mbar_arrive(&v_empty[j % SM90_STAGES]);
+    };
+    for (int j = 0; j + 1 < n_tiles; j++) {
+        issue_scores(j + 1);
+        issue_pv(j);
+        float alpha[2];
+        uint32_t next_o[BN / 16][4], next_hat[WITH_O_PRIME ? BN / 16 : 1][4];
+        wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
+        fence_registers(sc);
+        if (lane == 0) mbar_arrive(&k_empty[(j + 1) % SM90_STAGES]);
+        softmax_to_p(j + 1, next_o, next_hat, alpha);
+        finish_pv(j);
+        rescale_rows<D>(o, alpha);
+        if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                a_o[kb][i] = next_o[kb][i];
+                if constexpr (WITH_O_PRIME) a_hat[kb][i] = next_hat[kb][i];
+            }
+    }
+    if (n_tiles > 0) {
+        issue_pv(n_tiles - 1);
+        finish_pv(n_tiles - 1);
     }
 
     const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
