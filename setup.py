@@ -43,7 +43,7 @@ extension_kwargs = dict(py_limited_api=True, include_dirs=[os.path.join(here, cs
 if with_cuda:
     # torch would otherwise add -gencode flags for the local GPU or its default list; we name ours.
     os.environ["TORCH_CUDA_ARCH_LIST"] = ""
-    sources += [f"{csrc}/{f}" for f in ("quantize_cuda.cu", "attention_fwd.cu", "attention_fwd_sm90.cu", "attention_bwd.cu", "attention_bwd_sm90.cu")]
+    sources += [f"{csrc}/{f}" for f in ("quantize_cuda.cu", "attention_fwd.cu", "attention_fwd_sm90.cu", "attention_bwd.cu", "attention_bwd_sm90.cu", "decode_cuda.cu")]
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DAQ_WITH_CUDA", "-DUSE_CUDA"] + defines
     nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     ext = CUDAExtension(

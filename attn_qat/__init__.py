@@ -11,15 +11,27 @@ from .attention import SUPPORTED_HEAD_DIMS, attention, scaled_dot_product_attent
 from .integrations import (AttnQATFallbackWarning, QATConfig, WanAttnQATProcessor, convert, disable, enable,
                            merge_attention_states, patch_sdpa, prepare, register_diffusers_backend,
                            register_transformers)
+from .kv_cache import NVFP4KVCache
 from .nvfp4 import NVFP4Tensor, dequantize, fake_quantize, fake_quantize_qkv, quantize
 from .ops import MODES
+from .prefill import nvfp4_attention, quantize_qkv
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MODES", "NVFP4Tensor", "SUPPORTED_HEAD_DIMS", "attention", "dequantize", "fake_quantize",
-    "fake_quantize_qkv", "nvfp4", "ops", "quantize", "scaled_dot_product_attention",
+    "MODES", "NVFP4KVCache", "NVFP4Tensor", "SUPPORTED_HEAD_DIMS", "attention", "dequantize", "fake_quantize",
+    "fake_quantize_qkv", "nvfp4", "nvfp4_attention", "ops", "quantize", "quantize_qkv",
+    "scaled_dot_product_attention",
     # integrations (docs/integrations.md)
     "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "convert", "disable", "enable",
     "merge_attention_states", "patch_sdpa", "prepare", "register_diffusers_backend", "register_transformers",
 ]
+
+
+def __getattr__(name):
+    # NVFP4Cache (docs/integrations.md) subclasses transformers' Cache, so transformers is imported only when it
+    # is first used; for the same reason it is not in __all__.
+    if name == "NVFP4Cache":
+        from .integrations.kv_cache_transformers import NVFP4Cache
+        return NVFP4Cache
+    raise AttributeError(f"module 'attn_qat' has no attribute {name!r}")

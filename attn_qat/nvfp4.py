@@ -55,13 +55,14 @@ class NVFP4Tensor:
                 f"device={self.device})")
 
 
-def quantize(x: torch.Tensor, block_axis: int = -1) -> NVFP4Tensor:
+def quantize(x: torch.Tensor, block_axis: int = -1, *, partial_last_block: bool = False) -> NVFP4Tensor:
     """Quantize `x` to NVFP4 in blocks of 16 consecutive elements along `block_axis`, whose length
-    must be a multiple of 16. Any strides; float32, bfloat16 or float16; CPU or CUDA."""
+    must be a multiple of 16 unless `partial_last_block` (then the last block holds only the valid
+    elements, as V's token blocks do, numerics.md §2). Any strides; float32, bfloat16 or float16; CPU or CUDA."""
     axis = _check_input(x, block_axis, "quantize")
-    if x.shape[axis] % BLOCK:
+    if x.shape[axis] % BLOCK and not partial_last_block:
         raise ValueError(f"attn_qat.quantize: the block axis has {x.shape[axis]} elements, not a multiple of "
-                         f"{BLOCK}; pad it, or use fake_quantize(..., partial_last_block=True)")
+                         f"{BLOCK}; pad it, or pass partial_last_block=True to end in a shorter block")
     codes, scales = ops.nvfp4_quantize(x.detach(), axis)
     return NVFP4Tensor(codes, scales, x.shape, axis, x.dtype)
 

@@ -73,6 +73,18 @@ def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode):
     return (_empty_like_layout(q, *q.shape), _empty_like_layout(k, *k.shape), _empty_like_layout(v, *v.shape))
 
 
+@torch.library.register_fake("attn_qat::attention_forward_prequantized")
+def _(q, k, v, mask, scale, causal):
+    b, h, n, d = q.shape
+    return (_empty_like_layout(q, b, h, n, d), q.new_empty(b, h, n, dtype=torch.float32),
+            q.new_empty(b, h, n, dtype=torch.float32))
+
+
+@torch.library.register_fake("attn_qat::kv_cache_decode")
+def _(q, k_codes, k_scales, v_codes, v_scales, v_tail, lengths, max_length, scale, causal):
+    return q.new_empty(q.shape)
+
+
 # Straight-through estimator: the gradient of fake quantization is the identity.
 def _fake_quantize_backward(ctx, grad):
     return grad, None

@@ -213,10 +213,11 @@ def _visibility(attn_mask, causal, batch, heads, n_q, n_k) -> tuple[Tensor, Tens
     return visible, additive
 
 
-def _forward(q, k, v, attn_mask, causal, scale, quantize) -> dict:
+def _forward(q, k, v, attn_mask, causal, scale, quantize, operands_quantized=False) -> dict:
     """The forward of numerics.md §3 with every intermediate the backward needs.
 
-    Operands come back with the KV heads already expanded to the query heads (float64).
+    Operands come back with the KV heads already expanded to the query heads (float64). With
+    ``operands_quantized`` q, k, v are used as given and ``quantize`` applies to P alone.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D (batch, heads, tokens, head_dim)")
@@ -229,7 +230,7 @@ def _forward(q, k, v, attn_mask, causal, scale, quantize) -> dict:
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
 
-    if quantize:
+    if quantize and not operands_quantized:
         q_op = fake_quantize(q, -1)
         k_op = fake_quantize(k, -1)
         v_op = fake_quantize(v, -2, partial_last_block=True)  # V is blocked along tokens [ours]
@@ -278,6 +279,7 @@ def attention_forward(
     causal: str | None = None,
     scale: float | None = None,
     quantize: bool = True,
+    operands_quantized: bool = False,
 ) -> dict:
     """Attention forward of numerics.md §3, in float64.
 
@@ -290,11 +292,16 @@ def attention_forward(
     allowed) and P as fq16(P̂ * 2^11) * 2^-11 in blocks of 16 keys counted from key 0. Without it this
     is plain attention with the same frame and normaliser.
 
+    ``operands_quantized`` says q, k, v already hold the values the kernel computes with, so they are
+    used as given and only P is quantized (with ``quantize``). This is the decode of an NVFP4 KV
+    cache (attn_qat.NVFP4KVCache): Q^F, K^F, and a V whose complete 16-token blocks are V^F while the
+    incomplete last block is still the raw bf16/fp16 values.
+
     Returns a dict of float64 tensors: ``out`` O (B, Hq, Nq, D), ``out_prime`` O' (computed with
     unquantized P̂; equals O without quantize), ``frame`` M, ``row_sum`` l and ``lse`` (B, Hq, Nq).
     A row with no visible key has O = O' = 0, M = -inf, l = 0, LSE = -inf.
     """
-    result = _forward(q, k, v, attn_mask, causal, scale, quantize)
+    result = _forward(q, k, v, attn_mask, causal, scale, quantize, operands_quantized)
     return {name: result[name] for name in ("out", "out_prime", "frame", "row_sum", "lse")}
 
 

@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_qat  # noqa: E402
-from common import median_ms, metadata, write_json  # noqa: E402
+from common import forward_flops, metadata, timed, write_json  # noqa: E402
 
 # name: (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
 SHAPES = {
@@ -30,10 +30,6 @@ SHAPES = {
 QUICK = ("b8_h16_4k", "qwen_gqa_causal", "b8_h16_4k_d64")
 
 
-def forward_flops(b, hq, nq, nk, d, causal):
-    return 4 * b * hq * nq * nk * d / (2 if causal else 1)
-
-
 def make_sets(b, hq, hkv, nq, nk, d):
     def one():
         q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -41,18 +37,6 @@ def make_sets(b, hq, hkv, nq, nk, d):
         v = torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         return q, k, v, torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16)
     return [one(), one()]
-
-
-def timed(make_fn, sets, repeat):
-    """Median ms of fn over alternating input sets; make_fn(set) returns the callable for that set."""
-    fns = [make_fn(s) for s in sets]
-    counter = [0]
-
-    def step():
-        counter[0] += 1
-        fns[counter[0] % len(fns)]()
-
-    return median_ms(step, warmup=2, repeat=repeat)
 
 
 def bench_shape(name, shape, repeat):

@@ -1,4 +1,5 @@
-"""Timing and reporting helpers shared by the benchmarks: CUDA-event medians and result metadata."""
+"""Timing and reporting helpers shared by the benchmarks: CUDA-event medians, FLOP counts and result
+metadata."""
 import datetime
 import json
 import os
@@ -21,6 +22,24 @@ def median_ms(fn, warmup: int = 5, repeat: int = 20) -> float:
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
+
+
+def timed(make_fn, sets, repeat: int = 10) -> float:
+    """Median ms of a callable over alternating input sets, so that no run reads the previous run's inputs
+    from L2; make_fn(set) returns the callable for that set."""
+    fns = [make_fn(s) for s in sets]
+    counter = [0]
+
+    def step():
+        counter[0] += 1
+        fns[counter[0] % len(fns)]()
+
+    return median_ms(step, warmup=2, repeat=repeat)
+
+
+def forward_flops(b, hq, nq, nk, d, causal) -> float:
+    """Attention forward FLOPs, 4·B·H·Nq·Nk·D, halved when causal (the backward is 2.5x this)."""
+    return 4 * b * hq * nq * nk * d / (2 if causal else 1)
 
 
 def metadata() -> dict:

@@ -53,9 +53,63 @@ def attention_section(d):
     return "\n".join(lines) + "\n"
 
 
+def prefill_section(d):
+    lines = [f"## Prefill on packed NVFP4 operands (`bench_prefill.py`)\n",
+             f"{d['gpu']}, {d['date']}, commit {d['commit']}, torch {d['torch']}. FLOPs: {d['flops']}. "
+             f"`nvfp4_attention` on Q, K, V packed by `quantize_qkv` ({d['implementation']}); the others on the same "
+             "bf16 tensors in the same process (cuDNN and FA2 with K/V expanded for grouped heads). Cells: ms / "
+             "TFLOP/s / peak extra MiB of the call.\n"]
+    labels = list(d["shapes"][0]["results"])
+    lines += ["| shape (B, Hq, Hkv, N, D, causal) | " + " | ".join(labels) + " | packing (once) |",
+              "|---|" + "---|" * (len(labels) + 1)]
+    for s in d["shapes"]:
+        dims = tuple(s["dims"].values())
+        cells = [f"{fmt(s['results'][x]['ms'], '.2f')} / {fmt(s['results'][x]['TFLOP/s'], '.0f')} / "
+                 f"{fmt(s['results'][x]['peak_extra_MiB'], '.0f')}" for x in labels]
+        lines.append(f"| {s['shape']} {dims} | " + " | ".join(cells) + f" | {s['quantize_qkv_ms']:.2f} ms |")
+    ratio_labels = list(d["shapes"][0]["ratios"])
+    lines += ["", "Ratios of time (lower is better) and bytes:", "",
+              "| shape | " + " | ".join(ratio_labels) + " | operands bf16 / packed | K+V per token, bf16 / packed |",
+              "|---|" + "---|" * (len(ratio_labels) + 2)]
+    for s in d["shapes"]:
+        b = s["bytes"]
+        lines.append(f"| {s['shape']} | " + " | ".join(fmt(s["ratios"][x], ".2f") + "x" * (s["ratios"][x] is not None)
+                                                      for x in ratio_labels) +
+                     f" | {b['bf16 / packed']:.2f}x | {b['kv_per_token_bf16']} B / {b['kv_per_token_packed']:.0f} B |")
+    if os.path.exists(os.path.join(RESULTS, "prefill.png")):
+        lines += ["", "![prefill ratios and bytes per token](results/prefill.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def decode_section(d):
+    lines = [f"## Decode on an NVFP4 KV cache (`bench_decode.py`)\n",
+             f"{d['gpu']}, {d['date']}, commit {d['commit']}, torch {d['torch']}. Bytes: {d['bytes']}. GB/s of those "
+             f"bytes; \"of copy\" against a device-to-device copy in the same process ({d['copy_GB/s']:.0f} GB/s), "
+             f"\"of peak\" against {d['peak_GB/s']:.0f} GB/s. Speed-up: the faster torch SDPA bf16 variant's time over "
+             "the decode kernel's. Cells: ms / GB/s.\n"]
+    labels = list(d["shapes"][0]["results"])
+    lines += ["| shape (B, Hq, Hkv, context, Tq, D) | " + " | ".join(labels) + " | kernel of copy / of peak | speed-up "
+              "| bytes per token, bf16 / NVFP4 |", "|---|" + "---|" * (len(labels) + 3)]
+    for s in d["shapes"]:
+        dims = tuple(s["dims"].values())
+        res = s["results"]
+        cells = [f"{fmt(res[x]['ms'], '.3f')} / {fmt(res[x].get('GB/s'), '.0f')}" if x in res else "n/a"
+                 for x in labels]
+        k = res["attn_qat decode kernel"]
+        mem = s["memory_per_token"]
+        lines.append(f"| {s['shape']} {dims} | " + " | ".join(cells) +
+                     f" | {fmt(100 * k['of_copy'] if k['ms'] else None, '.0f')}% / "
+                     f"{fmt(100 * k['of_peak'] if k['ms'] else None, '.0f')}% | "
+                     f"{fmt(s['speedup_vs_best_sdpa'], '.2f')}x | {mem['bf16_bytes']} / {mem['nvfp4_bytes']} B |")
+    if os.path.exists(os.path.join(RESULTS, "decode.png")):
+        lines += ["", "![decode times and bandwidth](results/decode.png)"]
+    return "\n".join(lines) + "\n"
+
+
 def main():
     parts = [HEADER]
-    for name, section in (("quant.json", quant_section), ("attention.json", attention_section)):
+    for name, section in (("quant.json", quant_section), ("attention.json", attention_section),
+                          ("prefill.json", prefill_section), ("decode.json", decode_section)):
         path = os.path.join(RESULTS, name)
         if os.path.exists(path):
             parts.append(section(json.load(open(path))))

@@ -404,6 +404,89 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     return {dq, dk, dv};
 }
 
+// ---------------------------------------------------------------------------------------------
+// NVFP4 KV cache (attn_qat/kv_cache.py)
+
+// The forward of numerics.md §3 on operands the caller has already made: nothing is quantized but P. The
+// KV cache's composite path dequantizes its K and V (whose incomplete last block is unquantized) itself.
+// Returns (out, frame, row_sum).
+std::tuple<Tensor, Tensor, Tensor> attention_forward_prequantized(Tensor q, Tensor k, Tensor v,
+                                                                  std::optional<Tensor> mask, double scale,
+                                                                  int64_t causal) {
+    const AttentionShape s = check_attention_inputs(q, k, v);
+    Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
+    Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
+    Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
+    run_forward(q, k, v, mask, scale, causal, /*quantize_p=*/true, out, nullptr, frame, row_sum, s);
+    return {out, frame, row_sum};
+}
+
+#ifdef AQ_WITH_CUDA
+const char *kv_cache_decode_no_cpu(const aq_decode_params *) {
+    return "kv_cache_decode has no CPU kernel (NVFP4KVCache.attention takes its composite path on the CPU)";
+}
+
+// Decode on the packed cache (attn_qat.h's aq_decode_params): q (B, Hq, Tq, D) raw, fake-quantized here;
+// the cache buffers as NVFP4KVCache holds them; lengths (B,) int64; max_length >= every length.
+Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, Tensor v_tail,
+                       Tensor lengths, int64_t max_length, double scale, bool causal) {
+    STD_TORCH_CHECK(q.dim() == 4, "attn_qat: kv_cache_decode: q must be (batch, heads_q, tokens, head_dim)");
+    const int64_t batch = q.size(0), heads_q = q.size(1), tokens = q.size(2), dim = q.size(3);
+    STD_TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(0) == batch && k_codes.size(3) * 2 == dim,
+                    "attn_qat: kv_cache_decode: k_codes must be (batch, heads_kv, capacity, head_dim / 2)");
+    const int64_t heads_kv = k_codes.size(1), capacity = k_codes.size(2);
+    const std::vector<std::pair<const Tensor *, std::vector<int64_t>>> buffers = {
+        {&k_codes, {batch, heads_kv, capacity, dim / 2}},     {&k_scales, {batch, heads_kv, capacity, dim / 16}},
+        {&v_codes, {batch, heads_kv, capacity / 2, dim}},     {&v_scales, {batch, heads_kv, capacity / 16, dim}},
+        {&v_tail, {batch, heads_kv, 16, dim}},
+    };
+    for (const auto &[t, shape] : buffers) {
+        STD_TORCH_CHECK(t->dim() == 4 && std::vector<int64_t>(t->sizes().begin(), t->sizes().end()) == shape &&
+                            t->is_contiguous(),
+                        "attn_qat: kv_cache_decode: the cache buffers must be contiguous, shaped as NVFP4KVCache's");
+        STD_TORCH_CHECK(t->is_cuda() && q.is_cuda() && t->get_device_index() == q.get_device_index(),
+                        "attn_qat: kv_cache_decode: q and the cache must be on one CUDA device");
+        STD_TORCH_CHECK(t == &v_tail ? t->scalar_type() == q.scalar_type() : t->scalar_type() == ScalarType::Byte,
+                        "attn_qat: kv_cache_decode: codes and scales are uint8, v_tail has q's dtype");
+    }
+    STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == batch && lengths.scalar_type() == ScalarType::Long &&
+                        lengths.is_contiguous() && lengths.is_cuda() &&
+                        lengths.get_device_index() == q.get_device_index(),
+                    "attn_qat: kv_cache_decode: lengths must be a contiguous int64 (batch,) tensor on q's device");
+    aq_decode_params p = {};
+    p.dtype = kernel_dtype(q, false);
+    Tensor qf = nvfp4_fake_quantize(torch::stable::contiguous(q), 3);
+    p.q = qf.data_ptr();
+    p.k_codes = static_cast<const uint8_t *>(k_codes.data_ptr());
+    p.k_scales = static_cast<const uint8_t *>(k_scales.data_ptr());
+    p.v_codes = static_cast<const uint8_t *>(v_codes.data_ptr());
+    p.v_scales = static_cast<const uint8_t *>(v_scales.data_ptr());
+    p.v_tail = v_tail.data_ptr();
+    p.lengths = static_cast<const int64_t *>(lengths.data_ptr());
+    p.batch = batch;
+    p.heads_q = heads_q;
+    p.heads_kv = heads_kv;
+    p.seqlen_q = tokens;
+    p.head_dim = dim;
+    p.capacity = capacity;
+    p.max_length = max_length;
+    p.softmax_scale = (float)scale;
+    p.causal = causal;
+    int64_t workspace_floats = 0;
+    {
+        torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+        const char *err = aq_kv_cache_decode_plan_cuda(&p, &workspace_floats);
+        STD_TORCH_CHECK(err == nullptr, "attn_qat: ", err ? err : "");
+    }
+    Tensor workspace = torch::stable::new_empty(q, {workspace_floats > 0 ? workspace_floats : 1}, ScalarType::Float);
+    Tensor out = torch::stable::new_empty(q, {batch, heads_q, tokens, dim});
+    p.workspace = static_cast<float *>(workspace.data_ptr());
+    p.out = out.data_ptr();
+    launch(q, p, kv_cache_decode_no_cpu, aq_kv_cache_decode_cuda);
+    return out;
+}
+#endif
+
 } // namespace
 
 STABLE_TORCH_LIBRARY(attn_qat, m) {
@@ -416,6 +499,10 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
     m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor out_prime, "
           "Tensor? mask, Tensor frame, Tensor row_sum, float scale, int causal, int mode) "
           "-> (Tensor dq, Tensor dk, Tensor dv)");
+    m.def("attention_forward_prequantized(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal) "
+          "-> (Tensor out, Tensor frame, Tensor row_sum)");
+    m.def("kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
+          "Tensor v_tail, Tensor lengths, int max_length, float scale, bool causal) -> Tensor");
 }
 
 // The same functions serve both devices: `launch` picks the kernel from the tensors' device.
@@ -426,6 +513,7 @@ STABLE_TORCH_LIBRARY_IMPL(attn_qat, CPU, m) {
     m.impl("fake_quantize_qkv", TORCH_BOX(&fake_quantize_qkv));
     m.impl("attention_forward", TORCH_BOX(&attention_forward));
     m.impl("attention_backward", TORCH_BOX(&attention_backward));
+    m.impl("attention_forward_prequantized", TORCH_BOX(&attention_forward_prequantized));
 }
 
 #ifdef AQ_WITH_CUDA
@@ -436,5 +524,7 @@ STABLE_TORCH_LIBRARY_IMPL(attn_qat, CUDA, m) {
     m.impl("fake_quantize_qkv", TORCH_BOX(&fake_quantize_qkv));
     m.impl("attention_forward", TORCH_BOX(&attention_forward));
     m.impl("attention_backward", TORCH_BOX(&attention_backward));
+    m.impl("attention_forward_prequantized", TORCH_BOX(&attention_forward_prequantized));
+    m.impl("kv_cache_decode", TORCH_BOX(&kv_cache_decode));
 }
 #endif

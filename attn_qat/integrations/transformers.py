@@ -14,6 +14,9 @@ import torch
 from .config import AttentionState, QATConfig, STATE_ATTR, module_state, run_sdpa, warn_once
 
 IMPLEMENTATION = "attn_qat"
+# The tag an `attn_qat.NVFP4Cache` puts on the keys it returns (kv_cache_transformers.CACHE_LAYER_ATTR; kept
+# here as a string so this module does not import the cache's, which subclasses transformers' Cache).
+CACHE_LAYER_ATTR = "_attn_qat_nvfp4_cache_layer"
 
 # The state of attention modules that `prepare` did not configure (a model loaded directly with
 # attn_implementation="attn_qat"); `register_transformers(config)` replaces its config.
@@ -51,8 +54,13 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
     grouped KV heads go in unexpanded (enable_gqa); `scaling` is the softmax scale. Padding rows that are
     masked entirely give 0 (attn_qat counts mask values <= -1e30 as -inf), as torch's SDPA does.
     Modules left out by `prepare` or switched off by `attn_qat.disable` run transformers' "sdpa".
+    Keys and values that an `attn_qat.NVFP4Cache` returned go to that cache (`_attend_nvfp4_cache`).
     """
     state = module_state(module) or _default_state
+    cache_layer = getattr(key, CACHE_LAYER_ATTR, None)
+    if cache_layer is not None:
+        return _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, scaling, is_causal, state,
+                                   kwargs)
     if not state.active:
         return _sdpa_attention_forward()(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, is_causal=is_causal, **kwargs)
@@ -87,6 +95,41 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
     out = run_sdpa(query, key, value, attention_mask, dropout, is_causal, scaling, query.shape[1] != key.shape[1],
                    config=state.config, warned=state.warned, inference=state.inference,
                    where="attn_qat (transformers)")
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, scaling, is_causal, state, kwargs):
+    """Attention of a layer whose keys and values live in an `attn_qat.NVFP4Cache`: the cache layer
+    appends the step's K/V and attends (integrations/kv_cache_transformers.py). Inference only; every
+    input the cache cannot honour raises, since no other attention can read NVFP4 storage."""
+    where = "attn_qat (transformers, NVFP4Cache)"
+    if not state.active:
+        raise RuntimeError(f"{where}: this attention module is switched off (attn_qat.disable) or left out by prepare, "
+                           "but its keys and values live in an NVFP4Cache, which only attn_qat attention can read; "
+                           "enable it, or generate with another cache")
+    if state.config.inference_mode == "bf16":
+        raise ValueError(f"{where}: the model runs attn_qat in 'bf16' mode, but an NVFP4Cache computes 4-bit "
+                         "attention; use a DynamicCache for a bf16 baseline")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{where}: logit soft-capping (`softcap`) is not supported")
+    for name in ("position_bias", "cache"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{where}: `{name}` is not supported")
+    if dropout:
+        raise NotImplementedError(f"{where}: attention dropout is not supported (dropout={dropout}); call model.eval()")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(f"{where}: sliding-window attention is not supported")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal and query.shape[2] > 1:
+        raise NotImplementedError(f"{where}: the cache's attention is causal; this module is not")
+    if kwargs.get("output_attentions", False):
+        warn_once("output_attentions=True is not supported; the attention weights are None", state.warned, UserWarning)
+    if torch.is_grad_enabled() and query.requires_grad:
+        warn_once("attention through an NVFP4Cache is inference only; its output carries no gradient", state.warned,
+                  UserWarning)
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    with torch.no_grad():
+        out = cache_layer.attend(query, attention_mask, scale)
     return out.transpose(1, 2).contiguous(), None
 
 

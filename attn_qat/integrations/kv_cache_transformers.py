@@ -1,0 +1,267 @@
+"""transformers integration of the NVFP4 KV cache: `NVFP4Cache`, a transformers `Cache` whose layers keep
+their keys and values in an `attn_qat.NVFP4KVCache` (4-bit codes and E4M3 scales, 3.56x smaller than
+bf16), read by the "attn_qat" attention implementation.
+
+    attn_qat.register_transformers()
+    model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16, attn_implementation="attn_qat")
+    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=prompt_len + max_new_tokens)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens)
+
+How a step runs. transformers calls `past_key_values.update(k, v, layer_idx)` and hands what it returns to
+the attention function. `update` cannot quantize yet: which tokens are padding is only known from the
+attention mask, which reaches the attention function, not the cache. So `update` keeps the step's bf16
+K/V pending and returns them tagged with the layer; the "attn_qat" attention function finds the tag
+and calls `NVFP4CacheLayer.attend`, which appends to the NVFP4KVCache and attends:
+
+- prefill (empty cache): the step's bf16 K/V go through attn_qat's fake-quant inference forward
+  (numerics.md §3), causal, exactly what the model computes without a cache; then they are appended.
+- later steps (decode, or further chunks): append, then `NVFP4KVCache.attention` with the step's queries
+  as the last tokens of each sequence (bottom-right causal). It equals the fake-quant forward except that
+  the incomplete last 16-token block of V is still bf16 (numerics.md §8).
+
+Left padding (batched `generate` with a padding mask) is supported: the prefill moves each sequence's
+tokens to the front of its rows, so the cache holds only real tokens with per-sequence lengths, and the
+16-token V blocks start at each sequence's first token. Each sequence is then computed as if it had
+been run alone, which is not what the fake-quant forward computes on the padded batch (there V blocks
+start at the padded position 0, and padding values set block scales). Other masks (right padding,
+packed sequences, custom masks) raise `NotImplementedError`: the cache's attention is causal per
+sequence by construction.
+
+A returned tag that nobody consumed means the model's attention is not "attn_qat" (it would have read
+the step's keys only); the next `update` of that layer raises instead of letting it compute garbage.
+"""
+from typing import Optional, Tuple
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.configuration_utils import PreTrainedConfig
+
+from ..attention import MASKED_BELOW, SUPPORTED_HEAD_DIMS, attention
+from ..kv_cache import NVFP4KVCache
+# The attribute of the key tensor `update` returns that names the layer whose pending step it is; the
+# "attn_qat" attention function reads it.
+from .transformers import CACHE_LAYER_ATTR
+
+_WHERE = "attn_qat.NVFP4Cache"
+
+
+class _Padding:
+    """What the layers of one cache share: each sequence's count of left-padding tokens, read from the
+    attention mask once per forward (all layers get the same mask object) and kept for later steps."""
+
+    def __init__(self):
+        self.pads: Optional[torch.Tensor] = None  # (batch,) long, or None when no sequence is padded
+        self._checked: Optional[Tuple[torch.Tensor, int]] = None  # (mask, total length) last validated
+
+    def reset(self):
+        self.pads, self._checked = None, None
+
+    def of(self, mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int, prefill: bool):
+        """Left-padding counts (or None) for a step of `q_len` queries whose keys are the `kv_len` tokens
+        (padding included) seen so far; validates that `mask` is transformers' causal + left-padding mask."""
+        if mask is None:
+            if self.pads is not None and not prefill:
+                raise ValueError(f"{_WHERE}: the prompt was left-padded but this step has no attention mask; pass "
+                                 "the attention_mask (extended by one per generated token) on every step")
+            if prefill:
+                self.pads = None
+            return self.pads
+        checked = self._checked
+        if checked is not None and checked[0] is mask and checked[1] == kv_len:
+            return self.pads
+        if mask.dim() != 4 or mask.shape[-2] != q_len or mask.shape[-1] != kv_len or mask.shape[0] not in (1, batch):
+            raise ValueError(f"{_WHERE}: expected an attention mask of shape (batch, heads, {q_len}, {kv_len}), got "
+                             f"{tuple(mask.shape)}")
+        if mask.dtype == torch.bool:
+            visible = mask
+        elif mask.is_floating_point():
+            visible = mask > MASKED_BELOW
+            if mask.masked_fill(~visible, 0).any():
+                raise NotImplementedError(f"{_WHERE}: additive attention biases are not supported, only masks")
+        else:
+            raise TypeError(f"{_WHERE}: attention mask dtype {mask.dtype} is not supported (bool or float)")
+        if not torch.equal(visible, visible[:, :1].expand_as(visible)):
+            raise NotImplementedError(f"{_WHERE}: per-head attention masks are not supported")
+        visible = visible[:, 0].expand(batch, q_len, kv_len)
+        keys = torch.arange(kv_len, device=mask.device)
+        if prefill:
+            # The last query is a real token in a left-padded batch; the keys it cannot see are the padding.
+            pads = kv_len - visible[:, -1].sum(-1)
+        else:
+            pads = self.pads if self.pads is not None else torch.zeros(batch, dtype=torch.long, device=mask.device)
+        pads = pads.to(device=mask.device, dtype=torch.long)
+        positions = torch.arange(q_len, device=mask.device) + (kv_len - q_len)  # each query's own position
+        expected = (keys >= pads[:, None, None]) & (keys <= positions[:, None])
+        real_query = positions[None, :] >= pads[:, None]  # rows of padding queries are not looked at
+        if not bool(((visible == expected) | ~real_query[..., None]).all()):
+            raise NotImplementedError(
+                f"{_WHERE}: only causal attention with left padding is supported (the mask transformers builds "
+                "for a left-padded batch); this attention mask has another structure (right padding, packed "
+                "sequences or a custom mask)")
+        if prefill:
+            if bool((pads >= kv_len).any()):
+                raise ValueError(f"{_WHERE}: a sequence of the batch is all padding")
+            self.pads = pads if bool(pads.any()) else None
+        self._checked = (mask, kv_len)
+        return self.pads
+
+
+class NVFP4CacheLayer(CacheLayerMixin):
+    """One attention layer of `NVFP4Cache`: an `attn_qat.NVFP4KVCache` of `max_cache_len` tokens per
+    sequence, allocated at the first `update` (batch, KV heads, head_dim, dtype and device from it)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, max_cache_len: int, padding: Optional[_Padding] = None):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.padding = padding if padding is not None else _Padding()
+        self.kv = None  # the NVFP4KVCache
+        self.seen = 0  # tokens passed through update, padding included: transformers' notion of the length
+        self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads_kv, _, head_dim = key_states.shape
+        if key_states.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{_WHERE}: keys and values must be bfloat16 or float16 (load the model in one of them), "
+                            f"got {key_states.dtype}")
+        if head_dim not in SUPPORTED_HEAD_DIMS or value_states.shape[-1] != head_dim:
+            raise ValueError(f"{_WHERE}: head_dim must be one of {SUPPORTED_HEAD_DIMS} for keys and values, got "
+                             f"{head_dim} and {value_states.shape[-1]}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads, self.head_dim = batch, heads_kv, head_dim
+        capacity = -(-self.max_cache_len // 16) * 16  # whole V blocks; `update` enforces max_cache_len itself
+        self.kv = NVFP4KVCache(batch, heads_kv, head_dim, capacity, dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Keeps the step's K/V pending for `attend` and returns them, the key tagged with this layer."""
+        if self.pending is not None:
+            self.pending = None
+            raise RuntimeError(f"{_WHERE}: the keys and values of the previous step were never read by attn_qat "
+                               "attention. NVFP4Cache only works with attn_implementation='attn_qat' (attn_qat."
+                               "register_transformers(), or attn_qat.prepare(model)) on every attention layer")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        steps = key_states.shape[-2]
+        if key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads:
+            raise ValueError(f"{_WHERE}: this cache holds batch {self.batch_size} with {self.num_heads} KV heads, got "
+                             f"keys of shape {tuple(key_states.shape)}; reset() it or make a new one")
+        if self.seen + steps > self.max_cache_len:
+            raise ValueError(f"{_WHERE}: {self.seen} cached + {steps} new tokens exceed max_cache_len="
+                             f"{self.max_cache_len}; make the cache with max_cache_len >= prompt length (padding "
+                             "included) + max_new_tokens")
+        self.seen += steps
+        self.pending = (key_states, value_states)
+        tagged = key_states.view_as(key_states)  # a fresh tensor object, so the tag stays ours
+        setattr(tagged, CACHE_LAYER_ATTR, self)
+        return tagged, value_states
+
+    def attend(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        """Appends the pending step and attends to the cache: (B, H, Tq, D) queries -> (B, H, Tq, D)."""
+        if self.pending is None:
+            raise RuntimeError(f"{_WHERE}: attention ran without a preceding update of this layer")
+        key, value = self.pending
+        self.pending = None
+        batch, _, q_len, _ = query.shape
+        steps = key.shape[2]
+        if q_len != steps:
+            raise NotImplementedError(f"{_WHERE}: {q_len} queries for {steps} new keys (only self-attention over the "
+                                      "tokens just appended is supported)")
+        prefill = self.seen == steps
+        pads = self.padding.of(attention_mask, batch, q_len, self.seen, prefill)
+        if prefill:
+            return self._prefill(query, key, value, pads, scale)
+        self.kv.append(key, value)
+        return self.kv.attention(query, softmax_scale=scale, causal=True)
+
+    def _prefill(self, query, key, value, pads, scale):
+        """The first step: fake-quant inference forward on the step's bf16 K/V (what the model computes
+        without a cache), then the K/V go into the cache. Left-padded rows are first shifted so each
+        sequence starts at token 0, with its padding zeroed at the end (zeros do not change a V block's
+        scale, so its partial last block is the one a lone run of the sequence has)."""
+        if pads is None:
+            self.kv.append(key, value)
+            return attention(query, key, value, causal=True, softmax_scale=scale, layout="bhsd", mode="attn_qat")
+        steps = key.shape[2]
+        tokens = torch.arange(steps, device=key.device)
+        lengths = steps - pads
+        gather = (tokens[None, :] + pads[:, None]).clamp(max=steps - 1)  # row b, slot t <- token t + pads[b]
+        real = tokens[None, :] < lengths[:, None]
+
+        def to_front(x):
+            moved = x.gather(2, gather[:, None, :, None].expand_as(x))
+            return moved.masked_fill(~real[:, None, :, None], 0)
+
+        q_front, k_front, v_front = to_front(query), to_front(key), to_front(value)
+        self.kv.append(k_front, v_front, lengths=lengths)
+        out = attention(q_front, k_front, v_front, causal=True, softmax_scale=scale, layout="bhsd", mode="attn_qat")
+        back = (tokens[None, :] - pads[:, None]).clamp(min=0)  # slot t <- front slot t - pads[b]
+        out = out.gather(2, back[:, None, :, None].expand_as(out))
+        return out.masked_fill(~(tokens[None, :] >= pads[:, None])[:, None, :, None], 0)
+
+    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.kv is not None:
+            self.kv.reset()
+        self.seen, self.pending = 0, None
+        self.padding.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError(f"{_WHERE}: crop (assisted or speculative decoding) is not supported: NVFP4 V "
+                                      "blocks cannot give tokens back")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(f"{_WHERE}: beam search is not supported; use greedy decoding or sampling")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.seen:
+            raise NotImplementedError(f"{_WHERE}: expanding a filled cache is not supported")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.seen:
+            raise NotImplementedError(f"{_WHERE}: selecting sequences of a filled cache is not supported")
+
+    def offload(self):
+        raise NotImplementedError(f"{_WHERE}: offloading is not supported")
+
+    def prefetch(self):
+        raise NotImplementedError(f"{_WHERE}: offloading is not supported")
+
+
+class NVFP4Cache(Cache):
+    """A transformers `Cache` that keeps each attention layer's keys and values in NVFP4
+    (`attn_qat.NVFP4KVCache`, one per layer) for models running the "attn_qat" attention implementation.
+
+    config: the model's config (its decoder part is read): the number of layers; every layer must be a
+        full-attention layer (sliding-window, chunked and linear-attention layers are not supported).
+    max_cache_len: tokens per sequence the cache holds, the prompt (with its padding) plus the generated
+        tokens; storage is allocated up front at the first step, and exceeding it raises.
+
+    Greedy decoding and sampling with batches of any size, with or without left padding; not beam search,
+    assisted generation, offloading or torch.compile. Inference only (no gradients). See the module
+    docstring for how prefill and decode steps are computed.
+    """
+
+    def __init__(self, config: PreTrainedConfig, max_cache_len: int):
+        if not isinstance(max_cache_len, int) or max_cache_len <= 0:
+            raise ValueError(f"{_WHERE}: max_cache_len must be a positive int, got {max_cache_len!r}")
+        config = config.get_text_config(decoder=True)
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        others = sorted(set(layer_types) - {"full_attention"})
+        if others:
+            raise NotImplementedError(f"{_WHERE}: only full-attention layers are supported; this model has {others}")
+        padding = _Padding()
+        super().__init__(layers=[NVFP4CacheLayer(max_cache_len, padding) for _ in layer_types])
+        self.max_cache_len = max_cache_len

@@ -1,0 +1,341 @@
+"""attn_qat.NVFP4KVCache: its storage and append semantics, its errors for misuse, and its attention (the CUDA
+decode kernel and the composite path) against the float64 reference at numerics.md §7's tolerance, on fresh
+random inputs with poisoned outputs.
+
+The reference of the cache's attention is attn_qat.reference.attention_forward(..., operands_quantized=True) on
+Q^F, K^F and, for V, V^F over each sequence's complete 16-token blocks followed by its raw tail, per sequence
+with bottom-right causal alignment (query t of a sequence of L tokens sees keys j <= L - Tq + t)."""
+import pytest
+import torch
+
+from attn_qat import NVFP4KVCache, reference
+from attn_qat.kv_cache import BLOCK
+from attn_qat.ops import ops
+from conftest import DEVICES, rel_error, requires_cuda
+from test_attention import FWD_TOL, forward_error, fresh_generator, poison_cuda_allocator
+
+
+class Filled:
+    """A cache plus every token appended to it, kept raw on the CPU for the reference."""
+
+    def __init__(self, batch, heads_kv, head_dim, capacity, dtype, device):
+        self.cache = NVFP4KVCache(batch, heads_kv, head_dim, capacity, dtype=dtype, device=device)
+        self.k = [[] for _ in range(batch)]
+        self.v = [[] for _ in range(batch)]
+        self.g = fresh_generator()
+
+    def append(self, tokens, lengths=None, k=None, v=None):
+        c = self.cache
+        shape = (c.batch, c.heads_kv, tokens, c.head_dim)
+        k = torch.randn(shape, generator=self.g).to(c.dtype) if k is None else k
+        v = torch.randn(shape, generator=self.g).to(c.dtype) if v is None else v
+        c.append(k.to(c.device), v.to(c.device), lengths)
+        counts = [tokens] * c.batch if lengths is None else list(lengths)
+        for b, n in enumerate(counts):
+            self.k[b].append(k[b, :, :n].cpu())
+            self.v[b].append(v[b, :, :n].cpu())
+        return self
+
+    def raw(self, b):
+        return torch.cat(self.k[b], dim=1), torch.cat(self.v[b], dim=1)
+
+    def query(self, heads_q, tokens):
+        c = self.cache
+        return torch.randn(c.batch, heads_q, tokens, c.head_dim, generator=self.g).to(c.dtype).to(c.device)
+
+    def reference(self, q, causal=True, scale=None):
+        """float64 O (B, Hq, Tq, D) of the cache's attention."""
+        outs = []
+        for b in range(self.cache.batch):
+            k, v = self.raw(b)
+            n = k.shape[1]
+            if n == 0:
+                outs.append(torch.zeros(q.shape[1:], dtype=torch.float64))
+                continue
+            full = BLOCK * (n // BLOCK)
+            v_mixed = v.double()
+            if full:
+                v_mixed[:, :full] = reference.fake_quantize(v[:, :full], -2)
+            q_fq = reference.fake_quantize(q[b].cpu(), -1)
+            out = reference.attention_forward(q_fq[None], reference.fake_quantize(k, -1)[None], v_mixed[None],
+                                              causal="bottom_right" if causal else None, scale=scale,
+                                              operands_quantized=True)["out"]
+            outs.append(out[0])
+        return torch.stack(outs)
+
+
+def fill(batch, heads_kv, head_dim, steps, dtype=torch.bfloat16, device="cpu", capacity=None):
+    """A cache filled by `steps`: a list of (tokens, lengths or None) appends."""
+    total = sum(t for t, _ in steps)
+    f = Filled(batch, heads_kv, head_dim, capacity or total, dtype, device)
+    for tokens, lengths in steps:
+        f.append(tokens, lengths)
+    return f
+
+
+def check(f, q, causal=True, label="", scale=None):
+    poison_cuda_allocator()
+    out = f.cache.attention(q, softmax_scale=scale, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    ref = f.reference(q, causal, scale)
+    error, flipped = forward_error(out, ref)
+    assert error <= FWD_TOL, f"{label}: error {error} ({flipped} rows set aside)"
+    return out, ref
+
+
+# Appends with unequal lengths per sequence: prompts of 37, 16, 5 tokens (odd, one full block, partial), then
+# single decode steps, then a few tokens at a time, so tails fill, flush into blocks and start again.
+UNEQUAL = [(37, [37, 16, 5]), (1, None), (1, [1, 0, 1]), (12, [12, 3, 11]), (1, None)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tq", [1, 3, 16])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_attention_matches_reference(device, dtype, head_dim, tq, causal):
+    f = fill(3, 2, head_dim, UNEQUAL + [(tq, None)], dtype, device)
+    check(f, f.query(8, tq), causal, f"tq={tq}")  # 4 query heads per KV head
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lengths", [[1], [15], [16], [17], [33], [100], [1, 200]], ids=str)
+def test_lengths(device, lengths):
+    f = fill(len(lengths), 1, 128, [(max(lengths), lengths)], device=device)
+    for tq in (1, 4):
+        check(f, f.query(3, tq), label=f"lengths {lengths}, tq={tq}")  # MQA, 3 query heads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_than_16_queries(device):
+    f = fill(2, 2, 64, [(50, [50, 41]), (20, None)], device=device)
+    check(f, f.query(4, 20), label="20 queries")
+    check(f, f.query(4, 20), causal=False, label="20 queries, full")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softmax_scale(device):
+    f = fill(2, 2, 128, [(40, [40, 29])], device=device)
+    check(f, f.query(4, 2), scale=0.3, label="scale 0.3")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_rows(device):
+    # A sequence shorter than the queries leaves its first Tq - L rows with no visible key: 0, like the
+    # forward's empty rows; an empty sequence gives 0 everywhere.
+    f = fill(3, 1, 64, [(5, [2, 0, 5])], device=device)
+    out, _ = check(f, f.query(2, 4), label="short sequences")
+    assert not out[0, :, :2].any() and out[0, :, 2:].isfinite().all() and out[0, :, 2:].any()
+    assert not out[1].any()
+    empty = NVFP4KVCache(2, 1, 64, 16, device=device)
+    assert not empty.attention(torch.randn(2, 2, 1, 64, dtype=torch.bfloat16, device=device)).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_extreme_block_scales(device):
+    # Channels and tokens spanning E4M3's range: subnormal scales (amax < 6 * 2^-6), zero blocks, saturated
+    # scales (amax > 2688), so every dequantization case of the kernel meets the reference.
+    g = fresh_generator()
+    f = Filled(2, 2, 128, 64, torch.bfloat16, device)
+    magnitudes = torch.tensor([0.0, 1e-4, 3e-3, 0.05, 1.0, 30.0, 3000.0, 1.0])
+    channel_scale = magnitudes.repeat_interleave(16)  # one magnitude per 16-channel block of K
+    token_scale = magnitudes.repeat(8)[:50, None]     # V blocks along tokens: mixed magnitudes in each
+    k = (torch.randn(2, 2, 50, 128, generator=g) * channel_scale * 0.01).bfloat16()
+    v = (torch.randn(2, 2, 50, 128, generator=g) * token_scale * torch.rand(128, generator=g)).bfloat16()
+    f.append(50, [50, 37], k=k, v=v)
+    check(f, f.query(4, 1), label="extreme scales")
+    check(f, f.query(4, 5), label="extreme scales, 5 queries")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["v_tail", "k_tail", "v_block"])
+def test_nonfinite_values_under_hidden_keys(device, where):
+    # numerics.md §8: a key a query cannot see contributes nothing, even when its value or key is NaN. Token
+    # 19 (in the unquantized tail of a 20-token sequence) or 31 (in the last full block of a 32-token one) is
+    # hidden from the first 3 of 4 causal queries.
+    n = 32 if where == "v_block" else 20
+    f = Filled(1, 1, 64, 32, torch.bfloat16, device)
+    g = fresh_generator()
+    k = torch.randn(1, 1, n, 64, generator=g).bfloat16()
+    v = torch.randn(1, 1, n, 64, generator=g).bfloat16()
+    (k if where == "k_tail" else v)[0, 0, n - 1, 5] = float("nan")
+    f.append(n, k=k, v=v)
+    q = f.query(2, 4)
+    out = f.cache.attention(q).cpu()
+    ref = f.reference(q)
+    assert torch.equal(out.isnan(), ref.isnan()), f"NaN pattern {out.isnan().any(-1)} vs {ref.isnan().any(-1)}"
+    if where != "v_block":  # the hidden NaN leaves the first three rows finite
+        assert out[:, :, :3].isfinite().all() and out[:, :, 3].isnan().any()
+    finite = ref.isfinite()
+    assert rel_error(out[finite], ref[finite]) <= FWD_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_append_equals_single_append(device):
+    g = fresh_generator()
+    k = torch.randn(3, 2, 70, 64, generator=g).bfloat16().to(device)
+    v = torch.randn(3, 2, 70, 64, generator=g).bfloat16().to(device)
+    final = [70, 33, 48]
+    once = NVFP4KVCache(3, 2, 64, 70, device=device)
+    once.append(k, v, lengths=final)
+    pieces = NVFP4KVCache(3, 2, 64, 70, device=device)
+    done = [0, 0, 0]
+    for step in ([1, 0, 5], [15, 16, 11], [1, 1, 0], [20, 0, 16], [33, 16, 16]):
+        take = [min(s, f - d) for s, f, d in zip(step, final, done)]
+        width = max(take)
+        # each sequence's next `take` tokens at the front of a `width`-token step, garbage after them
+        ks = torch.full((3, 2, width, 64), float("nan"), dtype=torch.bfloat16, device=device)
+        vs = ks.clone()
+        for b in range(3):
+            ks[b, :, :take[b]] = k[b, :, done[b]:done[b] + take[b]]
+            vs[b, :, :take[b]] = v[b, :, done[b]:done[b] + take[b]]
+        pieces.append(ks, vs, lengths=torch.tensor(take, device=device))
+        done = [d + t for d, t in zip(done, take)]
+    assert done == final and pieces.lengths.tolist() == final
+    for b, n in enumerate(final):
+        assert torch.equal(once.k_codes[b, :, :n], pieces.k_codes[b, :, :n])
+        assert torch.equal(once.k_scales[b, :, :n], pieces.k_scales[b, :, :n])
+        full = n // BLOCK
+        assert torch.equal(once.v_codes[b, :, :full * BLOCK // 2], pieces.v_codes[b, :, :full * BLOCK // 2])
+        assert torch.equal(once.v_scales[b, :, :full], pieces.v_scales[b, :, :full])
+        assert torch.equal(once.v_tail[b, :, :n % BLOCK], pieces.v_tail[b, :, :n % BLOCK])
+    q = torch.randn(3, 4, 2, 64, generator=g).bfloat16().to(device)
+    assert torch.equal(once.attention(q), pieces.attention(q))
+
+
+def test_storage_is_the_nvfp4_format():
+    # K blocked along head_dim per token and V along tokens, as attn_qat.quantize packs them; the tail raw.
+    g = fresh_generator()
+    k = torch.randn(1, 2, 40, 64, generator=g).bfloat16()
+    v = torch.randn(1, 2, 40, 64, generator=g).bfloat16()
+    cache = NVFP4KVCache(1, 2, 64, 48)
+    cache.append(k[:, :, :7], v[:, :, :7])
+    cache.append(k[:, :, 7:], v[:, :, 7:])
+    kq = ops.nvfp4_quantize(k, 3)
+    vq = ops.nvfp4_quantize(v[:, :, :32], 2)
+    assert torch.equal(cache.k_codes[:, :, :40], kq[0])
+    assert torch.equal(cache.k_scales[:, :, :40], kq[1].view(torch.uint8))
+    assert torch.equal(cache.v_codes[:, :, :16], vq[0])
+    assert torch.equal(cache.v_scales[:, :, :2], vq[1].view(torch.uint8))
+    assert torch.equal(cache.v_tail[:, :, :8], v[:, :, 32:])
+    k_deq, v_deq = cache.dequantized()
+    assert torch.equal(k_deq.double(), reference.fake_quantize(k, -1))
+    assert torch.equal(v_deq[:, :, :32].double(), reference.fake_quantize(v[:, :, :32], -2))
+    assert torch.equal(v_deq[:, :, 32:], v[:, :, 32:])
+
+
+def test_sizes():
+    cache = NVFP4KVCache(8, 8, 128, 1000)
+    assert cache.capacity == 1008  # rounded up to whole 16-token blocks
+    assert cache.bytes_per_token == 8 * 2 * (64 + 8)
+    assert abs(8 * 2 * 128 * 2 / cache.bytes_per_token - 3.56) < 0.01  # vs a bf16 cache
+    packed = 8 * 1008 * cache.bytes_per_token
+    assert packed < cache.nbytes < packed + 8 * 8 * 16 * 128 * 2 + 64 + 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reset(device):
+    f = fill(2, 1, 64, [(30, [30, 12])], device=device)
+    f.cache.reset()
+    assert f.cache.lengths.tolist() == [0, 0]
+    f.k, f.v = [[], []], [[], []]  # what the reference sees: nothing before the reset
+    f.append(20, [7, 20])
+    check(f, f.query(2, 3), label="after reset")
+
+
+def test_misuse_raises_clear_errors():
+    for args, err in [((0, 1, 64, 16), ValueError), ((1, 1, 96, 16), ValueError), ((1, 1, 64, 0), ValueError),
+                      ((1, 2.0, 64, 16), ValueError)]:
+        with pytest.raises(err):
+            NVFP4KVCache(*args)
+    with pytest.raises(TypeError, match="dtype"):
+        NVFP4KVCache(1, 1, 64, 16, dtype=torch.float32)
+
+    cache = NVFP4KVCache(2, 2, 64, 20)  # capacity 32
+    ok = torch.zeros(2, 2, 3, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="dtype"):
+        cache.append(ok.half(), ok.half())
+    with pytest.raises(ValueError, match="head_dim"):
+        cache.append(torch.zeros(2, 2, 3, 128, dtype=torch.bfloat16), torch.zeros(2, 2, 3, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="heads_kv"):
+        cache.append(torch.zeros(2, 1, 3, 64, dtype=torch.bfloat16), torch.zeros(2, 1, 3, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="differ"):
+        cache.append(ok, torch.zeros(2, 2, 4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="lengths"):
+        cache.append(ok, ok, lengths=[1, 4])
+    with pytest.raises(ValueError, match="lengths"):
+        cache.append(ok, ok, lengths=[1])
+    cache.append(ok, ok, lengths=[3, 1])
+    big = torch.zeros(2, 2, 30, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="capacity"):
+        cache.append(big, big)
+    assert cache.lengths.tolist() == [3, 1]  # a failed append changes nothing
+    cache.append(big, big, lengths=[29, 30])
+    with pytest.raises(ValueError, match="capacity"):
+        cache.append(ok[:, :, :1], ok[:, :, :1])
+
+    q = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="dtype"):
+        cache.attention(q.half())
+    with pytest.raises(ValueError, match="multiple"):
+        cache.attention(torch.zeros(2, 3, 1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="head_dim"):
+        cache.attention(torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="batch"):
+        cache.attention(torch.zeros(3, 4, 1, 64, dtype=torch.bfloat16))
+
+
+@requires_cuda
+def test_device_mismatch_raises():
+    cache = NVFP4KVCache(1, 1, 64, 16, device="cuda")
+    x = torch.zeros(1, 1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cuda"):
+        cache.append(x, x)
+    with pytest.raises(ValueError, match="cuda"):
+        cache.attention(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# The CUDA decode kernel itself (the tests above run it through NVFP4KVCache.attention on CUDA)
+
+
+def kernel(f, q, causal=True):
+    c = f.cache
+    poison_cuda_allocator()
+    return ops.kv_cache_decode(q, c.k_codes, c.k_scales, c.v_codes, c.v_scales, c.v_tail, c.lengths,
+                               max(c.lengths.tolist()), q.shape[-1] ** -0.5, causal)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_long_context_many_splits(dtype, head_dim):
+    # ~5k keys of unequal lengths: many chunks per sequence, the merges across warps and chunks, the tail
+    # unit in the middle of a chunk; 32 query / 8 KV heads as in the benchmark.
+    f = fill(2, 8, head_dim, [(5000, [5000, 3333]), (1, None)], dtype, "cuda")
+    q = f.query(32, 1)
+    out = kernel(f, q)
+    error, _ = forward_error(out, f.reference(q))
+    assert error <= FWD_TOL
+    composite = f.cache._attention_composite(q, head_dim ** -0.5, True)
+    assert forward_error(out, composite)[0] <= FWD_TOL
+
+
+@requires_cuda
+@pytest.mark.parametrize("tq", [1, 7, 16])
+def test_kernel_many_row_tiles(tq):
+    # 8 query heads per KV head x up to 16 tokens = up to 128 rows: several 16-row tiles per KV group.
+    f = fill(2, 2, 128, [(300, [300, 181]), (tq, None)], device="cuda")
+    for causal in (True, False):
+        q = f.query(16, tq)
+        error, _ = forward_error(kernel(f, q, causal), f.reference(q, causal))
+        assert error <= FWD_TOL, f"tq={tq} causal={causal}: {error}"
+
+
+@requires_cuda
+def test_kernel_is_deterministic_and_matches_composite():
+    f = fill(3, 2, 128, UNEQUAL + [(4, None)], device="cuda")
+    q = f.query(8, 4)
+    out = kernel(f, q)
+    assert torch.equal(out, kernel(f, q))
+    assert forward_error(out, f.cache._attention_composite(q, 128 ** -0.5, True))[0] <= FWD_TOL

@@ -1,0 +1,224 @@
+"""attn_qat.NVFP4Cache with transformers' generate on a tiny Qwen3: greedy decoding through the NVFP4 KV
+cache against the same model recomputing the whole sequence with attn_qat's fake-quant forward at every
+step (no cache), left padding, and the errors for everything the cache does not support.
+
+The model is a tiny Qwen3 (2 layers, hidden 128, 4 query / 2 KV heads, vocab 256) trained for 100 steps
+to memorise two 48-token documents over a 16-token alphabet. A random model's top-2 logit margins are
+~0.01, far below what 4-bit attention moves logits by, so its greedy tokens are a coin toss; the
+memorising model's margins are > 6 while the cache moves logits by < 0.35. Its small alphabet makes every
+token occur several times with different successors, so the predictions need attention to the context:
+bf16 attention moves the logits by ~1.4, and a cache that forgets the new tokens' values derails decoding.
+"""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import attn_qat  # noqa: E402
+from attn_qat import QATConfig  # noqa: E402
+
+VOCAB, ALPHABET, DOC_LEN, PROMPT, STEPS = 256, 16, 48, 27, 8
+PAD = VOCAB - 1  # never in a document, so generate() builds no padding mask from it
+# Largest |logit difference| allowed between decoding through the NVFP4 cache and the stepwise
+# fake-quant recompute. What separates them (numerics.md §8): the cache keeps the incomplete last
+# 16-token block of V in bf16 while the recompute quantizes it, and the recompute re-quantizes earlier
+# tokens' V blocks as later tokens join them, which the cache (rightly) never does. Observed max 0.34 on
+# the CPU (both head dims) at logits up to ~12; the top-2 margins of these models are > 6.
+LOGIT_TOL = 0.75
+
+
+def _train(head_dim: int, seed: int = 0):
+    """The memorising tiny Qwen3 (float32 training on the CPU, deterministic), returned in bfloat16 with
+    its two documents."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    config = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=head_dim, vocab_size=VOCAB, max_position_embeddings=256,
+                         attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(config)
+    docs = torch.randint(0, ALPHABET, (2, DOC_LEN), generator=generator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(100):
+        model(docs, labels=docs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.to(torch.bfloat16).eval(), docs
+
+
+_trained = {}
+
+
+def trained(head_dim: int, device):
+    """A fresh copy (prepared with attn_qat, on `device`) of the memorising model for `head_dim`."""
+    if head_dim not in _trained:
+        _trained[head_dim] = _train(head_dim)
+    model, docs = _trained[head_dim]
+    return attn_qat.prepare(copy.deepcopy(model).to(device)), docs.to(device)
+
+
+@pytest.fixture(params=[64, 128], ids=["d64", "d128"])
+def head_dim(request):
+    return request.param
+
+
+def generate(model, ids, attention_mask=None, steps=STEPS, max_cache_len=64, **kwargs):
+    """Greedy decoding through a fresh NVFP4Cache: (sequences, logits (B, steps, V) float32)."""
+    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=max_cache_len)
+    out = model.generate(ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD, **kwargs)
+    return out.sequences, torch.stack(out.logits, dim=1).float()
+
+
+@torch.no_grad()
+def recompute(model, ids, steps=STEPS):
+    """The oracle: greedy decoding that recomputes the whole growing sequence with the model's own
+    attention at every step, without a cache: (sequences, logits (B, steps, V) float32)."""
+    logits = []
+    for _ in range(steps):
+        # logits_to_keep=1 as generate() does, so the LM head multiplies the same shapes (bitwise on GPUs too)
+        step = model(ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+        logits.append(step)
+        ids = torch.cat([ids, step.argmax(-1, keepdim=True)], dim=1)
+    return ids, torch.stack(logits, dim=1)
+
+
+@torch.no_grad()
+def logits_along(model, sequences, prompt_len):
+    """The model's next-token logits at each generated position of fixed `sequences`, each from a
+    recompute of its prefix (no cache)."""
+    return torch.stack([model(sequences[:, :n], use_cache=False, logits_to_keep=1).logits[:, -1].float()
+                        for n in range(prompt_len, sequences.shape[1])], dim=1)
+
+
+def test_greedy_decoding_matches_fake_quant_recompute(device, head_dim):
+    model, docs = trained(head_dim, device)
+    prompt = docs[:, :PROMPT]
+    sequences, logits = generate(model, prompt)
+    expected_sequences, expected_logits = recompute(model, prompt)
+    margins = expected_logits.topk(2, dim=-1).values
+    assert float((margins[..., 0] - margins[..., 1]).min()) > 4 * LOGIT_TOL  # the oracle's choices are clear
+    assert torch.equal(sequences, expected_sequences)  # token for token, 8 steps, both sequences
+    difference = float((logits - expected_logits).abs().max())
+    assert difference < LOGIT_TOL, f"max |logit difference| {difference}"
+    # The prefill through the cache is the fake-quant forward itself: the first step's logits are identical.
+    assert torch.equal(logits[:, 0], expected_logits[:, 0])
+    # ... and 4-bit attention is what is being matched: bf16 attention on the same tokens is much further off.
+    bf16 = copy.deepcopy(model)
+    attn_qat.disable(bf16)
+    bf16_difference = float((logits_along(bf16, sequences, PROMPT) - expected_logits).abs().max())
+    assert bf16_difference > 2 * max(difference, LOGIT_TOL / 2), (bf16_difference, difference)
+
+
+def test_a_wrong_cache_is_caught(device, monkeypatch):
+    """The comparison above can fail: a cache that loses the decoded tokens' values derails decoding."""
+    model, docs = trained(64, device)
+    prompt = docs[:, :PROMPT]
+    expected_sequences, expected_logits = recompute(model, prompt)
+    append = attn_qat.NVFP4KVCache.append
+
+    def forgetful_append(self, k, v, lengths=None):
+        return append(self, k, torch.zeros_like(v) if k.shape[2] == 1 else v, lengths)
+
+    monkeypatch.setattr(attn_qat.NVFP4KVCache, "append", forgetful_append)
+    sequences, logits = generate(model, prompt)
+    assert float((logits - expected_logits).abs().max()) > 4 * LOGIT_TOL
+    assert not torch.equal(sequences, expected_sequences)
+
+
+def test_left_padding(device):
+    """A left-padded batch decodes each sequence as if it ran alone: the cache holds only real tokens,
+    with V blocks starting at each sequence's first token."""
+    model, docs = trained(64, device)
+    lengths = (PROMPT, PROMPT - 9)
+    prompt = torch.full((2, PROMPT), PAD, dtype=torch.long, device=device)
+    mask = torch.zeros(2, PROMPT, dtype=torch.long, device=device)
+    for row, n in enumerate(lengths):
+        prompt[row, PROMPT - n:] = docs[row, :n]
+        mask[row, PROMPT - n:] = 1
+    sequences, logits = generate(model, prompt, attention_mask=mask)
+    for row, n in enumerate(lengths):
+        alone, alone_logits = recompute(model, docs[row:row + 1, :n])
+        assert torch.equal(sequences[row, PROMPT:], alone[0, n:])
+        assert float((logits[row] - alone_logits[0]).abs().max()) < LOGIT_TOL
+        assert torch.equal(alone[0, n:], docs[row, n:n + STEPS])  # it recites its document
+    # The padded prefill computes the lone prefill (the same tokens, the same V blocks): on the CPU bit for
+    # bit; GPU GEMMs of other shapes (batch 2 against 1) may round differently.
+    with torch.no_grad():
+        alone_prefill = model(docs[1:2, :lengths[1]], logits_to_keep=1).logits[0, -1].float()
+    if device == "cpu":
+        assert torch.equal(logits[1, 0], alone_prefill)
+    assert float((logits[1, 0] - alone_prefill).abs().max()) < LOGIT_TOL / 4
+
+
+def test_batch_of_one_and_sampling(device):
+    model, docs = trained(64, device)
+    sequences, _ = generate(model, docs[:1, :PROMPT])
+    expected, _ = recompute(model, docs[:1, :PROMPT])
+    assert torch.equal(sequences, expected)
+    torch.manual_seed(0)
+    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=40)
+    sampled = model.generate(docs[:, :PROMPT], past_key_values=cache, max_new_tokens=5, do_sample=True, top_k=4,
+                             pad_token_id=PAD)
+    assert sampled.shape == (2, PROMPT + 5) and cache.get_seq_length() == PROMPT + 4
+
+
+def test_reset_and_reuse(device):
+    model, docs = trained(64, device)
+    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=64)
+    first = model.generate(docs[:, :PROMPT], past_key_values=cache, max_new_tokens=4, do_sample=False,
+                           pad_token_id=PAD)
+    assert cache.get_seq_length() == PROMPT + 3 and cache.get_max_length() == 64
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    again = model.generate(docs[:, :PROMPT], past_key_values=cache, max_new_tokens=4, do_sample=False,
+                           pad_token_id=PAD)
+    assert torch.equal(first, again)
+
+
+def test_capacity(device):
+    model, docs = trained(64, device)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        generate(model, docs[:, :PROMPT], max_cache_len=PROMPT + 3)  # room for 4 of the 8 new tokens
+    with pytest.raises(ValueError, match="max_cache_len"):
+        attn_qat.NVFP4Cache(model.config, max_cache_len=0)
+    generate(model, docs[:, :PROMPT], max_cache_len=PROMPT + STEPS - 1)  # exactly enough: the last token is not fed
+
+
+def test_needs_attn_qat_attention(device):
+    """With another attention implementation the cache would hand it only the new tokens' keys; the
+    first decoding step raises instead."""
+    model, docs = trained(64, device)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="attn_implementation='attn_qat'"):
+        generate(model, docs[:, :PROMPT])
+    attn_qat.disable(model)
+    model.set_attn_implementation("attn_qat")
+    with pytest.raises(RuntimeError, match="switched off"):
+        generate(model, docs[:, :PROMPT])
+
+
+def test_unsupported_uses_raise(device):
+    model, docs = trained(64, device)
+    prompt = docs[:, :PROMPT]
+    right = torch.ones_like(prompt)
+    right[1, -5:] = 0
+    with pytest.raises(NotImplementedError, match="left padding"):
+        generate(model, prompt, attention_mask=right)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        generate(model, prompt, num_beams=2)
+    bf16 = attn_qat.prepare(copy.deepcopy(_trained[64][0]).to(device), QATConfig(mode="bf16"))
+    with pytest.raises(ValueError, match="bf16"):
+        generate(bf16, prompt)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        generate(copy.deepcopy(model).float(), prompt)
+    sliding = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=64, vocab_size=VOCAB, use_sliding_window=True,
+                          sliding_window=8, max_window_layers=0, layer_types=["sliding_attention"] * 2)
+    with pytest.raises(NotImplementedError, match="full-attention"):
+        attn_qat.NVFP4Cache(sliding, max_cache_len=64)
+    # Other caches are untouched by the integration.
+    out = model.generate(prompt, past_key_values=DynamicCache(), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    assert out.shape == (2, PROMPT + 2)
