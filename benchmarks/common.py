@@ -44,12 +44,15 @@ def forward_flops(b, hq, nq, nk, d, causal) -> float:
 
 def metadata() -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True).strip()
-        dirty = bool(subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                             text=True).strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = os.environ.get("ATTN_QAT_COMMIT", "unknown"), False
+    # ATTN_QAT_COMMIT wins: the GPU machine gets a copy of the working tree whose .git (if any) is not this one's
+    commit, dirty = os.environ.get("ATTN_QAT_COMMIT"), False
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True).strip()
+            dirty = bool(subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                                 text=True).strip())
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     return {
         "gpu": torch.cuda.get_device_name(0),
         "commit": commit + ("-dirty" if dirty else ""),

@@ -264,4 +264,7 @@ class NVFP4Cache(Cache):
             raise NotImplementedError(f"{_WHERE}: only full-attention layers are supported; this model has {others}")
         padding = _Padding()
         super().__init__(layers=[NVFP4CacheLayer(max_cache_len, padding) for _ in layer_types])
-        self.max_cache_len = max_cache_len
+        # Some transformers 5.x releases (5.17) define Cache.max_cache_len as a read-only property that reads the
+        # layers' max_cache_len, which the layers above already carry; later ones expect a plain attribute.
+        if not isinstance(getattr(type(self), "max_cache_len", None), property):
+            self.max_cache_len = max_cache_len
