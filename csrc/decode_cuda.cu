@@ -83,11 +83,20 @@ AQ_D uint32_t hmul2(uint32_t a, uint32_t b) { /* two fp16 products, round to nea
     return r;
 }
 
-/* Two E4M3 values (low byte first) as an fp16 pair, exactly (sm_89+). */
+/* Two E4M3 values (low byte first) as an fp16 pair, exactly: one cvt on sm_89+; elsewhere (the sm_80-class build)
+   through nvfp4.h's decode, every E4M3 value (2^-9 .. 448, NaN) being an fp16 normal. */
 AQ_D uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+    uint32_t r = 0;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        r |= (uint32_t)__half_as_ushort(__float2half_rn(aq_e4m3_decode((uint8_t)(two_bytes >> (8 * i))))) << (16 * i);
+    return r;
+#else
     uint32_t r;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"((uint16_t)two_bytes));
     return r;
+#endif
 }
 
 /* The 8 E2M1 codes of w (two per byte, the low nibble first) as four fp16 pairs of code * 2^-6: pair i holds byte
