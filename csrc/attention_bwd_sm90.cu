@@ -52,18 +52,6 @@ AQ_D uint64_t mn_major_desc(const unsigned char *tile, int rows, int kb) {
     return smem_descriptor(tile + kb * 16 * 128, rows * 128, 1024);
 }
 
-/* The mma.sync / wgmma A fragments (16 rows x 16 columns each) of rows [row0, row0 + 16) of a K-major tile of
-   `rows` rows, read with ldmatrix through the 128-byte swizzle (16-byte chunk c of row r sits at chunk c ^ (r % 8)). */
-template <int D>
-AQ_D void load_a_fragments(uint32_t (&a)[D / 16][4], const unsigned char *tile, int rows, int row0) {
-    const int lane = (int)threadIdx.x & 31, r = row0 + ldsm_row_mk(lane);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-        const int chunk = (kk % 4) * 2 + ldsm_col_mk(lane) / 8;
-        ldsm_x4(a[kk], (const uint16_t *)(tile + (kk / 4) * rows * 128 + r * 128 + ((chunk ^ (r & 7)) << 4)));
-    }
-}
-
 /* TMA of rows [row0, row0 + rows) of head h, batch b into a tile of D / 64 panels. */
 template <int D>
 AQ_D void tma_load_rows(unsigned char *tile, const CUtensorMap *map, uint64_t *bar, int rows, int row0, int h, int b) {
@@ -270,12 +258,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 #pragma unroll
         for (int e = 0; e < 4; e++) dq[n][e] = 0.0f;
 
-    /* Q is the A operand of every step's S: held in registers (each warp its 16 rows), that product reads only K
-       from shared memory, half the bytes of a 64 x 64 product with both operands there, which is what bounds it
-       (docs/performance.md, v3). dO as well would need 32 more registers than the consumers have. */
-    uint32_t qa[D / 16][4];
     mbar_wait(rows_full, 0);
-    load_a_fragments<D>(qa, qs, BWD90_ROWS, row0);
     for (int j = 0; j < n_tiles; j++) {
         const int s = j % BWD90_STAGES, k0 = j * BK;
         const unsigned char *kt = ks + s * L::STEP_BYTES, *vt = vs + s * L::STEP_BYTES;
@@ -285,7 +268,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++)
-            wgmma_rs<BK, DT, 0>(sc, qa[kk], k_major_desc(kt, BK, 0, kk), kk > 0);
+            wgmma_ss<BK, DT, 0>(sc, k_major_desc(qs, BWD90_ROWS, wrow, kk), k_major_desc(kt, BK, 0, kk), kk > 0);
         wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++)
