@@ -94,7 +94,8 @@ def main() -> int:
     ok = all([self_check(dev) for dev in devices])
     print("Demo:")
     demo(devices[-1])
-    print("Training with FP4 attention: examples/train_lm.py; measured results in docs/results.md.")
+    print("Training with FP4 attention: examples/train_lm.py (Qwen3) and examples/train_wan.py (Wan 2.1); "
+          "measured results in docs/results.md.")
     print("Self-check passed." if ok else "Self-check FAILED.")
     return 0 if ok else 1
 
