@@ -6,7 +6,6 @@ inputs alternate between two sets so no run reads the previous run's inputs from
 
     python benchmarks/bench_attention.py [--out benchmarks/results/attention.json] [--quick]
 """
-import argparse
 import os
 import sys
 
@@ -15,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_qat  # noqa: E402
-from common import forward_flops, metadata, timed, write_json  # noqa: E402
+from common import forward_flops, metadata, parse_bench_args, timed, write_json  # noqa: E402
 
 # name: (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
 SHAPES = {
@@ -129,13 +128,7 @@ def plot(results, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention.json"))
-    parser.add_argument("--quick", action="store_true", help="only the 4k shapes")
-    parser.add_argument("--repeat", type=int, default=10)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_attention needs a CUDA GPU")
+    args = parse_bench_args("attention", __doc__, 10, "only the 4k shapes")
     results = []
     for name, shape in SHAPES.items():
         if args.quick and name not in QUICK:

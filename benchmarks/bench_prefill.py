@@ -9,7 +9,6 @@ alternating between two sets, so no run reads the previous run's inputs from L2.
 
     python benchmarks/bench_prefill.py [--out benchmarks/results/prefill.json] [--quick] [--repeat 10]
 """
-import argparse
 import os
 import sys
 
@@ -18,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_qat  # noqa: E402
-from common import forward_flops, metadata, timed, write_json  # noqa: E402
+from common import forward_flops, metadata, parse_bench_args, timed, write_json  # noqa: E402
 
 # name: (batch, heads_q, heads_kv, tokens, head_dim, causal); self-attention, Nq = Nk
 SHAPES = {
@@ -143,13 +142,7 @@ def plot(results, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "prefill.json"))
-    parser.add_argument("--quick", action="store_true", help="only the 4k shapes")
-    parser.add_argument("--repeat", type=int, default=10)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_prefill needs a CUDA GPU")
+    args = parse_bench_args("prefill", __doc__, 10, "only the 4k shapes")
     results = []
     for name, shape in SHAPES.items():
         if args.quick and name not in QUICK:

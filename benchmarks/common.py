@@ -66,3 +66,18 @@ def write_json(path: str, payload: dict):
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     print(f"wrote {path}")
+
+
+def parse_bench_args(name: str, doc: str, repeat: int, quick_help: str):
+    """The options every benchmark takes (--out, --quick, --repeat); exits unless a CUDA GPU is present."""
+    import argparse
+    import sys
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      f"{name}.json"))
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--repeat", type=int, default=repeat)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"bench_{name} needs a CUDA GPU")
+    return args
