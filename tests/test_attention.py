@@ -371,6 +371,24 @@ def test_longer_sequences_cuda(n):
     check(q, k, v, dout, label=f"n={n}")
 
 
+@requires_cuda
+@pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=[s[0] for s in SHAPES[:4]])
+def test_mma_sync_kernels_on_any_gpu(monkeypatch, shape, mode):
+    """The mma.sync kernels (A100-class GPUs, and the fallback on Hopper) against the reference, forced with
+    ATTN_QAT_SM90=0 so that a Hopper machine tests them too; then the Hopper kernels on the same inputs agree
+    with them (the same numerics, up to fp32 summation order)."""
+    _, b, hq, hkv, nq, nk, d = shape
+    q, k, v, dout = make_inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, "cuda")
+    monkeypatch.setenv("ATTN_QAT_SM90", "0")
+    check(q, k, v, dout, mode=mode, causal="top_left", label=f"mma.sync {shape[0]}")
+    mma_sync = run(q, k, v, dout, mode=mode, causal="top_left")
+    monkeypatch.setenv("ATTN_QAT_SM90", "1")
+    default = run(q, k, v, dout, mode=mode, causal="top_left")
+    for name, a, c in zip(("out", "dq", "dk", "dv"), default, mma_sync):
+        assert rel_error(a, c) < 1e-3, f"{name}: default kernels and mma.sync kernels disagree"
+
+
 def test_scale_default_is_inverse_sqrt_d():
     q, k, v, _ = make_inputs(1, 1, 1, 16, 16, 64, torch.bfloat16, "cpu")
     assert torch.equal(attn_qat.scaled_dot_product_attention(q, k, v),
