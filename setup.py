@@ -33,6 +33,10 @@ if want_cuda == "1" and not has_nvcc:
              "(ATTN_QAT_CUDA=0 builds the CPU kernels only)")
 with_cuda = has_nvcc and want_cuda != "0"
 archs = os.environ.get("ATTN_QAT_CUDA_ARCHS", "90a").split()
+if "90" in archs:
+    # An sm_90 (not 90a) image would hold the Hopper kernels with empty bodies: wgmma and setmaxnreg exist
+    # only in the arch-specific target, and the runtime would pick that image on an H100 as readily.
+    sys.exit("ATTN_QAT_CUDA_ARCHS: build Hopper as 90a (its kernels need wgmma), not 90")
 
 csrc = "csrc"
 sources = [f"{csrc}/{f}" for f in ("module.c", "ops.cpp", "quantize_cpu.c", "attention_cpu.c")]
@@ -46,6 +50,8 @@ if with_cuda:
     sources += [f"{csrc}/{f}" for f in ("quantize_cuda.cu", "attention_fwd.cu", "attention_fwd_sm90.cu", "attention_bwd.cu", "attention_bwd_sm90.cu", "decode_cuda.cu")]
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DAQ_WITH_CUDA", "-DUSE_CUDA"] + defines
     nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    if "90a" in archs:
+        nvcc_flags.append("-DAQ_BUILT_SM90A")  # the host side may launch the Hopper kernels (hopper.cuh)
     ext = CUDAExtension(
         "attn_qat._C", sources,
         extra_compile_args={"cxx": cxx_flags + ["-DAQ_WITH_CUDA", "-DUSE_CUDA"], "nvcc": nvcc_flags},

@@ -306,7 +306,7 @@ AQ_D float exp2_frame_step(float e) {
    functions below give bit for bit aq_block_fake_quantize's result for such inputs:
    - amax is the max of the values' bits (non-negative floats order like their bits; NaN above all);
    - amax / 6 correctly rounded as x * fl(1/6) plus one fma correction (Markstein; checked for every fp32 x:
-     it differs from x / 6 only for subnormal x, whose scale is 0 either way);
+     it differs from x / 6 only where x / 6 is subnormal, and such a scale is 0 either way);
    - the E4M3 rounding by the hardware cvt (sm_89+; nvfp4.h's software rounding elsewhere);
    - e2m1(y) for y >= 0 as (y + c) - c with c = 2^(22 + max(exponent(y), 0)): fp32 addition rounds y to the E2M1
      spacing of its binade (0.5 below 2, 1 below 4, 2 from 4), ties to even, which is the E2M1 tie rule

@@ -258,8 +258,14 @@ static bool fragment_store_ok(const void *ptr, const int64_t stride[3]) {
     return ptr == NULL || (((uintptr_t)ptr & 3u) == 0 && stride[0] % 2 == 0 && stride[1] % 2 == 0 && stride[2] % 2 == 0);
 }
 
-/* Whether this process may use the wgmma kernels: an sm_90 device, an sm_90a build, and ATTN_QAT_SM90 not 0. */
+/* Whether this process may use the wgmma kernels: an sm_90 device, a build with an sm_90a image (setup.py
+   defines AQ_BUILT_SM90A; cudaFuncGetAttributes cannot tell an sm_90a image from an empty sm_90 one), and
+   ATTN_QAT_SM90 not 0. */
 static bool sm90_available(const void *kernel) {
+#ifndef AQ_BUILT_SM90A
+    (void)kernel; /* no sm_90a image: the kernels' bodies were compiled empty */
+    return false;
+#endif
     const char *env = getenv("ATTN_QAT_SM90");
     if (env != NULL && env[0] == '0') return false;
     int device = 0, major = 0;
