@@ -39,27 +39,6 @@ struct DqLayout {
     static constexpr int ALLOC = BAR_OFFSET + 8 * (1 + 2 * BWD90_STAGES) + 1024;
 };
 
-#if AQ_SM90_ENABLED
-AQ_D unsigned char *align1024(unsigned char *p) { return p + ((1024 - (smem_addr(p) & 1023)) & 1023); }
-
-/* Rows [row0, ...) x columns [16 kk, 16 kk + 16) of a K-major tile of `rows` rows (see hopper.cuh). */
-AQ_D uint64_t k_major_desc(const unsigned char *tile, int rows, int row0, int kk) {
-    return smem_descriptor(tile + (kk / 4) * rows * 128 + row0 * 128 + (kk % 4) * 32, 16, 1024);
-}
-
-/* Rows [16 kb, 16 kb + 16) x all columns of an MN-major tile of `rows` rows. */
-AQ_D uint64_t mn_major_desc(const unsigned char *tile, int rows, int kb) {
-    return smem_descriptor(tile + kb * 16 * 128, rows * 128, 1024);
-}
-
-/* TMA of rows [row0, row0 + rows) of head h, batch b into a tile of D / 64 panels. */
-template <int D>
-AQ_D void tma_load_rows(unsigned char *tile, const CUtensorMap *map, uint64_t *bar, int rows, int row0, int h, int b) {
-#pragma unroll
-    for (int pn = 0; pn < D / SM90_PANEL; pn++) tma_load_4d(tile + pn * rows * 128, map, bar, pn * SM90_PANEL, row0, h, b);
-}
-#endif
-
 /* grid (ceil(Nk / 128), Hkv, B), 384 threads. Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v
    (B, Hkv, Nk, D) with boxes of 128 rows. */
 template <int D, aq_dtype DT, bool QUANTIZE_DV>

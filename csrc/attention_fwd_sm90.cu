@@ -40,18 +40,6 @@ struct Sm90Layout {
     static constexpr int ALLOC = BYTES + 1024; /* the panels need 1024-byte alignment */
 };
 
-#if AQ_SM90_ENABLED
-/* The descriptor of rows [row0, row0 + ...) x columns [16 kk, 16 kk + 16) of a K-major tile of `rows` rows. */
-AQ_D uint64_t k_major_descriptor(const unsigned char *tile, int rows, int row0, int kk) {
-    return smem_descriptor(tile + (kk / 4) * rows * 128 + row0 * 128 + (kk % 4) * 32, 16, 1024);
-}
-
-/* Rows [16 kb, 16 kb + 16) x all columns of an MN-major tile of `rows` rows (the panels are rows * 128 apart). */
-AQ_D uint64_t mn_major_descriptor(const unsigned char *tile, int rows, int kb) {
-    return smem_descriptor(tile + kb * 16 * 128, rows * 128, 1024);
-}
-#endif
-
 /* grid (ceil(Nq / 128), Hq, B), 384 threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of
    64 columns x 128 (Q) or BN (K, V) tokens. skip_if: NULL, or a device flag that makes the whole CTA exit. */
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
@@ -61,12 +49,12 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
                               const int *skip_if) {
 #if AQ_SM90_ENABLED
     static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
-    constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME), PANELS = D / SM90_PANEL;
+    constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME);
     using L = Sm90Layout<D, BN>;
     if (skip_if != NULL && *skip_if) return;
 
     extern __shared__ unsigned char smem_raw[];
-    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    unsigned char *smem = align1024(smem_raw);
     unsigned char *qs = smem, *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET;
     uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
     uint64_t *q_full = bars, *k_full = bars + 1, *v_full = k_full + SM90_STAGES, *k_empty = v_full + SM90_STAGES,
@@ -100,21 +88,16 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
             tma_prefetch_descriptor(&tm_k);
             tma_prefetch_descriptor(&tm_v);
             mbar_arrive_expect_tx(q_full, L::Q_BYTES);
-            for (int pn = 0; pn < PANELS; pn++)
-                tma_load_4d(qs + pn * SM90_BM * 128, &tm_q, q_full, pn * SM90_PANEL, q0, h, b);
+            tma_load_rows<D>(qs, &tm_q, q_full, SM90_BM, q0, h, b);
             for (int j = 0; j < n_tiles; j++) {
                 const int s = j % SM90_STAGES;
                 /* K and V slots free up separately: K(j) once S(j) is done, V(j) once P(j) V is */
                 mbar_wait(&k_empty[s], ((j / SM90_STAGES) & 1) ^ 1);
                 mbar_arrive_expect_tx(&k_full[s], L::TILE_BYTES);
-                for (int pn = 0; pn < PANELS; pn++)
-                    tma_load_4d(ks + s * L::TILE_BYTES + pn * BN * 128, &tm_k, &k_full[s], pn * SM90_PANEL, j * BN,
-                                hk, b);
+                tma_load_rows<D>(ks + s * L::TILE_BYTES, &tm_k, &k_full[s], BN, j * BN, hk, b);
                 mbar_wait(&v_empty[s], ((j / SM90_STAGES) & 1) ^ 1);
                 mbar_arrive_expect_tx(&v_full[s], L::TILE_BYTES);
-                for (int pn = 0; pn < PANELS; pn++)
-                    tma_load_4d(vs + s * L::TILE_BYTES + pn * BN * 128, &tm_v, &v_full[s], pn * SM90_PANEL, j * BN,
-                                hk, b);
+                tma_load_rows<D>(vs + s * L::TILE_BYTES, &tm_v, &v_full[s], BN, j * BN, hk, b);
             }
         }
         return;
@@ -143,8 +126,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++)
-            wgmma_ss<BN, DT, 0>(sc, k_major_descriptor(qs, SM90_BM, wrow, kk),
-                                k_major_descriptor(ks + s * L::TILE_BYTES, BN, 0, kk), kk > 0);
+            wgmma_ss<BN, DT, 0>(sc, k_major_desc(qs, SM90_BM, wrow, kk),
+                                k_major_desc(ks + s * L::TILE_BYTES, BN, 0, kk), kk > 0);
         wgmma_commit();
     };
     /* the softmax of tile j (scores in sc) and its P fragments; alpha: the rescale the accumulators owe */
@@ -169,8 +152,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb++) {
-            wgmma_rs<D, DT, 1>(o, a_o[kb], mn_major_descriptor(vt, BN, kb), 1);
-            if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_descriptor(vt, BN, kb), 1);
+            wgmma_rs<D, DT, 1>(o, a_o[kb], mn_major_desc(vt, BN, kb), 1);
+            if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_desc(vt, BN, kb), 1);
         }
         wgmma_commit();
     };

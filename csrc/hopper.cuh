@@ -103,6 +103,27 @@ AQ_D uint64_t smem_descriptor(const void *start, uint32_t leading_bytes, uint32_
            ((uint64_t)(stride_bytes >> 4) << 32) | (1ull << 62);
 }
 
+/* The dynamic shared memory base rounded up to the 1024 bytes the swizzled panels need (allocate 1024 more). */
+AQ_D unsigned char *align1024(unsigned char *p) { return p + ((1024 - (smem_addr(p) & 1023)) & 1023); }
+
+/* Rows [row0, row0 + 64) x columns [16 kk, 16 kk + 16) of a K-major tile of `rows` rows. */
+AQ_D uint64_t k_major_desc(const unsigned char *tile, int rows, int row0, int kk) {
+    return smem_descriptor(tile + (kk / 4) * rows * 128 + row0 * 128 + (kk % 4) * 32, 16, 1024);
+}
+
+/* Rows [16 kb, 16 kb + 16) x all columns of an MN-major tile of `rows` rows (its panels rows * 128 bytes apart). */
+AQ_D uint64_t mn_major_desc(const unsigned char *tile, int rows, int kb) {
+    return smem_descriptor(tile + kb * 16 * 128, rows * 128, 1024);
+}
+
+/* TMA of token rows [row0, row0 + rows) of head h, batch b (a 4-D map with boxes of 64 columns x rows) into a tile
+   of D / 64 panels, all signalling `bar`. */
+template <int D>
+AQ_D void tma_load_rows(unsigned char *tile, const void *map, uint64_t *bar, int rows, int row0, int h, int b) {
+#pragma unroll
+    for (int pn = 0; pn < D / SM90_PANEL; pn++) tma_load_4d(tile + pn * rows * 128, map, bar, pn * SM90_PANEL, row0, h, b);
+}
+
 /* Ordering of wgmma with the registers and shared memory around it: fence before the first wgmma that reads
    registers written since the last one; commit closes a group; wait_group<N> waits until at most N groups are
    in flight. */
