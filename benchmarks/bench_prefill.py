@@ -145,7 +145,7 @@ def main():
     args = parse_bench_args("prefill", __doc__, 10, "only the 4k shapes")
     results = []
     for name, shape in SHAPES.items():
-        if args.quick and name not in QUICK:
+        if (args.quick and name not in QUICK) or (args.only and name not in args.only):
             continue
         results.append(bench_shape(name, shape, args.repeat))
         r = results[-1]

@@ -69,15 +69,17 @@ def write_json(path: str, payload: dict):
 
 
 def parse_bench_args(name: str, doc: str, repeat: int, quick_help: str):
-    """The options every benchmark takes (--out, --quick, --repeat); exits unless a CUDA GPU is present."""
+    """The options every benchmark takes (--out, --quick, --only, --repeat); exits unless a CUDA GPU is present."""
     import argparse
     import sys
     parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       f"{name}.json"))
     parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--only", default="", help="comma-separated shape names to run (default: all)")
     parser.add_argument("--repeat", type=int, default=repeat)
     args = parser.parse_args()
+    args.only = [x for x in args.only.split(",") if x]
     if not torch.cuda.is_available():
         sys.exit(f"bench_{name} needs a CUDA GPU")
     return args

@@ -301,6 +301,16 @@ AQ_D float exp2_frame_step(float e) {
     return e >= -126.0f ? __uint_as_float((uint32_t)((int)e + 127) << 23) : 0.0f;
 }
 
+/* 2^x for x = t - frame <= 0 (or NaN): the bare MUFU.EX2. exp2f wraps it in a range check and two conditional
+   multiplies (4 more instructions an element) only to return subnormal results; here those flush to 0, which
+   changes no output: every P̂ that counts is at least 2^-126 of a row maximum that is >= 1/2. The forward and
+   the backward both take P̂ from here, so the backward recomputes the forward's values. */
+AQ_D float frame_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 /* ------------------------------------------------------------------------------------------------
    NVFP4 fake-quant of P̂ * 2^11 (numerics.md §3). P̂ is >= 0 (or NaN), which makes the block rule cheap; the
    functions below give bit for bit aq_block_fake_quantize's result for such inputs:
@@ -311,14 +321,17 @@ AQ_D float exp2_frame_step(float e) {
    - e2m1(y) for y >= 0 as (y + c) - c with c = 2^(22 + max(exponent(y), 0)): fp32 addition rounds y to the E2M1
      spacing of its binade (0.5 below 2, 1 below 4, 2 from 4), ties to even, which is the E2M1 tie rule
      (checked for every fp32 y in [0, 64]; fminf saturates at 6 first);
-   - r = fl(1 / s) from the approximate reciprocal and one Newton step (exact for E4M3 scales, see below);
+   - r = fl(2^11 / s) from the approximate reciprocal and one Newton step (exact for E4M3 scales, see below);
    - a zero-scale block uses r = 0, so its y and values are 0; a NaN scale makes every value NaN. */
 
-/* The block scale s and r = fl(1 / s) (0 when s = 0) from the bits of the block's amax. */
-AQ_D void p_block_scale(uint32_t amax_bits, float *s, float *r) {
-    const float amax = __uint_as_float(amax_bits), sixth = 1.0f / 6.0f;
+/* From the bits of the amax of a block of P̂ (unscaled): s, the E4M3 scale of the block of P̂ * 2^11; s_pf = s * 2^-11,
+   the scale of P^F itself; and r = fl(2^11 / s) (0 when s = 0), so that x * r for x = P̂ is (x * 2^11) / s rounded
+   once: the 2^11 costs no multiply per element. The Markstein steps are those on A = amax * 2^11 scaled by 2^-11,
+   which is exact wherever the scale is not 0 (A >= 2^-10, so no intermediate is subnormal). */
+AQ_D void p_block_scale(uint32_t amax_bits, float *s, float *s_pf, float *r) {
+    const float amax = __uint_as_float(amax_bits), sixth = (1.0f / 6.0f) * AQ_P_HEADROOM; /* 2^11 fl(1/6) */
     const float q0 = __fmul_rn(amax, sixth);
-    const float v = __fmaf_rn(__fmaf_rn(-q0, 6.0f, amax), sixth, q0);
+    const float v = __fmaf_rn(__fmaf_rn(-q0, 6.0f * AQ_P_HEADROOM_INV, amax), sixth, q0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     uint16_t pair;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;\n" : "=h"(pair) : "f"(v));
@@ -328,13 +341,14 @@ AQ_D void p_block_scale(uint32_t amax_bits, float *s, float *r) {
 #else
     *s = amax_bits >= 0x7F800000u ? __uint_as_float(0x7FC00000u) : aq_e4m3_round(v);
 #endif
-    /* 1 / s correctly rounded without __frcp_rn's special-case branch: the approximate reciprocal (within an ulp)
-       and one Newton step land within 2^-45 of 1 / s, while 1 / s = 2^-e * 8 / (8 + m) (or 512 / m) is a
+    *s_pf = *s * AQ_P_HEADROOM_INV;
+    /* 1 / s_pf correctly rounded without __frcp_rn's special-case branch: the approximate reciprocal (within an
+       ulp) and one Newton step land within 2^-45 of 1 / s_pf, while 1 / s = 2^-e * 8 / (8 + m) (or 512 / m) is a
        fraction with an odd denominator below 16, at least 2^-29 away from any rounding midpoint; a power of two
        comes out exact. So the rounding is the correct one for every E4M3 scale. */
     float r0;
-    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r0) : "f"(*s));
-    *r = *s == 0.0f ? 0.0f : __fmaf_rn(r0, __fmaf_rn(-*s, r0, 1.0f), r0);
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r0) : "f"(*s_pf));
+    *r = *s == 0.0f ? 0.0f : __fmaf_rn(r0, __fmaf_rn(-*s_pf, r0, 1.0f), r0);
 }
 
 /* e2m1(x * r) * s for x >= 0 or NaN. */
@@ -346,42 +360,47 @@ AQ_D float p_fake_quantize_element(float x, float s, float r) {
 }
 
 /* Query rows in C-fragment rows (forward): one row's 16-key block is two adjacent n-blocks, held by the 4 lanes
-   of a quad (lanes 4g .. 4g+3), 4 values each (keys 2t, 2t+1, 2t+8, 2t+9). x = P̂ * 2^11 in, P^F * 2^11 out. */
+   of a quad (lanes 4g .. 4g+3), 4 values each (keys 2t, 2t+1, 2t+8, 2t+9). x = P̂ in, P^F * 2^11 out. */
 AQ_D void fake_quantize_p_quad(float x[4]) {
     uint32_t amax = max(max(__float_as_uint(x[0]), __float_as_uint(x[1])),
                         max(__float_as_uint(x[2]), __float_as_uint(x[3])));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 1));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 2));
-    float s, r;
-    p_block_scale(amax, &s, &r);
+    float s, s_pf, r;
+    p_block_scale(amax, &s, &s_pf, &r);
 #pragma unroll
     for (int i = 0; i < 4; i++) x[i] = p_fake_quantize_element(x[i], s, r);
 }
 
 /* Keys in C-fragment rows (dK/dV kernel, S^T = K Q^T): a warp's 16 keys are one block of every query column;
-   that column's values sit in the 8 lanes sharing lane & 3, two each (key rows g and g+8). */
+   that column's values sit in the 8 lanes sharing lane & 3, two each (key rows g and g+8). x = P̂ in, P^F out. */
 AQ_D void fake_quantize_p_column(float x[2]) {
     uint32_t amax = max(__float_as_uint(x[0]), __float_as_uint(x[1]));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 4));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 8));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 16));
-    float s, r;
-    p_block_scale(amax, &s, &r);
-    x[0] = p_fake_quantize_element(x[0], s, r);
-    x[1] = p_fake_quantize_element(x[1], s, r);
+    float s, s_pf, r;
+    p_block_scale(amax, &s, &s_pf, &r);
+    x[0] = p_fake_quantize_element(x[0], s_pf, r);
+    x[1] = p_fake_quantize_element(x[1], s_pf, r);
 }
 
-/* The A fragment of fq16(P̂ * 2^11) for one 16-key block of a warp's 16 rows, from P̂ in C layout (c0 = keys
-   0..7, c1 = keys 8..15 of the block). Row g's block is c0[0..1], c1[0..1] across the lane quad, row g+8's is
+/* fq16(P̂ * 2^11) in place for one 16-key block of a warp's 16 rows in C layout (c0 = keys 0..7, c1 = keys 8..15
+   of the block): P̂ in, P^F * 2^11 out. Row g's block is c0[0..1], c1[0..1] across the lane quad, row g+8's is
    c0[2..3], c1[2..3]. The results are exact in bf16 and fp16 (6 significant bits, <= 2112). */
-template <aq_dtype DT>
-AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[4]) {
-    float row_g[4] = {c0[0] * AQ_P_HEADROOM, c0[1] * AQ_P_HEADROOM, c1[0] * AQ_P_HEADROOM, c1[1] * AQ_P_HEADROOM};
-    float row_g8[4] = {c0[2] * AQ_P_HEADROOM, c0[3] * AQ_P_HEADROOM, c1[2] * AQ_P_HEADROOM, c1[3] * AQ_P_HEADROOM};
+AQ_D void fake_quantize_p_block(float c0[4], float c1[4]) {
+    float row_g[4] = {c0[0], c0[1], c1[0], c1[1]}, row_g8[4] = {c0[2], c0[3], c1[2], c1[3]};
     fake_quantize_p_quad(row_g);
     fake_quantize_p_quad(row_g8);
-    const float q0[4] = {row_g[0], row_g[1], row_g8[0], row_g8[1]};
-    const float q1[4] = {row_g[2], row_g[3], row_g8[2], row_g8[3]};
+    c0[0] = row_g[0], c0[1] = row_g[1], c1[0] = row_g[2], c1[1] = row_g[3];
+    c0[2] = row_g8[0], c0[3] = row_g8[1], c1[2] = row_g8[2], c1[3] = row_g8[3];
+}
+
+/* The A fragment of fq16(P̂ * 2^11) for one 16-key block, from P̂ in C layout (fake_quantize_p_block). */
+template <aq_dtype DT>
+AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[4]) {
+    float q0[4] = {c0[0], c0[1], c0[2], c0[3]}, q1[4] = {c1[0], c1[1], c1[2], c1[3]};
+    fake_quantize_p_block(q0, q1);
     pack_a_from_c<DT>(a, q0, q1);
 }
 
@@ -434,8 +453,8 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
         const float frame = m_new == -INFINITY ? 0.0f : m_new;
 #pragma unroll
         for (int n = 0; n < BN / 8; n++) {
-            s[n][2 * r] = exp2f(s[n][2 * r] - frame);
-            s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - frame);
+            s[n][2 * r] = frame_exp2(s[n][2 * r] - frame);
+            s[n][2 * r + 1] = frame_exp2(s[n][2 * r + 1] - frame);
             l[r] += s[n][2 * r] + s[n][2 * r + 1];
         }
     }
@@ -532,7 +551,7 @@ AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t 
     const int lane = (int)threadIdx.x & 31;
     uint32_t live_bits = 0;
 #pragma unroll
-    for (int kb = 0; kb < BQ / 16; kb++) { /* 16 queries at a time, so only their P̂ * 2^11 is kept aside */
+    for (int kb = 0; kb < BQ / 16; kb++) { /* 16 queries at a time, so only their P̂ is kept aside */
         float xq[2][4];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -544,9 +563,9 @@ AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t 
                 const bool visible = !masked || masked_logit_log2(lm, st[n][e], q0 + qi, kj, &t);
                 const float inv_l = row_inv_l[qi];
                 const bool live = visible && inv_l != 0.0f;
-                const float phat = live ? exp2f(t - row_m[qi]) : 0.0f;
+                const float phat = live ? frame_exp2(t - row_m[qi]) : 0.0f;
                 st[n][e] = live ? phat * inv_l : 0.0f;
-                xq[h][e] = phat * AQ_P_HEADROOM;
+                xq[h][e] = phat;
                 live_bits |= (uint32_t)live << (4 * n + e);
             }
             if constexpr (QUANTIZE_DV) {
@@ -555,8 +574,8 @@ AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t 
                     float x[2] = {xq[h][c], xq[h][c + 2]}; /* key rows g and g+8 of query column c */
                     fake_quantize_p_column(x);
                     const float inv_l = row_inv_l[8 * n + frag_c_col(lane, c)];
-                    xq[h][c] = (live_bits >> (4 * n + c)) & 1u ? x[0] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
-                    xq[h][c + 2] = (live_bits >> (4 * n + c + 2)) & 1u ? x[1] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
+                    xq[h][c] = (live_bits >> (4 * n + c)) & 1u ? x[0] * inv_l : 0.0f;
+                    xq[h][c + 2] = (live_bits >> (4 * n + c + 2)) & 1u ? x[1] * inv_l : 0.0f;
                 }
             }
         }
@@ -599,7 +618,7 @@ AQ_D uint32_t dq_step_p(const logit_map *lm, float (&s)[BK / 8][4], const float 
             const bool visible = !masked || masked_logit_log2(lm, s[n][e], row_base + frag_c_row(lane, e),
                                                               k0 + 8 * n + frag_c_col(lane, e), &t);
             const bool live = visible && inv_l[r] != 0.0f;
-            s[n][e] = live ? exp2f(t - m[r]) * inv_l[r] : 0.0f;
+            s[n][e] = live ? frame_exp2(t - m[r]) * inv_l[r] : 0.0f;
             live_bits |= (uint32_t)live << (4 * n + e);
         }
     return live_bits;

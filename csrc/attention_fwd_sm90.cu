@@ -23,10 +23,10 @@
 #define SM90_THREADS 384    /* producer warpgroup + 2 consumer warpgroups */
 #define SM90_STAGES 2       /* K/V ring slots */
 
-/* Keys per tile. 128 fills the wgmma N for S; with the second accumulator O' (64 more registers per thread) 64
-   keeps the consumer within its 240 registers. */
+/* Keys per tile. 128 fills the wgmma N for S; with the second accumulator O' and the two P̂ register sets of the
+   pipeline, 64 keeps the consumer within its 240 registers (at D=64 too: 128 spills and serializes the wgmma). */
 static constexpr __host__ __device__ int sm90_keys_per_tile(int d, bool with_o_prime) {
-    return with_o_prime && d == 128 ? 64 : 128;
+    return with_o_prime ? 64 : 128;
 }
 
 /* Shared memory: Q (BM x D), then STAGES K tiles and STAGES V tiles (BN x D), each as D / 64 swizzled panels,
@@ -119,7 +119,12 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
        tile j+1 run on the FP32 pipe while the tensor cores compute P(j) V. The accumulators are rescaled by the
        frame step of tile j+1 only once P(j) V has landed in them. */
     float sc[BN / 8][4];
-    uint32_t a_o[BN / 16][4], a_hat[WITH_O_PRIME ? BN / 16 : 1][4]; /* P of the tile whose P V is next */
+    /* P of the tile whose P V is next: P^F (or P̂ in bf16 mode) in a_o, and for O' P̂ in a_hat or a_hat2, by
+       turns, so that P̂(j+1) is packed while P(j) V still reads P̂(j) with no register copy between them (ptxas
+       merges such a copy's registers, then serializes every wgmma: warning C7513) */
+    using hat_regs = uint32_t[WITH_O_PRIME ? BN / 16 : 1][4];
+    uint32_t a_o[BN / 16][4];
+    hat_regs a_hat, a_hat2;
     auto issue_scores = [&](int j) { /* S = Q K^T of tile j into sc, one commit group */
         const int s = j % SM90_STAGES;
         mbar_wait(&k_full[s], (j / SM90_STAGES) & 1);
@@ -130,22 +135,25 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
                                 k_major_desc(ks + s * L::TILE_BYTES, BN, 0, kk), kk > 0);
         wgmma_commit();
     };
-    /* the softmax of tile j (scores in sc) and its P fragments; alpha: the rescale the accumulators owe */
-    auto softmax_to_p = [&](int j, uint32_t (&po)[BN / 16][4], uint32_t (&ph)[WITH_O_PRIME ? BN / 16 : 1][4],
-                            float alpha[2]) {
+    /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
+       owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
+       P^F * 2^11 in place (exact in 16 bits), and sc packed into the A operand of O += P V. */
+    auto softmax_scores = [&](int j, float alpha[2]) {
         const int k0 = j * BN;
         scores_to_log2<BN>(&lm, sc, q0 + row0, k0, tile_needs_mask(&lm, q0 + wrow, k0, BN), seen);
         online_softmax_scores<BN>(sc, m, l, alpha);
+    };
+    auto pack_scores = [&](uint32_t (&a)[BN / 16][4]) {
 #pragma unroll
-        for (int kb = 0; kb < BN / 16; kb++) {
-            if constexpr (QUANTIZE_P) quantized_p_fragment<DT>(po[kb], sc[2 * kb], sc[2 * kb + 1]);
-            else pack_a_from_c<DT>(po[kb], sc[2 * kb], sc[2 * kb + 1]);
-            if constexpr (WITH_O_PRIME) pack_a_from_c<DT>(ph[kb], sc[2 * kb], sc[2 * kb + 1]);
-        }
+        for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
+    };
+    auto quantize_scores = [&]() {
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb++) fake_quantize_p_block(sc[2 * kb], sc[2 * kb + 1]);
     };
 
     /* O += P V, O' += P̂ V for tile j: one 16-key block of P (two C fragments = one A fragment) per wgmma */
-    auto issue_pv = [&](int j) {
+    auto issue_pv = [&](int j, hat_regs &a_hat) {
         const int s = j % SM90_STAGES;
         const unsigned char *vt = vs + s * L::TILE_BYTES;
         mbar_wait(&v_full[s], (j / SM90_STAGES) & 1);
@@ -157,10 +165,13 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
         }
         wgmma_commit();
     };
-    auto finish_pv = [&](int j) { /* waits for every group; V(j) is then consumed */
+    auto finish_pv = [&](int j, hat_regs &a_hat) { /* waits for every group; V(j) is then consumed */
         wgmma_wait<0>();
         fence_registers(o);
-        if constexpr (WITH_O_PRIME) fence_registers(o2);
+        /* the A operands stay live up to here, so no other value is given their registers while the wgmma
+           may still read them (else ptxas serializes every wgmma: warning C7513) */
+        fence_registers(a_o);
+        if constexpr (WITH_O_PRIME) fence_registers(o2), fence_registers(a_hat);
         if (lane == 0) mbar_arrive(&v_empty[j % SM90_STAGES]);
     };
 
@@ -174,43 +185,54 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
             wgmma_wait<0>();
             fence_registers(sc);
             if (lane == 0) mbar_arrive(&k_empty[j % SM90_STAGES]);
-            softmax_to_p(j, a_o, a_hat, alpha);
+            softmax_scores(j, alpha);
+            pack_scores(a_o);
             rescale_rows<D>(o, alpha);
-            issue_pv(j);
-            finish_pv(j);
+            issue_pv(j, a_hat);
+            finish_pv(j, a_hat);
         }
     } else {
+        /* P(j) V is in flight while S(j+1) lands and becomes P^F(j+1) in sc; only the packing into the A
+           registers waits for P(j) V to finish reading them. */
         if (n_tiles > 0) {
             float alpha[2]; /* the accumulators are still 0: nothing to rescale */
             issue_scores(0);
             wgmma_wait<0>();
             fence_registers(sc);
             if (lane == 0) mbar_arrive(&k_empty[0]);
-            softmax_to_p(0, a_o, a_hat, alpha);
+            softmax_scores(0, alpha);
+            if constexpr (WITH_O_PRIME) pack_scores(a_hat);
+            quantize_scores();
+            pack_scores(a_o);
         }
-        for (int j = 0; j + 1 < n_tiles; j++) {
+        /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1) in sc and P̂(j+1) in next_hat */
+        auto step = [&](int j, hat_regs &hat, hat_regs &next_hat) {
             issue_scores(j + 1);
-            issue_pv(j);
+            issue_pv(j, hat);
             float alpha[2];
-            uint32_t next_o[BN / 16][4], next_hat[WITH_O_PRIME ? BN / 16 : 1][4];
             wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
             fence_registers(sc);
             if (lane == 0) mbar_arrive(&k_empty[(j + 1) % SM90_STAGES]);
-            softmax_to_p(j + 1, next_o, next_hat, alpha);
-            finish_pv(j);
+            softmax_scores(j + 1, alpha);
+            if constexpr (WITH_O_PRIME) pack_scores(next_hat);
+            quantize_scores();
+            finish_pv(j, hat);
             rescale_rows<D>(o, alpha);
             if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
-#pragma unroll
-            for (int kb = 0; kb < BN / 16; kb++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    a_o[kb][i] = next_o[kb][i];
-                    if constexpr (WITH_O_PRIME) a_hat[kb][i] = next_hat[kb][i];
-                }
+            pack_scores(a_o);
+        };
+        int j = 0; /* P̂(j) is in a_hat for even j, in a_hat2 for odd j */
+        for (; j + 2 < n_tiles; j += 2) {
+            step(j, a_hat, a_hat2);
+            step(j + 1, a_hat2, a_hat);
         }
-        if (n_tiles > 0) {
-            issue_pv(n_tiles - 1);
-            finish_pv(n_tiles - 1);
+        if (j + 1 < n_tiles) step(j++, a_hat, a_hat2);
+        if (n_tiles > 0 && (n_tiles - 1) % 2) {
+            issue_pv(n_tiles - 1, a_hat2);
+            finish_pv(n_tiles - 1, a_hat2);
+        } else if (n_tiles > 0) {
+            issue_pv(n_tiles - 1, a_hat);
+            finish_pv(n_tiles - 1, a_hat);
         }
     }
 

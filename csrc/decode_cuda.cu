@@ -332,8 +332,8 @@ AQ_D void unit_softmax(float (&s)[2][4], float (&o)[D / 8][4], float m[2], float
     for (int r = 0; r < 2; r++)
 #pragma unroll
         for (int n = 0; n < 2; n++) {
-            s[n][2 * r] = exp2f(s[n][2 * r] - m[r]);
-            s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - m[r]);
+            s[n][2 * r] = frame_exp2(s[n][2 * r] - m[r]);
+            s[n][2 * r + 1] = frame_exp2(s[n][2 * r + 1] - m[r]);
             l[r] += s[n][2 * r] + s[n][2 * r + 1];
         }
 }

@@ -144,6 +144,16 @@ AQ_D void fence_registers(float (&acc)[R][4]) {
         for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[i][e])::"memory");
 }
 
+/* The same for a register A operand: after the wait, so that its registers stay live (and unreused) for as long
+   as the wgmma that reads them may still be running. */
+template <int R>
+AQ_D void fence_registers(uint32_t (&a)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+r"(a[i][e])::"memory");
+}
+
 /* d (64 x 64, fp32) = (accumulate ? d : 0) + A (64 x 16, shared, K-major) * B (16 x 64, shared; K-major, or
    MN-major when TRANS_B) */
 template <aq_dtype DT, int TRANS_B>

@@ -1,0 +1,42 @@
+"""Where the time goes: per-kernel CUDA time (torch.profiler) of one attn_qat training forward + backward and one
+inference forward, at one shape (default the Wan 2.1 14B self-attention).
+
+    python benchmarks/profile_kernels.py [--shape B,H,N,D] [--mode attn_qat|bf16]
+"""
+import argparse
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import attn_qat
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="1,40,32760,128")
+    parser.add_argument("--mode", default="attn_qat")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_kernels needs a CUDA GPU")
+    b, h, n, d = (int(x) for x in args.shape.split(","))
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = attn_qat.scaled_dot_product_attention(q, k, v, mode=args.mode)
+        torch.autograd.grad(out, (q, k, v), dout)
+        with torch.no_grad():
+            attn_qat.scaled_dot_product_attention(q, k, v, mode=args.mode)
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"shape (B, H, N, D) = {(b, h, n, d)}, mode {args.mode}: one training forward + backward, one inference forward")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=90))
+
+
+if __name__ == "__main__":
+    main()
