@@ -74,10 +74,12 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
             __syncthreads(); /* every warp is done with the previous Q, dO and statistics */
             bool bad = load_tile<BQ, D, DT>(qs, qg + q0 * p.q_stride[2], p.q_stride[2], min(BQ, nq - q0), vec);
             bad |= load_tile<BQ, D, DT>(dos, dog + q0 * p.dout_stride[2], p.dout_stride[2], min(BQ, nq - q0), vec);
+            bool dead = false;
             if ((int)threadIdx.x < BQ)
-                load_row_stats(&p, stat0, q0 + (int)threadIdx.x, &row_m[threadIdx.x], &row_inv_l[threadIdx.x],
-                               &row_delta[threadIdx.x]);
+                dead = load_row_stats(&p, stat0, q0 + (int)threadIdx.x, &row_m[threadIdx.x], &row_inv_l[threadIdx.x],
+                                      &row_delta[threadIdx.x]);
             bad = __syncthreads_or(bad); /* Q or dO holds Inf or NaN: they are scrubbed before dK, dV below */
+            const bool checked = __syncthreads_or(dead) || tile_needs_mask(&lm, q0, k0, BWD_KEYS);
 
             /* st[n], dpt[n]: queries 8n .. 8n+7 of the step, for the warp's 16 keys */
             float st[BQ / 8][4] = {}, dpt[BQ / 8][4] = {};
@@ -99,9 +101,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
             }
 
             uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
-            const uint32_t live = dkdv_step_p<BQ, QUANTIZE_DV, DT>(&lm, st, pa, row_m, row_inv_l, q0, k0 + key0,
-                                                                   tile_needs_mask(&lm, q0, k0, BWD_KEYS));
-            dkdv_step_ds<BQ, DT>(st, dpt, dsa, row_delta, live);
+            const uint32_t live = dkdv_step_p<BQ, QUANTIZE_DV, DT>(&lm, st, pa, row_m, row_inv_l, q0, k0 + key0, checked);
+            dkdv_step_ds<BQ, DT>(st, dpt, dsa, row_delta, live, checked);
             if (bad) { /* S^T and dP^T are done with the raw Q and dO */
                 __syncthreads();
                 scrub_nonfinite_tile<BQ, D, DT>(qs, q_nonfinite);
@@ -182,9 +183,11 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     /* statistics of this thread's rows g (r = 0) and g+8 (r = 1) */
     const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
     float m[2], inv_l[2], delta[2];
+    bool dead = false;
 #pragma unroll
     for (int r = 0; r < 2; r++)
-        load_row_stats(&p, stat0, q0 + row0 + frag_c_row(lane, 2 * r), &m[r], &inv_l[r], &delta[r]);
+        dead |= load_row_stats(&p, stat0, q0 + row0 + frag_c_row(lane, 2 * r), &m[r], &inv_l[r], &delta[r]);
+    const bool warp_has_dead_row = __any_sync(AQ_FULL_MASK, dead);
 
     float dq[D / 8][4] = {};
     const int key_end = causal_key_end(&lm, min(q0 + BWD_ROWS, nq) - 1);
@@ -215,8 +218,9 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
         }
 
         uint32_t dsa[BWD_KEYS / 16][4];
-        const uint32_t live = dq_step_p<BWD_KEYS>(&lm, s, m, inv_l, q0 + row0, k0, tile_needs_mask(&lm, q0, k0, BWD_KEYS));
-        dq_step_ds<BWD_KEYS, DT>(s, dps, dsa, delta, live);
+        const bool checked = tile_needs_mask(&lm, q0, k0, BWD_KEYS) || warp_has_dead_row;
+        const uint32_t live = dq_step_p<BWD_KEYS>(&lm, s, m, inv_l, q0 + row0, k0, checked);
+        dq_step_ds<BWD_KEYS, DT>(s, dps, dsa, delta, live, checked);
         if (k_bad) { /* S is done with the raw K */
             __syncthreads();
             scrub_nonfinite_tile<BWD_KEYS, D, DT>(ks, k_nonfinite);

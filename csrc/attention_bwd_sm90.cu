@@ -25,8 +25,10 @@ struct DkdvLayout {
     static constexpr int KV_BYTES = BWD90_KEYS * D * 2, STEP_BYTES = BWD90_Q_STEP * D * 2;
     static constexpr int K_OFFSET = 0, V_OFFSET = KV_BYTES, Q_OFFSET = 2 * KV_BYTES;
     static constexpr int DO_OFFSET = Q_OFFSET + BWD90_STAGES * STEP_BYTES;
-    static constexpr int STATS_OFFSET = DO_OFFSET + BWD90_STAGES * STEP_BYTES; /* [stage][m, inv_l, delta][64] */
-    static constexpr int BAR_OFFSET = STATS_OFFSET + BWD90_STAGES * 3 * BWD90_Q_STEP * 4;
+    /* per stage: m, inv_l, delta of the step's 64 queries, then whether one of them is a dead row (as a float) */
+    static constexpr int STATS_FLOATS = 3 * BWD90_Q_STEP + 4;
+    static constexpr int STATS_OFFSET = DO_OFFSET + BWD90_STAGES * STEP_BYTES;
+    static constexpr int BAR_OFFSET = STATS_OFFSET + BWD90_STAGES * STATS_FLOATS * 4;
     static constexpr int ALLOC = BAR_OFFSET + 8 * (1 + 2 * BWD90_STAGES) + 1024;
 };
 
@@ -89,9 +91,13 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             const int q0 = q_begin + (step % steps_per_head) * BQ;
             mbar_wait(&step_empty[s], ((step / BWD90_STAGES) & 1) ^ 1);
             const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
-            float *st = stats + s * 3 * BQ;
-            for (int i = lane; i < BQ; i += 32) load_row_stats(&p, stat0, q0 + i, &st[i], &st[BQ + i], &st[2 * BQ + i]);
+            float *st = stats + s * L::STATS_FLOATS;
+            bool dead = false;
+            for (int i = lane; i < BQ; i += 32)
+                dead |= load_row_stats(&p, stat0, q0 + i, &st[i], &st[BQ + i], &st[2 * BQ + i]);
+            dead = __any_sync(AQ_FULL_MASK, dead);
             if (lane == 0) {
+                st[3 * BQ] = dead ? 1.0f : 0.0f;
                 mbar_arrive_expect_tx(&step_full[s], 2 * L::STEP_BYTES);
                 tma_load_rows<D>(qs + s * L::STEP_BYTES, &tm_q, &step_full[s], BQ, q0, h, b);
                 tma_load_rows<D>(dos + s * L::STEP_BYTES, &tm_do, &step_full[s], BQ, q0, h, b);
@@ -118,7 +124,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         const logit_map lm =
             make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
         const unsigned char *qt = qs + s * L::STEP_BYTES, *dot = dos + s * L::STEP_BYTES;
-        const float *st_m = stats + s * 3 * BQ;
+        const float *st_m = stats + s * L::STATS_FLOATS;
 
         /* S^T and dP^T as two groups: the P part of the step (exp2, and the P^F column quant) runs while the
            tensor cores compute dP^T, and the dS part while they compute dV */
@@ -138,8 +144,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         fence_registers(st);
 
         uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
-        const uint32_t live = dkdv_step_p<BQ, QUANTIZE_DV, DT>(&lm, st, pa, st_m, st_m + BQ, q0, k0 + key0,
-                                                               tile_needs_mask(&lm, q0, k0 + 64 * c, 64));
+        const bool checked = tile_needs_mask(&lm, q0, k0 + 64 * c, 64) || st_m[3 * BQ] != 0.0f;
+        const uint32_t live = dkdv_step_p<BQ, QUANTIZE_DV, DT>(&lm, st, pa, st_m, st_m + BQ, q0, k0 + key0, checked);
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dv, pa[kb], mn_major_desc(dot, BQ, kb), 1);
@@ -148,7 +154,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         wgmma_wait<1>();
         fence_registers(dpt);
 
-        dkdv_step_ds<BQ, DT>(st, dpt, dsa, st_m + 2 * BQ, live);
+        dkdv_step_ds<BQ, DT>(st, dpt, dsa, st_m + 2 * BQ, live, checked);
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dk, dsa[kb], mn_major_desc(qt, BQ, kb), 1);
@@ -228,9 +234,11 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     const int c = warpgroup - 1, wrow = 64 * c, row0 = wrow + 16 * (warp % 4);
     const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
     float m[2], inv_l[2], delta[2];
+    bool dead = false;
 #pragma unroll
     for (int r = 0; r < 2; r++)
-        load_row_stats(&p, stat0, q0 + row0 + frag_c_row(lane, 2 * r), &m[r], &inv_l[r], &delta[r]);
+        dead |= load_row_stats(&p, stat0, q0 + row0 + frag_c_row(lane, 2 * r), &m[r], &inv_l[r], &delta[r]);
+    const bool warp_has_dead_row = __any_sync(AQ_FULL_MASK, dead);
     float dq[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; n++)
@@ -257,11 +265,12 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         wgmma_wait<1>();
         fence_registers(sc);
 
-        const uint32_t live = dq_step_p<BK>(&lm, sc, m, inv_l, q0 + row0, k0, tile_needs_mask(&lm, q0 + wrow, k0, BK));
+        const bool checked = tile_needs_mask(&lm, q0 + wrow, k0, BK) || warp_has_dead_row;
+        const uint32_t live = dq_step_p<BK>(&lm, sc, m, inv_l, q0 + row0, k0, checked);
         wgmma_wait<0>();
         fence_registers(dps);
         uint32_t dsa[BK / 16][4];
-        dq_step_ds<BK, DT>(sc, dps, dsa, delta, live);
+        dq_step_ds<BK, DT>(sc, dps, dsa, delta, live, checked);
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BK / 16; kb++) wgmma_rs<D, DT, 1>(dq, dsa[kb], mn_major_desc(kt, BK, kb), 1);

@@ -517,17 +517,18 @@ AQ_D void finish_forward_rows(float (&o)[D / 8][4], float (&o2)[D / 8][4], const
 
 /* The backward's statistics of query row `row`: M_i, 1/l_i and delta_i. A row past seqlen_q or with no visible
    key (l = 0) gets inv_l = 0, which the kernels read as "contributes nothing"; a NaN l stays NaN and spreads. */
-AQ_D void load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int row, float *m, float *inv_l,
+AQ_D bool load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int row, float *m, float *inv_l,
                          float *delta) {
     *m = 0.0f;
     *inv_l = 0.0f;
     *delta = 0.0f;
-    if (row >= p->seqlen_q) return;
+    if (row >= p->seqlen_q) return false;
     const float l = p->row_sum[stat0 + row];
-    if (l == 0.0f) return;
+    if (l == 0.0f) return true;
     *m = p->frame_m[stat0 + row];
     *inv_l = 1.0f / l;
     *delta = p->delta[stat0 + row];
+    return false;
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -538,18 +539,22 @@ AQ_D void load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int ro
 /* Each step comes in two parts, so a wgmma kernel can run the first while the tensor cores compute dP: the
    P part needs only S and the row statistics, the dS part then needs dP. live_bits (bit 4n + e) carries which
    terms count from one to the other; P is 0 on dead terms, but dS must be an exact 0 there even where dP is
-   not finite. */
+   not finite.
+   checked: whether any term of the step may be dead (a hidden key, or a row in the sequence with l = 0; rows
+   past the sequence are all zeros, so their terms come out 0 unchecked). Decided once per step by the caller:
+   the common, unchecked step is straight-line code with no per-term selects or bits, whose latencies the
+   compiler can interleave. */
 
 /* dK/dV orientation, keys as C rows: st = S^T (key key_base + frag_c_row, query q0 + 8n + frag_c_col);
    row_m / row_inv_l indexed by the query's place in the step. Leaves P^T = P̂ / l in st and the dV operand as
    A fragments in pa (16 queries each): P^F = fq16(P̂ * 2^11) * 2^-11 / l with QUANTIZE_DV (the forward's P^F,
    since M is the forward's final frame; a block with a NaN is NaN throughout, its dead terms stay 0), else P. */
-template <int BQ, bool QUANTIZE_DV, aq_dtype DT>
-AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
-                          const float *row_m, const float *row_inv_l, int q0, int key_base, bool masked) {
+template <int BQ, bool QUANTIZE_DV, aq_dtype DT, bool CHECKED>
+AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
+                               const float *row_m, const float *row_inv_l, int q0, int key_base) {
     static_assert(BQ <= 64, "one live bit per term of the step");
     const int lane = (int)threadIdx.x & 31;
-    uint32_t live_bits = 0;
+    uint32_t live_bits = CHECKED ? 0u : ~0u;
 #pragma unroll
     for (int kb = 0; kb < BQ / 16; kb++) { /* 16 queries at a time, so only their P̂ is kept aside */
         float xq[2][4];
@@ -559,14 +564,18 @@ AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t 
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
-                float t = st[n][e] * lm->scale_log2;
-                const bool visible = !masked || masked_logit_log2(lm, st[n][e], q0 + qi, kj, &t);
                 const float inv_l = row_inv_l[qi];
-                const bool live = visible && inv_l != 0.0f;
-                const float phat = live ? frame_exp2(t - row_m[qi]) : 0.0f;
-                st[n][e] = live ? phat * inv_l : 0.0f;
-                xq[h][e] = phat;
-                live_bits |= (uint32_t)live << (4 * n + e);
+                float t = st[n][e] * lm->scale_log2;
+                if constexpr (CHECKED) {
+                    const bool live = masked_logit_log2(lm, st[n][e], q0 + qi, kj, &t) && inv_l != 0.0f;
+                    const float phat = live ? frame_exp2(t - row_m[qi]) : 0.0f;
+                    st[n][e] = live ? phat * inv_l : 0.0f;
+                    xq[h][e] = phat;
+                    live_bits |= (uint32_t)live << (4 * n + e);
+                } else {
+                    xq[h][e] = frame_exp2(t - row_m[qi]);
+                    st[n][e] = xq[h][e] * inv_l;
+                }
             }
             if constexpr (QUANTIZE_DV) {
 #pragma unroll
@@ -585,55 +594,88 @@ AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t 
     return live_bits;
 }
 
+template <int BQ, bool QUANTIZE_DV, aq_dtype DT>
+AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
+                          const float *row_m, const float *row_inv_l, int q0, int key_base, bool checked) {
+    if (checked) return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, true>(lm, st, pa, row_m, row_inv_l, q0, key_base);
+    return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base);
+}
+
 /* dS^T = P^T (dP^T - delta) into dpt as A fragments dsa, from dkdv_step_p's st and live bits. */
 template <int BQ, aq_dtype DT>
 AQ_D void dkdv_step_ds(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][4], uint32_t (&dsa)[BQ / 16][4],
-                       const float *row_delta, uint32_t live_bits) {
+                       const float *row_delta, uint32_t live_bits, bool checked) {
     const int lane = (int)threadIdx.x & 31;
     float ds[BQ / 8][4];
+    if (checked) {
 #pragma unroll
-    for (int n = 0; n < BQ / 8; n++)
+        for (int n = 0; n < BQ / 8; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            ds[n][e] = (live_bits >> (4 * n + e)) & 1u ? st[n][e] * (dpt[n][e] - row_delta[8 * n + frag_c_col(lane, e)])
-                                                       : 0.0f;
+            for (int e = 0; e < 4; e++)
+                ds[n][e] = (live_bits >> (4 * n + e)) & 1u
+                               ? st[n][e] * (dpt[n][e] - row_delta[8 * n + frag_c_col(lane, e)])
+                               : 0.0f;
+    } else {
+#pragma unroll
+        for (int n = 0; n < BQ / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) ds[n][e] = st[n][e] * (dpt[n][e] - row_delta[8 * n + frag_c_col(lane, e)]);
+    }
 #pragma unroll
     for (int kb = 0; kb < BQ / 16; kb++) pack_a_from_c<DT>(dsa[kb], ds[2 * kb], ds[2 * kb + 1]);
 }
 
 /* dQ orientation, queries as C rows: s = S (row row_base + frag_c_row, key k0 + 8n + frag_c_col); the thread's
    two rows' statistics in m, inv_l. Leaves P = P̂ / l (unquantized) in s. */
-template <int BK>
-AQ_D uint32_t dq_step_p(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
-                        int row_base, int k0, bool masked) {
+template <int BK, bool CHECKED>
+AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
+                             int row_base, int k0) {
     static_assert(BK <= 64, "one live bit per term of the step");
     const int lane = (int)threadIdx.x & 31;
-    uint32_t live_bits = 0;
+    uint32_t live_bits = CHECKED ? 0u : ~0u;
 #pragma unroll
     for (int n = 0; n < BK / 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int r = e >> 1;
             float t = s[n][e] * lm->scale_log2;
-            const bool visible = !masked || masked_logit_log2(lm, s[n][e], row_base + frag_c_row(lane, e),
-                                                              k0 + 8 * n + frag_c_col(lane, e), &t);
-            const bool live = visible && inv_l[r] != 0.0f;
-            s[n][e] = live ? frame_exp2(t - m[r]) * inv_l[r] : 0.0f;
-            live_bits |= (uint32_t)live << (4 * n + e);
+            if constexpr (CHECKED) {
+                const bool live = masked_logit_log2(lm, s[n][e], row_base + frag_c_row(lane, e),
+                                                    k0 + 8 * n + frag_c_col(lane, e), &t) &&
+                                  inv_l[r] != 0.0f;
+                s[n][e] = live ? frame_exp2(t - m[r]) * inv_l[r] : 0.0f;
+                live_bits |= (uint32_t)live << (4 * n + e);
+            } else {
+                s[n][e] = frame_exp2(t - m[r]) * inv_l[r];
+            }
         }
     return live_bits;
+}
+
+template <int BK>
+AQ_D uint32_t dq_step_p(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
+                        int row_base, int k0, bool checked) {
+    if (checked) return dq_step_p_impl<BK, true>(lm, s, m, inv_l, row_base, k0);
+    return dq_step_p_impl<BK, false>(lm, s, m, inv_l, row_base, k0);
 }
 
 /* dS = P (dP - delta) as A fragments dsa (16 keys each), from dq_step_p's s and live bits. */
 template <int BK, aq_dtype DT>
 AQ_D void dq_step_ds(const float (&s)[BK / 8][4], const float (&dps)[BK / 8][4], uint32_t (&dsa)[BK / 16][4],
-                     const float delta[2], uint32_t live_bits) {
+                     const float delta[2], uint32_t live_bits, bool checked) {
     float ds[BK / 8][4];
+    if (checked) {
 #pragma unroll
-    for (int n = 0; n < BK / 8; n++)
+        for (int n = 0; n < BK / 8; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            ds[n][e] = (live_bits >> (4 * n + e)) & 1u ? s[n][e] * (dps[n][e] - delta[e >> 1]) : 0.0f;
+            for (int e = 0; e < 4; e++)
+                ds[n][e] = (live_bits >> (4 * n + e)) & 1u ? s[n][e] * (dps[n][e] - delta[e >> 1]) : 0.0f;
+    } else {
+#pragma unroll
+        for (int n = 0; n < BK / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) ds[n][e] = s[n][e] * (dps[n][e] - delta[e >> 1]);
+    }
 #pragma unroll
     for (int kb = 0; kb < BK / 16; kb++) pack_a_from_c<DT>(dsa[kb], ds[2 * kb], ds[2 * kb + 1]);
 }
