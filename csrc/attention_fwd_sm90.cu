@@ -29,6 +29,11 @@ static constexpr __host__ __device__ int sm90_keys_per_tile(int d, bool with_o_p
     return with_o_prime ? 64 : 128;
 }
 
+/* Whether the softmax of tile j+1 overlaps P(j) V. Not with O' at D=128: the second accumulator and the two P̂
+   register sets held across the softmax leave too few of the 240 registers (700 bytes of spills); that variant
+   runs its softmax after P(j) V has landed. */
+#define SM90_OVERLAP_SOFTMAX(D, WITH_O_PRIME) (!((WITH_O_PRIME) && (D) == 128))
+
 /* Shared memory: Q (BM x D), then STAGES K tiles and STAGES V tiles (BN x D), each as D / 64 swizzled panels,
    then the mbarriers. */
 template <int D, int BN>
@@ -213,9 +218,22 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
             wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
             fence_registers(sc);
             if (lane == 0) mbar_arrive(&k_empty[(j + 1) % SM90_STAGES]);
-            softmax_scores(j + 1, alpha);
-            if constexpr (WITH_O_PRIME) pack_scores(next_hat);
-            quantize_scores();
+            auto elementwise = [&](bool needs_mask) {
+                scores_to_log2<BN>(&lm, sc, q0 + row0, (j + 1) * BN, needs_mask, seen);
+                online_softmax_scores<BN>(sc, m, l, alpha);
+                if constexpr (WITH_O_PRIME) pack_scores(next_hat);
+                quantize_scores();
+            };
+            const bool needs_mask = tile_needs_mask(&lm, q0 + wrow, (j + 1) * BN, BN);
+            if constexpr (SM90_OVERLAP_SOFTMAX(D, WITH_O_PRIME)) {
+                /* The whole elementwise part inside both arms of the mask test: ptxas puts the wait for P(j) V
+                   at the top of the basic block after the arms, so a softmax there would run after it and
+                   overlap nothing (seen in the SASS). */
+                if (needs_mask) elementwise(true);
+                else elementwise(false);
+            } else {
+                elementwise(needs_mask);
+            }
             finish_pv(j, hat);
             rescale_rows<D>(o, alpha);
             if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
