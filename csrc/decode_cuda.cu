@@ -23,9 +23,15 @@
      rows (g, g + 8) and of its key (g of each 8-key n-block): D/8 contiguous code bytes per key.
    - Keys are in natural order: n-block h of a unit holds keys 8h .. 8h + 7, so the C fragments of S are the
      forward's and two of them make P's A fragment (keys 2t, 2t + 1, 2t + 8, 2t + 9 of the unit).
-   - O = P V: column n of n-block nb is channel n * D/8 + nb. Lane (g, t) needs pair rows t and t + 4 of the
-     V block (tokens 2t, 2t + 1 and 2t + 8, 2t + 9, one byte per channel: exactly a B register) for channels
-     [g * D/8, (g + 1) * D/8): D/8 contiguous bytes per row; its O elements are channels (2t + (e & 1)) * D/8 + nb. */
+   - O^T = V^T P^T, channels as M and query rows as N: one n-block (8 rows) when the tile has at most 8 valid rows,
+     as with one query token and up to 8 query heads per KV head, else two. With queries as M, as in the forward,
+     one query token would fill 4 of the 16 rows of every P V product; this way the product count halves and so
+     do the O registers. Row m of m-tile mt is channel (m % 8) * D/8 + 2 mt + m / 8. Lane (g, t) needs pair rows t
+     and t + 4 of the V block (tokens 2t, 2t + 1 and 2t + 8, 2t + 9, one byte per channel: exactly an A register)
+     for channels [g * D/8, (g + 1) * D/8): D/8 contiguous bytes per row. P^T's B fragment of n-block nb is the
+     P A fragment's registers nb and nb + 2 (row 8 nb + g, keys 2t, 2t + 1 and 2t + 8, 2t + 9). The products and
+     their positions along the contraction are those of P V with queries as M, so the sums are the same. The
+     lane's O elements o[mt][nb][e] are channel g * D/8 + 2 mt + (e >> 1), query row 8 nb + 2t + (e & 1). */
 #include "attention_common.cuh"
 
 #define DEC_WARPS 4
@@ -212,17 +218,28 @@ AQ_D void load_v_words(uint32_t (&r0)[D / 32], uint32_t (&r1)[D / 32], uint32_t 
     load_words<D / 32>(sw, st + U::V_SCALES + g * (D / 8));
 }
 
-/* O += P^F V for a unit whose every key each query row sees: no hidden term, so a plain product. */
-template <int D>
-AQ_D void pv_packed(float (&o)[D / 8][4], const uint32_t pa[4], const unsigned char *st, int g, int t) {
+/* The A fragment of V^T for m-tile mt from the B-style registers of channels g * D/8 + 2 mt (b[0]) and + 1 (b[1]):
+   rows t (tokens 2t, 2t + 1) and t + 4 (2t + 8, 2t + 9). */
+AQ_D void v_a_fragment(uint32_t (&a)[4], uint32_t c0_row_t, uint32_t c1_row_t, uint32_t c0_row_t4, uint32_t c1_row_t4) {
+    a[0] = c0_row_t, a[1] = c1_row_t, a[2] = c0_row_t4, a[3] = c1_row_t4;
+}
+
+/* O^T += V^T P^F^T for a unit whose every key each query row sees: no hidden term, so a plain product. */
+template <int D, int NB>
+AQ_D void pv_packed(float (&o)[D / 16][NB][4], const uint32_t pa[4], const unsigned char *st, int g, int t) {
     uint32_t r0[D / 32], r1[D / 32], sw[D / 32];
     load_v_words<D>(r0, r1, sw, st, g, t);
 #pragma unroll
     for (int j = 0; j < D / 32; j++) {
-        uint32_t b0[4], b1[4];
+        uint32_t b0[4], b1[4]; /* channels g * D/8 + 4j + i */
         packed_v_word(b0, b1, r0[j], r1[j], sw[j]);
 #pragma unroll
-        for (int i = 0; i < 4; i++) mma_16816<AQ_FLOAT16>(o[4 * j + i], pa, b0[i], b1[i]);
+        for (int h = 0; h < 2; h++) { /* m-tile 2j + h: channels 4j + 2h and 4j + 2h + 1 of the lane's range */
+            uint32_t a[4];
+            v_a_fragment(a, b0[2 * h], b0[2 * h + 1], b1[2 * h], b1[2 * h + 1]);
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) mma_16816<AQ_FLOAT16>(o[2 * j + h][nb], a, pa[nb], pa[nb + 2]);
+        }
     }
 }
 
@@ -268,16 +285,16 @@ AQ_D void tail_v_fragments(uint32_t (&vb)[D / 8][2], const uint16_t *tail, int v
     }
 }
 
-/* O += P V for a unit with hidden terms (the causal edge or the tail's end), keeping them absent rather than
-   0 * x (numerics.md §8): B values that are Inf or NaN (MT's exponent all ones) are zeroed before the product,
+/* O^T += V^T P^T for a unit with hidden terms (the causal edge or the tail's end), keeping them absent rather than
+   0 * x (numerics.md §8): V values that are Inf or NaN (MT's exponent all ones) are zeroed before the product,
    and afterwards acc[row, channel] becomes NaN where a key visible to the row had one in that channel.
    vis[r]: bit i = key i of the unit is visible to this lane's row g + 8r. Rare: only the last units of a sequence
    come here, and the NaN bookkeeping runs only if some value is not finite. */
-template <int D, aq_dtype MT>
-AQ_D void pv_checked(float (&o)[D / 8][4], const uint32_t pa[4], uint32_t (&vb)[D / 8][2], const uint32_t vis[2],
+template <int D, int NB, aq_dtype MT>
+AQ_D void pv_checked(float (&o)[D / 16][NB][4], const uint32_t pa[4], uint32_t (&vb)[D / 8][2], const uint32_t vis[2],
                      int t) {
     constexpr uint32_t EXP = MT == AQ_BFLOAT16 ? 0x7F80u : 0x7C00u;
-    uint32_t bad[D / 8], any = 0; /* bad[nb]: unit keys with a non-finite value in this lane's column g */
+    uint32_t bad[D / 8], any = 0; /* bad[n]: unit keys with a non-finite value in the lane's channel g * D/8 + n */
 #pragma unroll
     for (int nb = 0; nb < D / 8; nb++) {
         uint32_t keys = 0;
@@ -295,14 +312,39 @@ AQ_D void pv_checked(float (&o)[D / 8][4], const uint32_t pa[4], uint32_t (&vb)[
         any |= keys;
     }
 #pragma unroll
-    for (int nb = 0; nb < D / 8; nb++) mma_16816<MT>(o[nb], pa, vb[nb][0], vb[nb][1]);
+    for (int mt = 0; mt < D / 16; mt++) {
+        uint32_t a[4];
+        v_a_fragment(a, vb[2 * mt][0], vb[2 * mt + 1][0], vb[2 * mt][1], vb[2 * mt + 1][1]);
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++) mma_16816<MT>(o[mt][nb], a, pa[nb], pa[nb + 2]);
+    }
     if (!__any_sync(AQ_FULL_MASK, any != 0)) return;
 #pragma unroll
-    for (int nb = 0; nb < D / 8; nb++)
+    for (int nb = 0; nb < NB; nb++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) { /* column 2t + (e & 1) of n-block nb is held, as B's column g, by lanes 4g.. */
-            const uint32_t keys = __shfl_sync(AQ_FULL_MASK, bad[nb], 4 * frag_c_col(threadIdx.x & 31, e));
-            if (vis[e >> 1] & keys) o[nb][e] = NAN;
+        for (int c = 0; c < 2; c++) { /* query row 8 nb + 2t + c is row g' = 2t + c of lanes 4g' .. 4g' + 3 */
+            const uint32_t row_vis = __shfl_sync(AQ_FULL_MASK, vis[nb], 4 * (2 * t + c));
+#pragma unroll
+            for (int mt = 0; mt < D / 16; mt++)
+#pragma unroll
+                for (int e = c; e < 4; e += 2)
+                    if (row_vis & bad[2 * mt + (e >> 1)]) o[mt][nb][e] = NAN;
+        }
+}
+
+/* o *= alpha of each query row (alpha[r]: rows g + 8r of this lane, as online_softmax_scores leaves it). */
+template <int D, int NB>
+AQ_D void rescale_query_columns(float (&o)[D / 16][NB][4], const float alpha[2], int t) {
+#pragma unroll
+    for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const float f = __shfl_sync(AQ_FULL_MASK, alpha[nb], 4 * (2 * t + c));
+#pragma unroll
+            for (int mt = 0; mt < D / 16; mt++) {
+                o[mt][nb][c] *= f;
+                o[mt][nb][c + 2] *= f;
+            }
         }
 }
 
@@ -311,11 +353,11 @@ typedef struct {
     const uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
 } head_cache;
 
-/* online_softmax_tile for one unit, without its rescale of O when no row's frame moves, as in most units after
-   the first few: every factor would then be exactly 1 (an integer frame only moves by a whole number), so the
-   result is the same bit for bit. A row still at frame -inf takes the full step, which handles it. */
-template <int D>
-AQ_D void unit_softmax(float (&s)[2][4], float (&o)[D / 8][4], float m[2], float l[2]) {
+/* online_softmax_scores and the rescale of O for one unit, without that rescale when no row's frame moves, as in
+   most units after the first few: every factor would then be exactly 1 (an integer frame only moves by a whole
+   number), so the result is the same bit for bit. A row still at frame -inf takes the full step, which handles it. */
+template <int D, int NB>
+AQ_D void unit_softmax(float (&s)[2][4], float (&o)[D / 16][NB][4], float m[2], float l[2], int t) {
     bool moves = false;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -325,7 +367,9 @@ AQ_D void unit_softmax(float (&s)[2][4], float (&o)[D / 8][4], float m[2], float
         moves |= m[r] == -INFINITY || ceilf(mx) > m[r];
     }
     if (__any_sync(AQ_FULL_MASK, moves)) {
-        online_softmax_tile<DEC_UNIT, D, false>(s, o, o, m, l);
+        float alpha[2];
+        online_softmax_scores<DEC_UNIT>(s, m, l, alpha);
+        rescale_query_columns<D, NB>(o, alpha, t);
         return;
     }
 #pragma unroll
@@ -362,11 +406,13 @@ AQ_D void load_unit(unsigned char *st, const head_cache &hc, int u, int lane) {
 /* ------------------------------------------------------------------------------------------------
    Kernels */
 
-/* grid (num_splits * m_tiles, Hkv, B), DEC_THREADS threads. Writes, for each of its valid rows, the chunk's
-   partial result to the workspace: D floats of unnormalised O (sum of fq16(P̂ * 2^11) v), then the frame M and the
-   row sum l. Chunks at or past the sequence's length write nothing (the combine kernel stops before them). */
-template <int D, aq_dtype DT>
-__global__ void __launch_bounds__(DEC_THREADS, 3) kv_decode_kernel(const aq_decode_params p, int m_tiles) {
+/* grid (num_splits * m_tiles, Hkv, B), DEC_THREADS threads; NB query n-blocks of O^T (1: the tile has at most 8
+   valid rows). Writes, for each of its valid rows, the chunk's partial result to the workspace: D floats of
+   unnormalised O (sum of fq16(P̂ * 2^11) v), then the frame M and the row sum l. Chunks at or past the sequence's
+   length write nothing (the combine kernel stops before them). With one n-block the O registers fit in 128 per
+   thread, so four CTAs (16 warps) share an SM instead of three: more units in flight and in compute. */
+template <int D, aq_dtype DT, int NB>
+__global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel(const aq_decode_params p, int m_tiles) {
     using U = UnitLayout<D>;
     constexpr int RING = DEC_STAGES * U::BYTES, MERGE = DEC_WARPS * 16 * (D + 2) * (int)sizeof(float);
     __shared__ __align__(16) unsigned char smem[DEC_WARPS * RING > MERGE ? DEC_WARPS * RING : MERGE];
@@ -402,9 +448,11 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) kv_decode_kernel(const aq_deco
     uint32_t qa[D / 16][4];
     load_q_fragments<D, DT>(qa, p.q, row_index, t);
 
-    float o[D / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[D / 16][NB][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    for (int mt = 0; mt < D / 16; mt++)
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++) o[mt][nb][0] = o[mt][nb][1] = o[mt][nb][2] = o[mt][nb][3] = 0.0f;
     const float scale_log2 = p.softmax_scale * AQ_LOG2E;
 
     /* This warp's units u_begin + warp + DEC_WARPS * i, i < count, through its ring: unit i sits in stage
@@ -438,7 +486,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) kv_decode_kernel(const aq_deco
                 const int key = key0 + 8 * h + frag_c_col(lane, e);
                 s[h][e] = !masked || key <= lim[e >> 1] ? s[h][e] * scale_log2 : -INFINITY;
             }
-        unit_softmax<D>(s, o, m, l); /* s becomes P̂ */
+        unit_softmax<D, NB>(s, o, m, l, t); /* s becomes P̂ */
 
         uint32_t vis[2] = {0xFFFFu, 0xFFFFu};
 #pragma unroll
@@ -450,18 +498,18 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) kv_decode_kernel(const aq_deco
             uint32_t pa[4];
             quantized_p_fragment<AQ_FLOAT16>(pa, s[0], s[1]);
             if (!masked) {
-                pv_packed<D>(o, pa, st, g, t);
+                pv_packed<D, NB>(o, pa, st, g, t);
             } else {
                 uint32_t vb[D / 8][2];
                 packed_v_fragments<D>(vb, st, g, t);
-                pv_checked<D, AQ_FLOAT16>(o, pa, vb, vis, t);
+                pv_checked<D, NB, AQ_FLOAT16>(o, pa, vb, vis, t);
             }
         } else {
             uint32_t pa[4];
             quantized_p_fragment<DT>(pa, s[0], s[1]);
             uint32_t vb[D / 8][2];
             tail_v_fragments<D>(vb, (const uint16_t *)p.v_tail + kv_head * DEC_UNIT * D, L - key0, g, t);
-            pv_checked<D, DT>(o, pa, vb, vis, t);
+            pv_checked<D, NB, DT>(o, pa, vb, vis, t);
         }
         __syncwarp(); /* every lane is done with stage i % DEC_STAGES before step i + 1 refills it */
     }
@@ -482,10 +530,12 @@ __global__ void __launch_bounds__(DEC_THREADS, 3) kv_decode_kernel(const aq_deco
         }
     }
 #pragma unroll
-    for (int nb = 0; nb < D / 8; nb++)
+    for (int mt = 0; mt < D / 16; mt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            merge_o[(warp * 16 + frag_c_row(lane, e)) * D + frag_c_col(lane, e) * (D / 8) + nb] = o[nb][e];
+        for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) /* rows past 8 * NB are past the tile's valid rows: never read */
+                merge_o[(warp * 16 + 8 * nb + frag_c_col(lane, e)) * D + g * (D / 8) + 2 * mt + (e >> 1)] = o[mt][nb][e];
     __syncthreads();
     for (int idx = (int)threadIdx.x; idx < 16 * D; idx += DEC_THREADS) {
         const int row = idx / D, d = idx % D, ridx = 16 * mt + row;
@@ -585,7 +635,10 @@ static const char *launch_decode(const aq_decode_params *p, cudaStream_t stream)
     const int m_tiles = decode_m_tiles(p);
     if (p->num_splits > 0) {
         const dim3 grid((unsigned)(p->num_splits * m_tiles), (unsigned)p->heads_kv, (unsigned)p->batch);
-        kv_decode_kernel<D, DT><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles);
+        if (p->heads_q / p->heads_kv * p->seqlen_q <= 8)
+            kv_decode_kernel<D, DT, 1><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles);
+        else
+            kv_decode_kernel<D, DT, 2><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles);
         const char *err = launch_status();
         if (err) return err;
     }
