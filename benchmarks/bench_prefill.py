@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_qat  # noqa: E402
-from common import forward_flops, metadata, parse_bench_args, timed, write_json  # noqa: E402
+from common import forward_flops, metadata, parse_bench_args, selected_shapes, timed, write_json  # noqa: E402
 
 # name: (batch, heads_q, heads_kv, tokens, head_dim, causal); self-attention, Nq = Nk
 SHAPES = {
@@ -144,9 +144,7 @@ def plot(results, path):
 def main():
     args = parse_bench_args("prefill", __doc__, 10, "only the 4k shapes")
     results = []
-    for name, shape in SHAPES.items():
-        if (args.quick and name not in QUICK) or (args.only and name not in args.only):
-            continue
+    for name, shape in selected_shapes(args, SHAPES, QUICK):
         results.append(bench_shape(name, shape, args.repeat))
         r = results[-1]
         print(f"\n{name} {r['dims']}")

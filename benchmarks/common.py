@@ -83,3 +83,13 @@ def parse_bench_args(name: str, doc: str, repeat: int, quick_help: str):
     if not torch.cuda.is_available():
         sys.exit(f"bench_{name} needs a CUDA GPU")
     return args
+
+
+def selected_shapes(args, shapes: dict, quick) -> list:
+    """The (name, shape) pairs to run: those of --quick's set and of --only's names (which must be shapes of this
+    benchmark), all when neither is given."""
+    import sys
+    unknown = [x for x in args.only if x not in shapes]
+    if unknown:
+        sys.exit(f"--only: unknown shape(s) {', '.join(unknown)}; choose from {', '.join(shapes)}")
+    return [(n, s) for n, s in shapes.items() if (not args.quick or n in quick) and (not args.only or n in args.only)]

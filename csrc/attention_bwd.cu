@@ -183,11 +183,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     /* statistics of this thread's rows g (r = 0) and g+8 (r = 1) */
     const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
     float m[2], inv_l[2], delta[2];
-    bool dead = false;
-#pragma unroll
-    for (int r = 0; r < 2; r++)
-        dead |= load_row_stats(&p, stat0, q0 + row0 + frag_c_row(lane, 2 * r), &m[r], &inv_l[r], &delta[r]);
-    const bool warp_has_dead_row = __any_sync(AQ_FULL_MASK, dead);
+    const bool warp_has_dead_row = load_fragment_row_stats(&p, stat0, q0 + row0, m, inv_l, delta);
 
     float dq[D / 8][4] = {};
     const int key_end = causal_key_end(&lm, min(q0 + BWD_ROWS, nq) - 1);

@@ -234,11 +234,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     const int c = warpgroup - 1, wrow = 64 * c, row0 = wrow + 16 * (warp % 4);
     const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
     float m[2], inv_l[2], delta[2];
-    bool dead = false;
-#pragma unroll
-    for (int r = 0; r < 2; r++)
-        dead |= load_row_stats(&p, stat0, q0 + row0 + frag_c_row(lane, 2 * r), &m[r], &inv_l[r], &delta[r]);
-    const bool warp_has_dead_row = __any_sync(AQ_FULL_MASK, dead);
+    const bool warp_has_dead_row = load_fragment_row_stats(&p, stat0, q0 + row0, m, inv_l, delta);
     float dq[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; n++)

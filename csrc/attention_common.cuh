@@ -552,6 +552,19 @@ AQ_D bool load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int ro
     return false;
 }
 
+/* load_row_stats for the two rows of a C fragment a thread holds (row_base + frag_c_row: r = 0 row g, r = 1 row
+   g+8); returns whether any row of the warp is a dead one (in the sequence with l = 0), so that its steps must
+   be checked. */
+AQ_D bool load_fragment_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int row_base, float m[2],
+                                  float inv_l[2], float delta[2]) {
+    const int lane = (int)threadIdx.x & 31;
+    bool dead = false;
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        dead |= load_row_stats(p, stat0, row_base + frag_c_row(lane, 2 * r), &m[r], &inv_l[r], &delta[r]);
+    return __any_sync(AQ_FULL_MASK, dead);
+}
+
 /* ------------------------------------------------------------------------------------------------
    The backward's elementwise steps (numerics.md §4), shared by the mma.sync and wgmma backwards. A term counts
    ("live") when the key is visible and the query row has a visible key (inv_l != 0, load_row_stats); every

@@ -143,9 +143,9 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
     /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
        owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
        P^F * 2^11 in place (exact in 16 bits), and sc packed into the A operand of O += P V. */
-    auto softmax_scores = [&](int j, float alpha[2]) {
-        const int k0 = j * BN;
-        scores_to_log2<BN>(&lm, sc, q0 + row0, k0, tile_needs_mask(&lm, q0 + wrow, k0, BN), seen);
+    auto needs_mask = [&](int j) { return tile_needs_mask(&lm, q0 + wrow, j * BN, BN); };
+    auto softmax_scores = [&](int j, bool masked, float alpha[2]) {
+        scores_to_log2<BN>(&lm, sc, q0 + row0, j * BN, masked, seen);
         online_softmax_scores<BN>(sc, m, l, alpha);
     };
     auto pack_scores = [&](uint32_t (&a)[BN / 16][4]) {
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
             wgmma_wait<0>();
             fence_registers(sc);
             if (lane == 0) mbar_arrive(&k_empty[j % SM90_STAGES]);
-            softmax_scores(j, alpha);
+            softmax_scores(j, needs_mask(j), alpha);
             pack_scores(a_o);
             rescale_rows<D>(o, alpha);
             issue_pv(j, a_hat);
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
             wgmma_wait<0>();
             fence_registers(sc);
             if (lane == 0) mbar_arrive(&k_empty[0]);
-            softmax_scores(0, alpha);
+            softmax_scores(0, needs_mask(0), alpha);
             if constexpr (WITH_O_PRIME) pack_scores(a_hat);
             quantize_scores();
             pack_scores(a_o);
@@ -218,21 +218,20 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
             wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
             fence_registers(sc);
             if (lane == 0) mbar_arrive(&k_empty[(j + 1) % SM90_STAGES]);
-            auto elementwise = [&](bool needs_mask) {
-                scores_to_log2<BN>(&lm, sc, q0 + row0, (j + 1) * BN, needs_mask, seen);
-                online_softmax_scores<BN>(sc, m, l, alpha);
+            auto elementwise = [&](bool masked) {
+                softmax_scores(j + 1, masked, alpha);
                 if constexpr (WITH_O_PRIME) pack_scores(next_hat);
                 quantize_scores();
             };
-            const bool needs_mask = tile_needs_mask(&lm, q0 + wrow, (j + 1) * BN, BN);
+            const bool masked = needs_mask(j + 1);
             if constexpr (SM90_OVERLAP_SOFTMAX(D, WITH_O_PRIME)) {
                 /* The whole elementwise part inside both arms of the mask test: ptxas puts the wait for P(j) V
                    at the top of the basic block after the arms, so a softmax there would run after it and
                    overlap nothing (seen in the SASS). */
-                if (needs_mask) elementwise(true);
+                if (masked) elementwise(true);
                 else elementwise(false);
             } else {
-                elementwise(needs_mask);
+                elementwise(masked);
             }
             finish_pv(j, hat);
             rescale_rows<D>(o, alpha);

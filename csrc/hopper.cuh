@@ -144,12 +144,6 @@ AQ_D void fence_registers(float (&acc)[R][4]) {
         for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[i][e])::"memory");
 }
 
-template <int R>
-AQ_D void fence_registers(float (&x)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; i++) asm volatile("" : "+f"(x[i])::"memory");
-}
-
 /* The same for a register A operand: after the wait, so that its registers stay live (and unreused) for as long
    as the wgmma that reads them may still be running. */
 template <int R>
