@@ -75,9 +75,11 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
             bool bad = load_tile<BQ, D, DT>(qs, qg + q0 * p.q_stride[2], p.q_stride[2], min(BQ, nq - q0), vec);
             bad |= load_tile<BQ, D, DT>(dos, dog + q0 * p.dout_stride[2], p.dout_stride[2], min(BQ, nq - q0), vec);
             bool dead = false;
-            if ((int)threadIdx.x < BQ)
-                dead = load_row_stats(&p, stat0, q0 + (int)threadIdx.x, &row_m[threadIdx.x], &row_inv_l[threadIdx.x],
-                                      &row_delta[threadIdx.x]);
+            if ((int)threadIdx.x < BQ) {
+                const int slot = dkdv_stat_slot((int)threadIdx.x);
+                dead = load_row_stats(&p, stat0, q0 + (int)threadIdx.x, &row_m[slot], &row_inv_l[slot],
+                                      &row_delta[slot]);
+            }
             bad = __syncthreads_or(bad); /* Q or dO holds Inf or NaN: they are scrubbed before dK, dV below */
             const bool checked = __syncthreads_or(dead) || tile_needs_mask(&lm, q0, k0, BWD_KEYS);
 

@@ -4,7 +4,7 @@
    tile. The delta kernel of attention_bwd.cu runs first.
 
    dK/dV: CTA = 128 keys (64 per consumer warpgroup), K and V loaded once; Q, dO and the row statistics of 64
-     queries stream through a ring of 2 slots. Per step: S^T = K Q^T and dP^T = V dO^T (64 x 64), the elementwise
+     queries stream through a ring of 3 slots. Per step: S^T = K Q^T and dP^T = V dO^T (64 x 64), the elementwise
      step, dV += (P^F or P)^T dO and dK += dS^T Q (P^T and dS^T from registers, dO and Q as MN-major operands).
    dQ: CTA = 128 query rows (64 per consumer warpgroup), Q and dO loaded once; K and V tiles of 64 keys stream.
      Per step: S = Q K^T and dP = dO V^T, dS = P (dP - delta), dQ += dS K.
@@ -14,18 +14,20 @@
 #include "hopper.cuh"
 
 #define BWD90_THREADS 384 /* producer warpgroup + 2 consumer warpgroups */
-#define BWD90_STAGES 2
+#define BWD90_STAGES 3
 #define BWD90_KEYS 128    /* dK/dV: keys per CTA */
 #define BWD90_Q_STEP 64   /* dK/dV: queries per step */
 #define BWD90_ROWS 128    /* dQ: query rows per CTA */
 #define BWD90_K_STEP 64   /* dQ: keys per step */
+#define PING_PONG_BARRIER 1 /* named barriers 1 and 2: consumer warpgroup c waits on 1 + c for its turn */
 
 template <int D>
 struct DkdvLayout {
     static constexpr int KV_BYTES = BWD90_KEYS * D * 2, STEP_BYTES = BWD90_Q_STEP * D * 2;
     static constexpr int K_OFFSET = 0, V_OFFSET = KV_BYTES, Q_OFFSET = 2 * KV_BYTES;
     static constexpr int DO_OFFSET = Q_OFFSET + BWD90_STAGES * STEP_BYTES;
-    /* per stage: m, inv_l, delta of the step's 64 queries, then whether one of them is a dead row (as a float) */
+    /* per stage: m, inv_l, delta of the step's 64 queries (dkdv_stat_slot's order), then whether one of them is a dead
+       row (as a float) */
     static constexpr int STATS_FLOATS = 3 * BWD90_Q_STEP + 4;
     static constexpr int STATS_OFFSET = DO_OFFSET + BWD90_STAGES * STEP_BYTES;
     static constexpr int BAR_OFFSET = STATS_OFFSET + BWD90_STAGES * STATS_FLOATS * 4;
@@ -50,6 +52,11 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
                                    const aq_attention_bwd_params p, const int *skip_if) {
 #if AQ_SM90_ENABLED
     using L = DkdvLayout<D>;
+    /* Ping-pong (unquantized only): the two consumer warpgroups take turns at the P part, so that one runs its
+       FP32 work while the other's products keep the tensor cores busy. Measured on the H100 at the Wan 14B shape:
+       bf16 mode dK/dV 74.4 -> 71.1 ms; with the P^F column quant, whose P part is three times as long, the turns
+       cost more than they gain (102.9 -> 119.0 ms). */
+    constexpr bool ping_pong = !QUANTIZE_DV;
     constexpr int BQ = BWD90_Q_STEP;
     if (skip_if != NULL && *skip_if) return;
     extern __shared__ unsigned char smem_raw[];
@@ -60,7 +67,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
     uint64_t *kv_full = bars, *step_full = bars + 1, *step_empty = step_full + BWD90_STAGES;
 
-    const int warpgroup = (int)threadIdx.x / 128, warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int k0 = (int)blockIdx.x * BWD90_KEYS, hk = (int)blockIdx.y, b = (int)blockIdx.z;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
     /* the first query step that sees key k0 (the same for every head: masks do not move it) */
@@ -89,21 +96,29 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         for (int step = 0; step < n_steps; step++) {
             const int s = step % BWD90_STAGES, h = hk * group + step / steps_per_head;
             const int q0 = q_begin + (step % steps_per_head) * BQ;
-            mbar_wait(&step_empty[s], ((step / BWD90_STAGES) & 1) ^ 1);
+            /* the statistics first, into registers: their global-load latency then overlaps the wait for the
+               slot instead of delaying the step's TMA (consumers waited on it: 6-9% of their stall samples) */
             const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
-            float *st = stats + s * L::STATS_FLOATS;
+            float m[BQ / 32], inv_l[BQ / 32], delta[BQ / 32];
             bool dead = false;
-            for (int i = lane; i < BQ; i += 32)
-                dead |= load_row_stats(&p, stat0, q0 + i, &st[i], &st[BQ + i], &st[2 * BQ + i]);
+#pragma unroll
+            for (int k = 0; k < BQ / 32; k++)
+                dead |= load_row_stats(&p, stat0, q0 + lane + 32 * k, &m[k], &inv_l[k], &delta[k]);
             dead = __any_sync(AQ_FULL_MASK, dead);
+            mbar_wait(&step_empty[s], ((step / BWD90_STAGES) & 1) ^ 1);
             if (lane == 0) {
-                st[3 * BQ] = dead ? 1.0f : 0.0f;
-                mbar_arrive_expect_tx(&step_full[s], 2 * L::STEP_BYTES);
+                mbar_expect_tx(&step_full[s], 2 * L::STEP_BYTES);
                 tma_load_rows<D>(qs + s * L::STEP_BYTES, &tm_q, &step_full[s], BQ, q0, h, b);
                 tma_load_rows<D>(dos + s * L::STEP_BYTES, &tm_do, &step_full[s], BQ, q0, h, b);
-            } else {
-                mbar_arrive(&step_full[s]);
             }
+            float *st = stats + s * L::STATS_FLOATS;
+#pragma unroll
+            for (int k = 0; k < BQ / 32; k++) {
+                const int slot = dkdv_stat_slot(lane + 32 * k);
+                st[slot] = m[k], st[BQ + slot] = inv_l[k], st[2 * BQ + slot] = delta[k];
+            }
+            if (lane == 0) st[3 * BQ] = dead ? 1.0f : 0.0f;
+            mbar_arrive(&step_full[s]); /* releases the statistics; the phase ends when the TMA bytes are in too */
         }
         return;
     }
@@ -117,6 +132,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 #pragma unroll
         for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.0f;
 
+    if (ping_pong && c == 1) named_barrier_arrive(PING_PONG_BARRIER, 256); /* warpgroup 0 takes the first turn */
     mbar_wait(kv_full, 0);
     for (int step = 0; step < n_steps; step++) {
         const int s = step % BWD90_STAGES, h = hk * group + step / steps_per_head;
@@ -127,7 +143,9 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         const float *st_m = stats + s * L::STATS_FLOATS;
 
         /* S^T and dP^T as two groups: the P part of the step (exp2, and the P^F column quant) runs while the
-           tensor cores compute dP^T, and the dS part while they compute dV */
+           tensor cores compute dP^T, and the dS part while they compute dV. (Issuing the next step's S^T behind
+           dK, to keep the tensor cores busy across steps, puts a wgmma in flight across the loop's back edge, and
+           ptxas then serializes every wgmma: C7515.) */
         float st[BQ / 8][4], dpt[BQ / 8][4];
         mbar_wait(&step_full[s], (step / BWD90_STAGES) & 1);
         wgmma_fence();
@@ -139,17 +157,19 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         for (int kk = 0; kk < D / 16; kk++)
             wgmma_ss<BQ, DT, 0>(dpt, k_major_desc(vs, BWD90_KEYS, 64 * c, kk), k_major_desc(dot, BQ, 0, kk), kk > 0);
         wgmma_commit();
+        const bool checked = tile_needs_mask(&lm, q0, k0 + 64 * c, 64) || st_m[3 * BQ] != 0.0f;
         fence_registers(dpt);
         wgmma_wait<1>();
         fence_registers(st);
 
         uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
-        const bool checked = tile_needs_mask(&lm, q0, k0 + 64 * c, 64) || st_m[3 * BQ] != 0.0f;
+        if constexpr (ping_pong) named_barrier_sync(PING_PONG_BARRIER + c, 256);
         const uint32_t live = dkdv_step_p<BQ, QUANTIZE_DV, DT>(&lm, st, pa, st_m, st_m + BQ, q0, k0 + key0, checked);
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dv, pa[kb], mn_major_desc(dot, BQ, kb), 1);
         wgmma_commit();
+        if constexpr (ping_pong) named_barrier_arrive(PING_PONG_BARRIER + (1 - c), 256);
         fence_registers(dv);
         wgmma_wait<1>();
         fence_registers(dpt);
@@ -164,6 +184,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         fence_registers(dk);
         if (lane == 0) mbar_arrive(&step_empty[s]);
     }
+    if (ping_pong && c == 0) named_barrier_sync(PING_PONG_BARRIER, 256); /* warpgroup 1's last turn: none pending */
 
 #pragma unroll
     for (int n = 0; n < D / 8; n++)
@@ -194,7 +215,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
     uint64_t *rows_full = bars, *kv_full = bars + 1, *kv_empty = kv_full + BWD90_STAGES;
 
-    const int warpgroup = (int)threadIdx.x / 128, warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
     const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, q0 = qtile * BWD90_ROWS;

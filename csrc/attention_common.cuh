@@ -388,17 +388,36 @@ AQ_D void fake_quantize_p_quad(float x[4]) {
     for (int i = 0; i < 4; i++) x[i] = p_fake_quantize_element(x[i], s, r);
 }
 
-/* Keys in C-fragment rows (dK/dV kernel, S^T = K Q^T): a warp's 16 keys are one block of every query column;
-   that column's values sit in the 8 lanes sharing lane & 3, two each (key rows g and g+8). x = P̂ in, P^F out. */
-AQ_D void fake_quantize_p_column(float x[2]) {
-    uint32_t amax = max(__float_as_uint(x[0]), __float_as_uint(x[1]));
+/* Keys in C-fragment rows (dK/dV kernels, S^T = K Q^T): a warp's 16 keys are one block of every query column, and
+   that column's 16 values sit in the 8 lanes sharing lane & 3, two each (key rows g and g+8). x[c][0..1] = P̂ of
+   the thread's query column c (of the 4 of one A fragment: c = 2h + e for n-block h, column 2t + e) in, P^F out.
+   The 8 lanes of a column set share the work instead of each computing all 4 scales: a reduce-scatter of the 4
+   amaxes (lane bits 4 and 3 pick the column a lane keeps, bit 2 lanes finish the same one), one block scale a
+   lane, and an all-gather of (s_pf, r): 12 shuffles, as before, but one scale computation instead of four. */
+AQ_D void fake_quantize_p_columns(float (&x)[4][2]) {
+    const int lane = (int)threadIdx.x & 31;
+    const bool hi4 = lane & 16, hi3 = lane & 8;
+    uint32_t a[4];
+#pragma unroll
+    for (int c = 0; c < 4; c++) a[c] = max(__float_as_uint(x[c][0]), __float_as_uint(x[c][1]));
+    uint32_t b[2]; /* columns 2 * hi4 + i */
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const uint32_t keep = hi4 ? a[i + 2] : a[i], send = hi4 ? a[i] : a[i + 2];
+        b[i] = max(keep, __shfl_xor_sync(AQ_FULL_MASK, send, 16));
+    }
+    uint32_t amax = hi3 ? b[1] : b[0]; /* column 2 * hi4 + hi3 */
+    amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, hi3 ? b[0] : b[1], 8));
     amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 4));
-    amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 8));
-    amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 16));
     float s, s_pf, r;
     p_block_scale(amax, &s, &s_pf, &r);
-    x[0] = p_fake_quantize_element(x[0], s_pf, r);
-    x[1] = p_fake_quantize_element(x[1], s_pf, r);
+#pragma unroll
+    for (int c = 0; c < 4; c++) { /* column c's scale from the lanes that kept it */
+        const int src = (lane & 7) | (c << 3);
+        const float cs = __shfl_sync(AQ_FULL_MASK, s_pf, src), cr = __shfl_sync(AQ_FULL_MASK, r, src);
+        x[c][0] = p_fake_quantize_element(x[c][0], cs, cr);
+        x[c][1] = p_fake_quantize_element(x[c][1], cs, cr);
+    }
 }
 
 /* fq16(P̂ * 2^11) in place for one 16-key block of a warp's 16 rows in C layout (c0 = keys 0..7, c1 = keys 8..15
@@ -544,11 +563,12 @@ AQ_D bool load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int ro
     *inv_l = 0.0f;
     *delta = 0.0f;
     if (row >= p->seqlen_q) return false;
-    const float l = p->row_sum[stat0 + row];
+    /* the three loads together, so that their latencies overlap */
+    const float l = p->row_sum[stat0 + row], frame = p->frame_m[stat0 + row], d = p->delta[stat0 + row];
     if (l == 0.0f) return true;
-    *m = p->frame_m[stat0 + row];
+    *m = frame;
     *inv_l = 1.0f / l;
-    *delta = p->delta[stat0 + row];
+    *delta = d;
     return false;
 }
 
@@ -579,51 +599,72 @@ AQ_D bool load_fragment_row_stats(const aq_attention_bwd_params *p, int64_t stat
    the common, unchecked step is straight-line code with no per-term selects or bits, whose latencies the
    compiler can interleave. */
 
-/* dK/dV orientation, keys as C rows: st = S^T (key key_base + frag_c_row, query q0 + 8n + frag_c_col);
-   row_m / row_inv_l indexed by the query's place in the step. Leaves P^T = P̂ / l in st and the dV operand as
-   A fragments in pa (16 queries each): P^F = fq16(P̂ * 2^11) * 2^-11 / l with QUANTIZE_DV (the forward's P^F,
-   since M is the forward's final frame; a block with a NaN is NaN throughout, its dead terms stay 0), else P. */
+/* dK/dV orientation, keys as C rows: st = S^T (key key_base + frag_c_row, query q0 + 8n + frag_c_col). The step's
+   row statistics (m, 1/l, delta of its BQ queries, BQ a multiple of 16) wait in shared memory in the order the
+   threads read them: the 4 query columns a thread holds in A fragment kb (2t, 2t + 1 of n-blocks 2kb and 2kb + 1)
+   are one aligned float4, so a step takes BQ / 16 loads per statistic instead of BQ / 4. */
+AQ_HD int dkdv_stat_slot(int i) { /* where query i of the step goes */
+    const int n = i >> 3, col = i & 7;
+    return (n >> 1) * 16 + (col >> 1) * 4 + (n & 1) * 2 + (col & 1);
+}
+
+/* The statistic of A fragment kb's columns: [2h + e] is n-block 2kb + h, column 2t + e (element e or e + 2). */
+AQ_D float4 dkdv_fragment_stats(const float *stat, int kb) {
+    return *(const float4 *)(stat + 16 * kb + 4 * ((int)threadIdx.x & 3));
+}
+
+AQ_D float float4_at(const float4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+/* Leaves P^T = P̂ / l in st and the dV operand as A fragments in pa (16 queries each): P^F = fq16(P̂ * 2^11) *
+   2^-11 / l with QUANTIZE_DV (the forward's P^F, since M is the forward's final frame; a block with a NaN is NaN
+   throughout, its dead terms stay 0), else P. */
 template <int BQ, bool QUANTIZE_DV, aq_dtype DT, bool CHECKED>
 AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
                                const float *row_m, const float *row_inv_l, int q0, int key_base) {
-    static_assert(BQ <= 64, "one live bit per term of the step");
+    static_assert(BQ <= 64 && BQ % 16 == 0, "one live bit per term of the step, whole A fragments");
     const int lane = (int)threadIdx.x & 31;
     uint32_t live_bits = CHECKED ? 0u : ~0u;
 #pragma unroll
     for (int kb = 0; kb < BQ / 16; kb++) { /* 16 queries at a time, so only their P̂ is kept aside */
-        float xq[2][4];
+        const float4 m4 = dkdv_fragment_stats(row_m, kb), inv_l4 = dkdv_fragment_stats(row_inv_l, kb);
+        float xq[4][2]; /* P̂ of the fragment's 4 columns (fake_quantize_p_columns' order), key rows g and g+8 */
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int n = 2 * kb + h;
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
-                const float inv_l = row_inv_l[qi];
+                const int col = 2 * h + (e & 1);
+                const float m = float4_at(m4, col), inv_l = float4_at(inv_l4, col);
                 float t = st[n][e] * lm->scale_log2;
+                float phat;
                 if constexpr (CHECKED) {
+                    const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
                     const bool live = masked_logit_log2(lm, st[n][e], q0 + qi, kj, &t) && inv_l != 0.0f;
-                    const float phat = live ? frame_exp2(t - row_m[qi]) : 0.0f;
+                    phat = live ? frame_exp2(t - m) : 0.0f;
                     st[n][e] = live ? phat * inv_l : 0.0f;
-                    xq[h][e] = phat;
                     live_bits |= (uint32_t)live << (4 * n + e);
                 } else {
-                    xq[h][e] = frame_exp2(t - row_m[qi]);
-                    st[n][e] = xq[h][e] * inv_l;
+                    phat = frame_exp2(t - m);
+                    st[n][e] = phat * inv_l;
                 }
-            }
-            if constexpr (QUANTIZE_DV) {
-#pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    float x[2] = {xq[h][c], xq[h][c + 2]}; /* key rows g and g+8 of query column c */
-                    fake_quantize_p_column(x);
-                    const float inv_l = row_inv_l[8 * n + frag_c_col(lane, c)];
-                    xq[h][c] = (live_bits >> (4 * n + c)) & 1u ? x[0] * inv_l : 0.0f;
-                    xq[h][c + 2] = (live_bits >> (4 * n + c + 2)) & 1u ? x[1] * inv_l : 0.0f;
-                }
+                xq[col][e >> 1] = phat;
             }
         }
-        if constexpr (QUANTIZE_DV) pack_a_from_c<DT>(pa[kb], xq[0], xq[1]);
-        else pack_a_from_c<DT>(pa[kb], st[2 * kb], st[2 * kb + 1]);
+        if constexpr (QUANTIZE_DV) {
+            fake_quantize_p_columns(xq);
+            float pf[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int col = 2 * h + (e & 1);
+                    const float v = xq[col][e >> 1] * float4_at(inv_l4, col);
+                    pf[h][e] = (live_bits >> (4 * (2 * kb + h) + e)) & 1u ? v : 0.0f;
+                }
+            pack_a_from_c<DT>(pa[kb], pf[0], pf[1]);
+        } else {
+            pack_a_from_c<DT>(pa[kb], st[2 * kb], st[2 * kb + 1]);
+        }
     }
     return live_bits;
 }
@@ -638,27 +679,30 @@ AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t 
 }
 
 /* dS^T = P^T (dP^T - delta) into dpt as A fragments dsa, from dkdv_step_p's st and live bits. */
+template <int BQ, aq_dtype DT, bool CHECKED>
+AQ_D void dkdv_step_ds_impl(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][4], uint32_t (&dsa)[BQ / 16][4],
+                            const float *row_delta, uint32_t live_bits) {
+#pragma unroll
+    for (int kb = 0; kb < BQ / 16; kb++) {
+        const float4 delta4 = dkdv_fragment_stats(row_delta, kb);
+        float ds[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int n = 2 * kb + h;
+                ds[h][e] = st[n][e] * (dpt[n][e] - float4_at(delta4, 2 * h + (e & 1)));
+                if constexpr (CHECKED) ds[h][e] = (live_bits >> (4 * n + e)) & 1u ? ds[h][e] : 0.0f;
+            }
+        pack_a_from_c<DT>(dsa[kb], ds[0], ds[1]);
+    }
+}
+
 template <int BQ, aq_dtype DT>
 AQ_D void dkdv_step_ds(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][4], uint32_t (&dsa)[BQ / 16][4],
                        const float *row_delta, uint32_t live_bits, bool checked) {
-    const int lane = (int)threadIdx.x & 31;
-    float ds[BQ / 8][4];
-    if (checked) {
-#pragma unroll
-        for (int n = 0; n < BQ / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                ds[n][e] = (live_bits >> (4 * n + e)) & 1u
-                               ? st[n][e] * (dpt[n][e] - row_delta[8 * n + frag_c_col(lane, e)])
-                               : 0.0f;
-    } else {
-#pragma unroll
-        for (int n = 0; n < BQ / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) ds[n][e] = st[n][e] * (dpt[n][e] - row_delta[8 * n + frag_c_col(lane, e)]);
-    }
-#pragma unroll
-    for (int kb = 0; kb < BQ / 16; kb++) pack_a_from_c<DT>(dsa[kb], ds[2 * kb], ds[2 * kb + 1]);
+    if (checked) dkdv_step_ds_impl<BQ, DT, true>(st, dpt, dsa, row_delta, live_bits);
+    else dkdv_step_ds_impl<BQ, DT, false>(st, dpt, dsa, row_delta, live_bits);
 }
 
 /* dQ orientation, queries as C rows: s = S (row row_base + frag_c_row, key k0 + 8n + frag_c_col); the thread's

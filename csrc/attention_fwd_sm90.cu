@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
     uint64_t *q_full = bars, *k_full = bars + 1, *v_full = k_full + SM90_STAGES, *k_empty = v_full + SM90_STAGES,
              *v_empty = k_empty + SM90_STAGES;
 
-    const int warpgroup = (int)threadIdx.x / 128, warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
     const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
     const int nq = (int)p.seqlen_q, q0 = qtile * SM90_BM;

@@ -44,6 +44,13 @@ AQ_D void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
                  : "memory");
 }
 
+/* Announces `bytes` of TMA data to come without arriving: for a producer that starts the copy first and arrives
+   later, after its own writes into the stage. */
+AQ_D void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
 /* Spins until the phase of the given parity has completed. A fresh barrier counts its phase "1" as completed,
    so a producer's first wait on an empty slot (parity 1) passes at once. */
 AQ_D void mbar_wait(uint64_t *bar, uint32_t parity) {
@@ -88,6 +95,11 @@ AQ_D void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+/* Arrive at named barrier `id` without waiting: the other side of a named_barrier_sync of `threads` in all. */
+AQ_D void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 /* ------------------------------------------------------------------------------------------------
    wgmma shared-memory operands. Every tile here is stored the way TMA writes it with 128-byte swizzling: panels
    of 64 16-bit columns, each panel [rows][64] with row r at byte 128 r and its eight 16-byte chunks permuted by
@@ -106,15 +118,25 @@ AQ_D uint64_t smem_descriptor(const void *start, uint32_t leading_bytes, uint32_
 /* The dynamic shared memory base rounded up to the 1024 bytes the swizzled panels need (allocate 1024 more). */
 AQ_D unsigned char *align1024(unsigned char *p) { return p + ((1024 - (smem_addr(p) & 1023)) & 1023); }
 
+/* A descriptor moved `bytes` further into its tile: only the start address field changes, and it cannot carry out
+   (shared addresses are below 2^18). The helpers below build a tile's descriptor once and add constants to it, so
+   that ptxas keeps the base in a uniform register and issues a wgmma after one uniform add instead of rebuilding the
+   masked and shifted address (about ten instructions and a register-to-uniform move per wgmma). */
+AQ_D uint64_t desc_plus(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 /* Rows [row0, row0 + 64) x columns [16 kk, 16 kk + 16) of a K-major tile of `rows` rows. */
 AQ_D uint64_t k_major_desc(const unsigned char *tile, int rows, int row0, int kk) {
-    return smem_descriptor(tile + (kk / 4) * rows * 128 + row0 * 128 + (kk % 4) * 32, 16, 1024);
+    return desc_plus(smem_descriptor(tile + row0 * 128, 16, 1024), (kk / 4) * rows * 128 + (kk % 4) * 32);
 }
 
 /* Rows [16 kb, 16 kb + 16) x all columns of an MN-major tile of `rows` rows (its panels rows * 128 bytes apart). */
 AQ_D uint64_t mn_major_desc(const unsigned char *tile, int rows, int kb) {
-    return smem_descriptor(tile + kb * 16 * 128, rows * 128, 1024);
+    return desc_plus(smem_descriptor(tile, rows * 128, 1024), kb * 16 * 128);
 }
+
+/* The warpgroup of this thread, broadcast from lane 0 so that the compiler knows it is the same across the warp
+   and keeps what derives from it (tile offsets, descriptors) in uniform registers. */
+AQ_D int warpgroup_index() { return __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x / 128, 0); }
 
 /* TMA of token rows [row0, row0 + rows) of head h, batch b (a 4-D map with boxes of 64 columns x rows) into a tile
    of D / 64 panels, all signalling `bar`. */
