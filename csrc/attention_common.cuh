@@ -393,7 +393,9 @@ AQ_D void fake_quantize_p_quad(float x[4]) {
    the thread's query column c (of the 4 of one A fragment: c = 2h + e for n-block h, column 2t + e) in, P^F out.
    The 8 lanes of a column set share the work instead of each computing all 4 scales: a reduce-scatter of the 4
    amaxes (lane bits 4 and 3 pick the column a lane keeps, bit 2 lanes finish the same one), one block scale a
-   lane, and an all-gather of (s_pf, r): 12 shuffles, as before, but one scale computation instead of four. */
+   lane, and an all-gather of (s_pf, r): 12 shuffles, as before, but one scale computation instead of four.
+   HEADROOM: P^F * 2^11 out instead (the decode kernel's fq16(P̂ * 2^11)). */
+template <bool HEADROOM = false>
 AQ_D void fake_quantize_p_columns(float (&x)[4][2]) {
     const int lane = (int)threadIdx.x & 31;
     const bool hi4 = lane & 16, hi3 = lane & 8;
@@ -414,7 +416,7 @@ AQ_D void fake_quantize_p_columns(float (&x)[4][2]) {
 #pragma unroll
     for (int c = 0; c < 4; c++) { /* column c's scale from the lanes that kept it */
         const int src = (lane & 7) | (c << 3);
-        const float cs = __shfl_sync(AQ_FULL_MASK, s_pf, src), cr = __shfl_sync(AQ_FULL_MASK, r, src);
+        const float cs = __shfl_sync(AQ_FULL_MASK, HEADROOM ? s : s_pf, src), cr = __shfl_sync(AQ_FULL_MASK, r, src);
         x[c][0] = p_fake_quantize_element(x[c][0], cs, cr);
         x[c][1] = p_fake_quantize_element(x[c][1], cs, cr);
     }

@@ -11,27 +11,44 @@
    two of them).
 
    Numbers. All tensor-core work is fp16 mma.sync m16n8k16 with fp32 accumulation, whatever the cache dtype:
-   Q^F, K^F, V^F and fq16(P̂ * 2^11) are exact in fp16 (numerics.md §1, §3), and so are the products formed below
-   (no fp16 subnormal appears anywhere). Only the unquantized V tail, at most one unit per sequence, multiplies
-   in the cache dtype.
+   Q^F, 2^-8 K^F, 2^-8 V^F and fq16(P̂ * 2^11) are exact in fp16 (numerics.md §1, §3; 2^-8 K^F and 2^-8 V^F
+   reach the fp16 subnormals, which the tensor cores take exactly), and so are the products formed below. The
+   2^-8 is undone where it costs nothing: in the factor that turns scores into log2 logits, and in the factor
+   that stores the partial O. Only the unquantized V tail, at most one unit per sequence, multiplies in the
+   cache dtype, with P^F * 2^3 so that it lands in the same 2^-8 frame.
+
+   Dequantization (e2m1x8_to_f16) uses no convert instruction and no table: an E2M1 code s e1 e0 m placed in an
+   fp16 as sign s and bits e1 e0 m at 11 .. 9 (exponent field e1 e0, top mantissa bit m) reads as its value
+   times 2^-14 (e = 0: the subnormal m * 2^-15); two shifts and two LOP3s place a pair. The block scale, as an
+   fp16 times 2^6 (at most 448 * 64 < 65504), then multiplies it to K^F or V^F times 2^-8. A code word yields
+   the pairs (code i, code i + 4), i < 4: the two codes 16 bits apart, which one shift places together. That
+   pairing fixes the contraction order below.
 
    Fragment layouts (mma.sync m16n8k16, g = lane >> 2, t = lane & 3; see attention_common.cuh). The order of the
    contraction index inside an MMA is free as long as both operands agree, and so is the order of the output
-   columns; the kernel picks both so that every lane reads contiguous bytes:
-   - S = Q K^T: the k index 2t + i (i = 0, 1) of step kk stands for channel t * D/4 + 4 kk + i, and 2t + 8 + i
-     for channel t * D/4 + 4 kk + 2 + i. Lane (g, t) thus needs channels [t * D/4, (t + 1) * D/4) of its query
-     rows (g, g + 8) and of its key (g of each 8-key n-block): D/8 contiguous code bytes per key.
-   - Keys are in natural order: n-block h of a unit holds keys 8h .. 8h + 7, so the C fragments of S are the
-     forward's and two of them make P's A fragment (keys 2t, 2t + 1, 2t + 8, 2t + 9 of the unit).
-   - O^T = V^T P^T, channels as M and query rows as N: one n-block (8 rows) when the tile has at most 8 valid rows,
-     as with one query token and up to 8 query heads per KV head, else two. With queries as M, as in the forward,
+   columns; the kernel picks both so that every lane reads contiguous bytes and dequantizes a code word into
+   whole registers:
+   - S^T = K Q^T, keys as M and query rows as N (NB n-blocks of 8 rows: one when the tile has at most 8 valid
+     rows, as with one query token and up to 8 query heads per KV head, else two). With c = t * D/4 + 8 (kk >> 1)
+     + 2 (kk & 1), the k index 2t + i (i = 0, 1) of step kk stands for channel c + 4i, and 2t + 8 + i for
+     channel c + 1 + 4i. Lane (g, t) thus needs channels [t * D/4, (t + 1) * D/4) of keys g and g + 8 (its A
+     rows) and of query rows 8 nb + g (its B columns): D/8 contiguous code bytes per key; code word j (channels
+     t * D/4 + 8j .. + 7) gives steps 2j and 2j + 1. The C fragments hold key g + 8 (e >> 1) of query row
+     8 nb + 2t + (e & 1): a lane keeps the softmax state of its own query rows, whose 16 keys of a unit are in
+     the 8 lanes sharing t.
+   - O^T = V^T P^T, channels as M and query rows as N, NB n-blocks as above. With queries as M, as in the forward,
      one query token would fill 4 of the 16 rows of every P V product; this way the product count halves and so
      do the O registers. Row m of m-tile mt is channel (m % 8) * D/8 + 2 mt + m / 8. Lane (g, t) needs pair rows t
-     and t + 4 of the V block (tokens 2t, 2t + 1 and 2t + 8, 2t + 9, one byte per channel: exactly an A register)
-     for channels [g * D/8, (g + 1) * D/8): D/8 contiguous bytes per row. P^T's B fragment of n-block nb is the
-     P A fragment's registers nb and nb + 2 (row 8 nb + g, keys 2t, 2t + 1 and 2t + 8, 2t + 9). The products and
-     their positions along the contraction are those of P V with queries as M, so the sums are the same. The
-     lane's O elements o[mt][nb][e] are channel g * D/8 + 2 mt + (e >> 1), query row 8 nb + 2t + (e & 1). */
+     and t + 4 of the V block (tokens 2t, 2t + 1 and 2t + 8, 2t + 9, one byte per channel) for channels
+     [g * D/8, (g + 1) * D/8): D/8 contiguous bytes per row. The k index 2t + i stands for token 2t + 8i and
+     2t + 8 + i for token 2t + 1 + 8i: a code word holding the bytes of channels c, c + 1 from row t (low half)
+     and row t + 4 (high half) pairs codes 16 bits apart, which are tokens 2t + e and 2t + 8 + e of one channel.
+     P^T's B fragments come from S^T's C fragments by one movmatrix per 8 keys (natural order: keys 2t, 2t + 1
+     and 2t + 8, 2t + 9 of query row 8 nb + g) and one PRMT pair into the token order above. The lane's O
+     elements o[mt][nb][e] are channel g * D/8 + 2 mt + (e >> 1), query row 8 nb + 2t + (e & 1): the rows
+     whose softmax state the lane keeps.
+   - Units with hidden keys (pv_checked) and the unquantized tail use the natural token pairing (2t, 2t + 1),
+     (2t + 8, 2t + 9) on both operands instead, V rearranged by PRMT. */
 #include "attention_common.cuh"
 
 #define DEC_WARPS 4
@@ -40,7 +57,7 @@
 #define DEC_UNIT 16                           /* keys per unit: one V block, one P block */
 #define DEC_MIN_CHUNK (DEC_WARPS * DEC_UNIT)  /* chunks are multiples of this, at most DEC_MAX_CHUNK */
 #define DEC_MAX_CHUNK 1024
-#define DEC_F16X2_64 0x54005400u              /* (64.0, 64.0) in fp16 */
+#define DEC_FRAME 256.0f                      /* K^F and V^F are dequantized times 1 / DEC_FRAME (file comment) */
 
 /* One unit in shared memory: the bytes of its global rows, in order. V's 8 pair rows are padded by 32 bytes, so the
    row-t, column-(g * D/8) reads of one load phase fall into distinct banks (D = 128: 8 lanes x 16 bytes, row
@@ -83,9 +100,25 @@ AQ_D void load_words(uint32_t (&w)[N], const unsigned char *p) {
     }
 }
 
-AQ_D uint32_t hmul2(uint32_t a, uint32_t b) { /* two fp16 products, round to nearest (exact for our operands) */
+/* Two fp16 products a * s_half (round to nearest, exact for our operands) with one half of s (half 0: low) as
+   both factors: ptxas folds the broadcast into the HMUL2 operand (.H0_H0 / .H1_H1). */
+AQ_D uint32_t hmul2_by_half(uint32_t a, uint32_t s, int half) {
     uint32_t r;
-    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+    if (half == 0)
+        asm("{\n .reg .b16 l, h;\n .reg .b32 f;\n mov.b32 {l, h}, %2;\n mov.b32 f, {l, l};\n"
+            " mul.rn.f16x2 %0, %1, f;\n}\n" : "=r"(r) : "r"(a), "r"(s));
+    else
+        asm("{\n .reg .b16 l, h;\n .reg .b32 f;\n mov.b32 {l, h}, %2;\n mov.b32 f, {h, h};\n"
+            " mul.rn.f16x2 %0, %1, f;\n}\n" : "=r"(r) : "r"(a), "r"(s));
+    return r;
+}
+
+/* prmt.b32 with its full selector: nibble n of sel picks, for result byte n, byte (sel_n & 7) of {a (bytes 0-3),
+   b (bytes 4-7)}, or with bit 3 set replicates that byte's top bit into all eight bits. (__byte_perm keeps only
+   the low 3 bits of each nibble and masks a variable selector with an extra instruction.) */
+AQ_D uint32_t prmt_b32(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
     return r;
 }
 
@@ -105,27 +138,28 @@ AQ_D uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
 #endif
 }
 
-/* The 8 E2M1 codes of w (two per byte, the low nibble first) as four fp16 pairs of code * 2^-6: pair i holds byte
-   i, its low nibble in the low half. Each nibble s|e1 e0|m becomes the E4M3 byte s|00 e1 e0|m 00: the sign lands on
-   the sign, e on the low exponent bits and m on the top mantissa bit, so the E4M3 value is the E2M1 value times
-   2^-6, E2M1's subnormal 0.5 (0|00|1) included, and cvt.rn.f16x2.e4m3x2 converts it exactly. Shifts move nibble
-   bits only within their byte, and the masks drop everything else. */
+/* The 8 E2M1 codes n0 .. n7 of w (nibble i = bits 4i .. 4i + 3, sign in its top bit) as four fp16 pairs of their
+   values times 2^-14: out[i] = (n_i, n_{i+4}), n_i in the low half. Shifting w left by 9 - 4i puts the magnitude
+   bits of n_i and n_{i+4} at 11 .. 9 and 27 .. 25, and 3 more put their sign bits at 15 and 31; -0 for code 8
+   (aq_e2m1_value's decode). */
 AQ_D void e2m1x8_to_f16(uint32_t w, uint32_t (&out)[4]) {
-    const uint32_t lo = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu); /* byte i: E4M3 of its low nibble */
-    const uint32_t hi = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);        /* byte i: E4M3 of its high nibble */
-    const uint32_t b01 = __byte_perm(lo, hi, 0x5140), b23 = __byte_perm(lo, hi, 0x7362); /* lo0 hi0 lo1 hi1, ... */
-    out[0] = e4m3x2_to_f16x2(b01);
-    out[1] = e4m3x2_to_f16x2(b01 >> 16);
-    out[2] = e4m3x2_to_f16x2(b23);
-    out[3] = e4m3x2_to_f16x2(b23 >> 16);
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        const uint32_t x = w << (9 - 4 * i);
+        out[i] = (x & 0x0E000E00u) | ((x << 3) & 0x80008000u);
+    }
+    out[3] = ((w >> 3) & 0x0E000E00u) | (w & 0x80008000u);
 }
 
-/* Two E4M3 block scales (low byte first) as the fp16 pairs (s0 * 64, s0 * 64) and (s1 * 64, s1 * 64), the factors
-   that turn code * 2^-6 into code * s. s * 64 <= 28672 and >= 2^-3 (or 0, or NaN for a non-finite block): exact. */
-AQ_D void scale_pairs(uint32_t two_bytes, uint32_t *s0, uint32_t *s1) {
-    const uint32_t s = hmul2(e4m3x2_to_f16x2(two_bytes), DEC_F16X2_64);
-    *s0 = __byte_perm(s, 0, 0x1010);
-    *s1 = __byte_perm(s, 0, 0x3232);
+/* Two E4M3 block scales (low byte first) as an fp16 pair times 2^6: with e2m1x8_to_f16's 2^-14, hmul2_by_half
+   gives the K^F or V^F element times 2^-8. A product of an E2M1 value (at most 2 significant bits, 0.5 .. 6) and
+   an E4M3 value (at most 4, 2^-9 .. 448) has at most 6 significant bits and lies in [2^-10, 2688] or is 0; times
+   2^-8 it lies in [2^-18, 10.5], its last bit at or above 2^-23: exact in fp16, and so is every intermediate (the
+   scale times 2^6, at most 28672). A NaN scale (non-finite block) makes every product NaN, 0 included. */
+AQ_D uint32_t block_scales_f16x2(uint32_t two_bytes) {
+    uint32_t r;
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(e4m3x2_to_f16x2(two_bytes)), "r"(0x54005400u)); /* 64, 64 */
+    return r;
 }
 
 /* A bf16 or fp16 pair as an fp16 pair; exact for the values of a fake-quantized tensor (Q^F). */
@@ -138,16 +172,16 @@ AQ_D uint32_t to_f16x2(uint32_t x) {
 /* ------------------------------------------------------------------------------------------------
    Unit pieces */
 
-/* The A fragments of Q^F (fp16) for the lane's rows g, g + 8 (row_index: (b * Hq + h) * Tq + t, or -1 for a row
-   past the KV group's, which stays 0), in the contraction order of the file comment: qa[kk] = {row g channels
-   c, c+1; row g+8 c, c+1; row g c+2, c+3; row g+8 c+2, c+3} with c = t * D/4 + 4 kk. */
-template <int D, aq_dtype DT>
-AQ_D void load_q_fragments(uint32_t (&qa)[D / 16][4], const void *q, const int64_t row_index[2], int t) {
+/* The B fragments of Q^F (fp16) for n-block nb of the tile's query rows: row 8 nb + g (row_index[nb]:
+   (b * Hq + h) * Tq + t, or -1 for a row past the KV group's, which stays 0), in the contraction order of the file
+   comment: qb[kk][nb] = {channels c, c + 4; channels c + 1, c + 5} with c = t * D/4 + 8 (kk >> 1) + 2 (kk & 1). */
+template <int D, aq_dtype DT, int NB>
+AQ_D void load_q_fragments(uint32_t (&qb)[D / 16][NB][2], const void *q, const int64_t (&row_index)[NB], int t) {
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
+    for (int nb = 0; nb < NB; nb++) {
         uint32_t w[D / 8] = {}; /* channel pairs t * D/4 + 2i, + 1 */
-        if (row_index[r] >= 0) {
-            const uint4 *src = (const uint4 *)((const uint16_t *)q + row_index[r] * D + t * (D / 4));
+        if (row_index[nb] >= 0) {
+            const uint4 *src = (const uint4 *)((const uint16_t *)q + row_index[nb] * D + t * (D / 4));
 #pragma unroll
             for (int c = 0; c < D / 32; c++) {
                 const uint4 v = src[c];
@@ -158,54 +192,67 @@ AQ_D void load_q_fragments(uint32_t (&qa)[D / 16][4], const void *q, const int64
             }
         }
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            qa[kk][r] = w[2 * kk];
-            qa[kk][r + 2] = w[2 * kk + 1];
+        for (int kk = 0; kk < D / 16; kk++) { /* w[i]: channels c, c+1; w[i + 2]: c+4, c+5 */
+            const int i = 4 * (kk >> 1) + (kk & 1);
+            qb[kk][nb][0] = __byte_perm(w[i], w[i + 2], 0x5410);
+            qb[kk][nb][1] = __byte_perm(w[i], w[i + 2], 0x7632);
         }
     }
 }
 
-/* s[h] += Q K^T for n-block h of the unit in `st` (keys 8h .. 8h + 7). Lane (g, t) dequantizes channels
-   [t * D/4, (t + 1) * D/4) of key 8h + g: word j holds channel pairs 4j .. 4j + 3 of that range, in block
-   t * D/64 + j / 2 (D/4 channels span D/64 blocks of 16). */
-template <int D>
-AQ_D void unit_scores(float (&s)[2][4], const uint32_t (&qa)[D / 16][4], const unsigned char *st, int g, int t) {
+/* s[nb] = K Q^T for the unit in `st` against n-block nb of the query rows (S^T: keys as M, so one query token
+   and up to 8 query heads take one MMA a k-step, not two): s[nb][e] is key g + 8 (e >> 1), query row
+   8 nb + 2t + (e & 1). Lane (g, t) dequantizes channels [t * D/4, (t + 1) * D/4) of keys g (h = 0) and g + 8
+   (h = 1): word j holds channels 8j .. 8j + 7 of that range, in block t * D/64 + j / 2 (D/4 channels span D/64
+   blocks of 16), and its pairs c[h][i] = channels 8j + i and 8j + i + 4 are the A registers of keys g + 8h in
+   steps 2j (i = 0, 1) and 2j + 1 (i = 2, 3), in the file comment's order. */
+template <int D, int NB>
+AQ_D void unit_scores(float (&s)[NB][4], const uint32_t (&qb)[D / 16][NB][2], const unsigned char *st, int g, int t) {
     using U = UnitLayout<D>;
+    uint32_t w[2][D / 32], sc[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int key = 8 * h + g;
-        uint32_t w[D / 32];
-        load_words<D / 32>(w, st + U::K_CODES + key * (D / 2) + t * (D / 8));
+        load_words<D / 32>(w[h], st + U::K_CODES + key * (D / 2) + t * (D / 8));
         const unsigned char *sp = st + U::K_SCALES + key * (D / 16) + t * (D / 64);
-        uint32_t sc[2]; /* D = 64: one block, sc[1] unused */
-        if constexpr (D == 128) scale_pairs((uint32_t)sp[0] | ((uint32_t)sp[1] << 8), &sc[0], &sc[1]);
-        else scale_pairs(sp[0], &sc[0], &sc[1]);
-        uint32_t kb[D / 8];
+        /* the scales of blocks t * D/64 (low half) and, for D = 128, t * D/64 + 1 (high half) */
+        sc[h] = block_scales_f16x2(D == 128 ? (uint32_t)sp[0] | ((uint32_t)sp[1] << 8) : sp[0]);
+    }
 #pragma unroll
-        for (int j = 0; j < D / 32; j++) {
-            uint32_t c[4];
-            e2m1x8_to_f16(w[j], c);
+    for (int nb = 0; nb < NB; nb++) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < 4; i++) kb[4 * j + i] = hmul2(c[i], sc[j / 2]);
+    for (int j = 0; j < D / 32; j++) {
+        uint32_t c[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            e2m1x8_to_f16(w[h][j], c[h]);
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[h][i] = hmul2_by_half(c[h][i], sc[h], j / 2);
         }
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) mma_16816<AQ_FLOAT16>(s[h], qa[kk], kb[2 * kk], kb[2 * kk + 1]);
+        for (int step = 0; step < 2; step++) {
+            const uint32_t a[4] = {c[0][2 * step], c[1][2 * step], c[0][2 * step + 1], c[1][2 * step + 1]};
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) mma_16816<AQ_FLOAT16>(s[nb], a, qb[2 * j + step][nb][0], qb[2 * j + step][nb][1]);
+        }
     }
 }
 
-/* The B fragments of V^F for the 4 n-blocks 4j .. 4j + 3 from word j of the lane's pair rows t (r0) and t + 4
-   (r1) and of its scales (sw): b0[i] = tokens 2t, 2t + 1 and b1[i] = tokens 2t + 8, 2t + 9 of channel
-   g * D/8 + 4j + i. */
-AQ_D void packed_v_word(uint32_t (&b0)[4], uint32_t (&b1)[4], uint32_t r0, uint32_t r1, uint32_t sw) {
-    uint32_t c0[4], c1[4], sc[4];
-    e2m1x8_to_f16(r0, c0);
-    e2m1x8_to_f16(r1, c1);
-    scale_pairs(sw, &sc[0], &sc[1]);
-    scale_pairs(sw >> 16, &sc[2], &sc[3]);
+/* The A fragments of V^T for m-tiles 2j + h (channels g * D/8 + 4j + 2h, row g, and + 1, row g + 8) from word j
+   of the lane's pair rows t (r0) and t + 4 (r1) and of its scales (sw), in the token order of the file comment:
+   a[h] = {channel 4j + 2h tokens 2t, 2t + 8; channel 4j + 2h + 1 tokens 2t, 2t + 8; channel 4j + 2h tokens
+   2t + 1, 2t + 9; channel 4j + 2h + 1 tokens 2t + 1, 2t + 9}. The code word of m-tile 2j + h is bytes 2h, 2h + 1
+   of r0 and then of r1: its codes i and i + 4 are one channel's tokens 2t + e and 2t + 8 + e. */
+AQ_D void packed_v_word(uint32_t (&a)[2][4], uint32_t r0, uint32_t r1, uint32_t sw) {
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        b0[i] = hmul2(c0[i], sc[i]);
-        b1[i] = hmul2(c1[i], sc[i]);
+    for (int h = 0; h < 2; h++) {
+        const uint32_t sc = block_scales_f16x2(sw >> (16 * h)); /* channels 4j + 2h (low half) and 4j + 2h + 1 */
+        uint32_t c[4]; /* channel 4j + 2h: c[0] tokens 2t, 2t + 8, c[1] 2t + 1, 2t + 9; channel + 1: c[2], c[3] */
+        e2m1x8_to_f16(__byte_perm(r0, r1, h ? 0x7632 : 0x5410), c);
+        a[h][0] = hmul2_by_half(c[0], sc, 0);
+        a[h][1] = hmul2_by_half(c[2], sc, 1);
+        a[h][2] = hmul2_by_half(c[1], sc, 0);
+        a[h][3] = hmul2_by_half(c[3], sc, 1);
     }
 }
 
@@ -224,39 +271,69 @@ AQ_D void v_a_fragment(uint32_t (&a)[4], uint32_t c0_row_t, uint32_t c1_row_t, u
     a[0] = c0_row_t, a[1] = c1_row_t, a[2] = c0_row_t4, a[3] = c1_row_t4;
 }
 
+/* movmatrix: the transpose of an 8x8 matrix of 16-bit values held one row a lane quad (lane (g, t): row g,
+   columns 2t, 2t + 1), in the same layout. */
+AQ_D uint32_t transpose_8x8(uint32_t x) {
+    uint32_t r;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+}
+
+/* P^T's B fragments (DT) in the natural token order, from values of P in S^T's C layout (p[nb][e]: key g + 8 (e >> 1),
+   query row 8 nb + 2t + (e & 1)): pb[nb][k] = keys 8k + 2t, 8k + 2t + 1 of query row 8 nb + g. Packing a lane's
+   key-row pair gives one 8x8 block of P^T row-major by keys; its transpose is the B register. */
+template <int NB, aq_dtype DT>
+AQ_D void p_b_fragments(uint32_t (&pb)[NB][2], const float (&p)[NB][4]) {
+#pragma unroll
+    for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+        for (int k = 0; k < 2; k++) pb[nb][k] = transpose_8x8(pack2<DT>(p[nb][2 * k], p[nb][2 * k + 1]));
+}
+
+/* The same in the token order of pv_packed (file comment): {keys 2t, 2t + 8; keys 2t + 1, 2t + 9}. */
+template <int NB>
+AQ_D void token_pair_p_fragments(uint32_t (&pb)[NB][2]) {
+#pragma unroll
+    for (int nb = 0; nb < NB; nb++) {
+        const uint32_t lo = pb[nb][0], hi = pb[nb][1];
+        pb[nb][0] = __byte_perm(lo, hi, 0x5410);
+        pb[nb][1] = __byte_perm(lo, hi, 0x7632);
+    }
+}
+
 /* O^T += V^T P^F^T for a unit whose every key each query row sees: no hidden term, so a plain product. */
 template <int D, int NB>
-AQ_D void pv_packed(float (&o)[D / 16][NB][4], const uint32_t pa[4], const unsigned char *st, int g, int t) {
+AQ_D void pv_packed(float (&o)[D / 16][NB][4], const uint32_t (&pb)[NB][2], const unsigned char *st, int g, int t) {
     uint32_t r0[D / 32], r1[D / 32], sw[D / 32];
     load_v_words<D>(r0, r1, sw, st, g, t);
 #pragma unroll
     for (int j = 0; j < D / 32; j++) {
-        uint32_t b0[4], b1[4]; /* channels g * D/8 + 4j + i */
-        packed_v_word(b0, b1, r0[j], r1[j], sw[j]);
+        uint32_t a[2][4]; /* m-tiles 2j, 2j + 1 */
+        packed_v_word(a, r0[j], r1[j], sw[j]);
 #pragma unroll
-        for (int h = 0; h < 2; h++) { /* m-tile 2j + h: channels 4j + 2h and 4j + 2h + 1 of the lane's range */
-            uint32_t a[4];
-            v_a_fragment(a, b0[2 * h], b0[2 * h + 1], b1[2 * h], b1[2 * h + 1]);
+        for (int h = 0; h < 2; h++)
 #pragma unroll
-            for (int nb = 0; nb < NB; nb++) mma_16816<AQ_FLOAT16>(o[2 * j + h][nb], a, pa[nb], pa[nb + 2]);
-        }
+            for (int nb = 0; nb < NB; nb++) mma_16816<AQ_FLOAT16>(o[2 * j + h][nb], a[h], pb[nb][0], pb[nb][1]);
     }
 }
 
-/* All B fragments of a packed V unit, for pv_checked. */
+/* All B fragments of a packed V unit in the natural token order, for pv_checked: vb[n][0] = tokens 2t, 2t + 1 and
+   vb[n][1] = tokens 2t + 8, 2t + 9 of channel g * D/8 + n. */
 template <int D>
 AQ_D void packed_v_fragments(uint32_t (&vb)[D / 8][2], const unsigned char *st, int g, int t) {
     uint32_t r0[D / 32], r1[D / 32], sw[D / 32];
     load_v_words<D>(r0, r1, sw, st, g, t);
 #pragma unroll
     for (int j = 0; j < D / 32; j++) {
-        uint32_t b0[4], b1[4];
-        packed_v_word(b0, b1, r0[j], r1[j], sw[j]);
+        uint32_t a[2][4];
+        packed_v_word(a, r0[j], r1[j], sw[j]);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            vb[4 * j + i][0] = b0[i];
-            vb[4 * j + i][1] = b1[i];
-        }
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) { /* channel 4j + 2h + c: a[h][c] tokens 2t, 2t + 8, a[h][c + 2] the others */
+                vb[4 * j + 2 * h + c][0] = __byte_perm(a[h][c], a[h][c + 2], 0x5410);
+                vb[4 * j + 2 * h + c][1] = __byte_perm(a[h][c], a[h][c + 2], 0x7632);
+            }
     }
 }
 
@@ -288,11 +365,12 @@ AQ_D void tail_v_fragments(uint32_t (&vb)[D / 8][2], const uint16_t *tail, int v
 /* O^T += V^T P^T for a unit with hidden terms (the causal edge or the tail's end), keeping them absent rather than
    0 * x (numerics.md §8): V values that are Inf or NaN (MT's exponent all ones) are zeroed before the product,
    and afterwards acc[row, channel] becomes NaN where a key visible to the row had one in that channel.
-   vis[r]: bit i = key i of the unit is visible to this lane's row g + 8r. Rare: only the last units of a sequence
+   vis[nb][c]: bit i = key i of the unit is visible to this lane's query row 8 nb + 2t + c; pb: P^T's B fragments in
+   the natural token order (p_b_fragments). Rare: only the last units of a sequence
    come here, and the NaN bookkeeping runs only if some value is not finite. */
 template <int D, int NB, aq_dtype MT>
-AQ_D void pv_checked(float (&o)[D / 16][NB][4], const uint32_t pa[4], uint32_t (&vb)[D / 8][2], const uint32_t vis[2],
-                     int t) {
+AQ_D void pv_checked(float (&o)[D / 16][NB][4], const uint32_t (&pb)[NB][2], uint32_t (&vb)[D / 8][2],
+                     const uint32_t (&vis)[NB][2], int t) {
     constexpr uint32_t EXP = MT == AQ_BFLOAT16 ? 0x7F80u : 0x7C00u;
     uint32_t bad[D / 8], any = 0; /* bad[n]: unit keys with a non-finite value in the lane's channel g * D/8 + n */
 #pragma unroll
@@ -316,14 +394,14 @@ AQ_D void pv_checked(float (&o)[D / 16][NB][4], const uint32_t pa[4], uint32_t (
         uint32_t a[4];
         v_a_fragment(a, vb[2 * mt][0], vb[2 * mt + 1][0], vb[2 * mt][1], vb[2 * mt + 1][1]);
 #pragma unroll
-        for (int nb = 0; nb < NB; nb++) mma_16816<MT>(o[mt][nb], a, pa[nb], pa[nb + 2]);
+        for (int nb = 0; nb < NB; nb++) mma_16816<MT>(o[mt][nb], a, pb[nb][0], pb[nb][1]);
     }
     if (!__any_sync(AQ_FULL_MASK, any != 0)) return;
 #pragma unroll
     for (int nb = 0; nb < NB; nb++)
 #pragma unroll
-        for (int c = 0; c < 2; c++) { /* query row 8 nb + 2t + c is row g' = 2t + c of lanes 4g' .. 4g' + 3 */
-            const uint32_t row_vis = __shfl_sync(AQ_FULL_MASK, vis[nb], 4 * (2 * t + c));
+        for (int c = 0; c < 2; c++) { /* the lane's query row 8 nb + 2t + c */
+            const uint32_t row_vis = vis[nb][c];
 #pragma unroll
             for (int mt = 0; mt < D / 16; mt++)
 #pragma unroll
@@ -332,74 +410,114 @@ AQ_D void pv_checked(float (&o)[D / 16][NB][4], const uint32_t pa[4], uint32_t (
         }
 }
 
-/* o *= alpha of each query row (alpha[r]: rows g + 8r of this lane, as online_softmax_scores leaves it). */
-template <int D, int NB>
-AQ_D void rescale_query_columns(float (&o)[D / 16][NB][4], const float alpha[2], int t) {
-#pragma unroll
-    for (int nb = 0; nb < NB; nb++)
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            const float f = __shfl_sync(AQ_FULL_MASK, alpha[nb], 4 * (2 * t + c));
-#pragma unroll
-            for (int mt = 0; mt < D / 16; mt++) {
-                o[mt][nb][c] *= f;
-                o[mt][nb][c + 2] *= f;
-            }
-        }
-}
-
 /* The cache of one (batch, kv head): its four packed buffers. */
 typedef struct {
     const uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
 } head_cache;
 
-/* online_softmax_scores and the rescale of O for one unit, without that rescale when no row's frame moves, as in
-   most units after the first few: every factor would then be exactly 1 (an integer frame only moves by a whole
-   number), so the result is the same bit for bit. A row still at frame -inf takes the full step, which handles it. */
+/* The online softmax of one unit in S^T's layout (s[nb][e]: key g + 8 (e >> 1), query row 8 nb + 2t + (e & 1);
+   a query row's 16 keys are in the 8 lanes sharing t), in integer frames as online_softmax_scores: s becomes
+   P̂ = 2^(t - m), O^T and l are rescaled by the exact power of two alpha. The lane holds the frames m, sums l and
+   O^T columns of its own query rows, so the rescale needs no exchange, and it is skipped when no row's frame
+   moves, as in most units after the first few: every factor would then be exactly 1 (an integer frame only moves
+   by a whole number), so the result is the same bit for bit. The max ignores NaN (fmaxf); a NaN score still
+   reaches l and O through exp2. */
 template <int D, int NB>
-AQ_D void unit_softmax(float (&s)[2][4], float (&o)[D / 16][NB][4], float m[2], float l[2], int t) {
+AQ_D void unit_softmax(float (&s)[NB][4], float (&o)[D / 16][NB][4], float (&m)[NB][2], float (&l)[NB][2]) {
+    float mx[NB][2];
     bool moves = false;
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 2));
-        moves |= m[r] == -INFINITY || ceilf(mx) > m[r];
-    }
+    for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            float x = fmaxf(s[nb][c], s[nb][c + 2]);
+            x = fmaxf(x, __shfl_xor_sync(AQ_FULL_MASK, x, 4));
+            x = fmaxf(x, __shfl_xor_sync(AQ_FULL_MASK, x, 8));
+            x = fmaxf(x, __shfl_xor_sync(AQ_FULL_MASK, x, 16));
+            mx[nb][c] = ceilf(x);
+            moves |= m[nb][c] == -INFINITY || mx[nb][c] > m[nb][c];
+        }
     if (__any_sync(AQ_FULL_MASK, moves)) {
-        float alpha[2];
-        online_softmax_scores<DEC_UNIT>(s, m, l, alpha);
-        rescale_query_columns<D, NB>(o, alpha, t);
-        return;
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const float m_new = fmaxf(m[nb][c], mx[nb][c]), alpha = exp2_frame_step(m[nb][c] - m_new);
+                m[nb][c] = m_new;
+                l[nb][c] *= alpha;
+#pragma unroll
+                for (int mt = 0; mt < D / 16; mt++) {
+                    o[mt][nb][c] *= alpha;
+                    o[mt][nb][c + 2] *= alpha;
+                }
+            }
     }
 #pragma unroll
-    for (int r = 0; r < 2; r++)
+    for (int nb = 0; nb < NB; nb++)
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
-            s[n][2 * r] = frame_exp2(s[n][2 * r] - m[r]);
-            s[n][2 * r + 1] = frame_exp2(s[n][2 * r + 1] - m[r]);
-            l[r] += s[n][2 * r] + s[n][2 * r + 1];
+        for (int c = 0; c < 2; c++) {
+            /* frame -inf (no finite score yet): exp2(t - 0), so a hidden key's -inf gives 0, not NaN */
+            const float frame = m[nb][c] == -INFINITY ? 0.0f : m[nb][c];
+            s[nb][c] = frame_exp2(s[nb][c] - frame);
+            s[nb][c + 2] = frame_exp2(s[nb][c + 2] - frame);
+            l[nb][c] += s[nb][c] + s[nb][c + 2];
         }
 }
 
-/* Issues the cp.async copies of unit u (all its bytes, 16 per copy, spread over the warp's lanes) into st. */
+/* fq16(P̂ * 2^11) in place for a unit in S^T's layout (unit_softmax): query row 8 nb + 2t + c's 16 values are
+   s[nb][c] and s[nb][c + 2] of the 8 lanes sharing t. Two rows (one n-block): a reduce-scatter over lane bit 4
+   leaves each lane the amax of row 2t + (bit 4), one block scale a lane, and one exchange over bit 4 brings the
+   other row's; four rows: fake_quantize_p_columns. */
+template <int NB>
+AQ_D void fake_quantize_p_key_columns(float (&s)[NB][4]) {
+    float x[2 * NB][2];
+#pragma unroll
+    for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) x[2 * nb + c][0] = s[nb][c], x[2 * nb + c][1] = s[nb][c + 2];
+    if constexpr (NB == 2) {
+        fake_quantize_p_columns<true>(x);
+    } else {
+        const bool hi = threadIdx.x & 16;
+        const uint32_t a0 = max(__float_as_uint(x[0][0]), __float_as_uint(x[0][1]));
+        const uint32_t a1 = max(__float_as_uint(x[1][0]), __float_as_uint(x[1][1]));
+        uint32_t amax = max(hi ? a1 : a0, __shfl_xor_sync(AQ_FULL_MASK, hi ? a0 : a1, 16));
+        amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 8));
+        amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 4));
+        float sc, s_pf, r;
+        p_block_scale(amax, &sc, &s_pf, &r);
+        const float other_s = __shfl_xor_sync(AQ_FULL_MASK, sc, 16), other_r = __shfl_xor_sync(AQ_FULL_MASK, r, 16);
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const float cs = (c == 1) == hi ? sc : other_s, cr = (c == 1) == hi ? r : other_r;
+            x[c][0] = p_fake_quantize_element(x[c][0], cs, cr);
+            x[c][1] = p_fake_quantize_element(x[c][1], cs, cr);
+        }
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) s[nb][c] = x[2 * nb + c][0], s[nb][c + 2] = x[2 * nb + c][1];
+}
+
+/* Issues the cp.async copies of unit u (all its bytes, 16 per copy, spread over the warp's lanes) into st. A unit's
+   K and V codes are 8 D bytes each and its K and V scales D bytes each, and chunk c of every block is 16 c bytes
+   in: the lane's chunks are lane + 32 j, so two 32-bit offsets serve all four buffers (capacity * D/2 < 2^32 is
+   checked at launch). In V's padded stage rows, chunk c is row c / (D/16), column 16 (c % (D/16)). */
 template <int D>
 AQ_D void load_unit(unsigned char *st, const head_cache &hc, int u, int lane) {
     using U = UnitLayout<D>;
-    const uint8_t *kc = hc.k_codes + (int64_t)u * DEC_UNIT * (D / 2);
-    const uint8_t *ks = hc.k_scales + (int64_t)u * DEC_UNIT * (D / 16);
-    const uint8_t *vc = hc.v_codes + (int64_t)u * (DEC_UNIT / 2) * D;
-    const uint8_t *vs = hc.v_scales + (int64_t)u * D;
+    constexpr int CHUNKS = 8 * D / 16 / 32, ROW_CHUNKS = D / 16; /* a lane's chunks of a code block; a V row's */
+    const uint32_t codes = (uint32_t)u * (8 * D) + 16 * lane, scales = (uint32_t)u * D + 16 * lane;
+    unsigned char *v_stage = st + U::V_CODES + (lane / ROW_CHUNKS) * U::V_ROW + 16 * (lane % ROW_CHUNKS);
 #pragma unroll
-    for (int c = lane; c < DEC_UNIT * D / 32; c += 32) cp_async16(st + U::K_CODES + 16 * c, kc + 16 * c);
-    if (lane < D / 16) {
-        cp_async16(st + U::K_SCALES + 16 * lane, ks + 16 * lane);
-        cp_async16(st + U::V_SCALES + 16 * lane, vs + 16 * lane);
+    for (int j = 0; j < CHUNKS; j++) {
+        cp_async16(st + U::K_CODES + 16 * lane + 512 * j, hc.k_codes + codes + 512 * j);
+        cp_async16(v_stage + (32 / ROW_CHUNKS) * j * U::V_ROW, hc.v_codes + codes + 512 * j);
     }
-#pragma unroll
-    for (int c = lane; c < 8 * (D / 16); c += 32) {
-        const int row = c / (D / 16), col = 16 * (c % (D / 16));
-        cp_async16(st + U::V_CODES + row * U::V_ROW + col, vc + row * D + col);
+    if (lane < D / 16) {
+        cp_async16(st + U::K_SCALES + 16 * lane, hc.k_scales + scales);
+        cp_async16(st + U::V_SCALES + 16 * lane, hc.v_scales + scales);
     }
 }
 
@@ -434,26 +552,37 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
     hc.v_codes = p.v_codes + kv_head * (p.capacity / 2) * D;
     hc.v_scales = p.v_scales + kv_head * (p.capacity / 16) * D;
 
-    /* the lane's query rows g and g + 8 of the tile: the last key each sees (keys < L only; rows past the group's,
-       which are computed and dropped, see them all) and where its Q^F and output live (-1: past the group's) */
-    int lim[2];
-    int64_t row_index[2];
+    /* Query row ridx of the tile (16 mt + ridx < rows, else past the group's: computed with Q = 0 and dropped) is
+       query token ridx % Tq of head hk * group + ridx / Tq. The lane loads Q^F of rows 8 nb + g (the B operand) and
+       keeps the scores, frames and O^T columns of rows 8 nb + 2t + c, with the last key each sees (keys < L only;
+       rows past the group's see them all). */
+    auto q_row = [&](int ridx) -> int64_t {
+        return ((int64_t)b * p.heads_q + (int64_t)hk * group + ridx / tq_count) * tq_count + ridx % tq_count;
+    };
+    int lim[NB][2];
+    int64_t q_rows[NB];
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int ridx = 16 * mt + g + 8 * r, tq = ridx % tq_count;
-        lim[r] = ridx < rows && p.causal ? L - tq_count + tq : L - 1;
-        row_index[r] = ridx < rows ? ((int64_t)b * p.heads_q + (int64_t)hk * group + ridx / tq_count) * tq_count + tq
-                                   : -1;
+    for (int nb = 0; nb < NB; nb++) {
+        const int qr = 16 * mt + 8 * nb + g;
+        q_rows[nb] = qr < rows ? q_row(qr) : -1;
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const int ridx = 16 * mt + 8 * nb + 2 * t + c;
+            lim[nb][c] = ridx < rows && p.causal ? L - tq_count + ridx % tq_count : L - 1;
+        }
     }
-    uint32_t qa[D / 16][4];
-    load_q_fragments<D, DT>(qa, p.q, row_index, t);
+    uint32_t qb[D / 16][NB][2];
+    load_q_fragments<D, DT, NB>(qb, p.q, q_rows, t);
 
-    float o[D / 16][NB][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[D / 16][NB][4], m[NB][2], l[NB][2];
 #pragma unroll
-    for (int mt = 0; mt < D / 16; mt++)
+    for (int nb = 0; nb < NB; nb++) {
+        m[nb][0] = m[nb][1] = -INFINITY;
+        l[nb][0] = l[nb][1] = 0.0f;
 #pragma unroll
-        for (int nb = 0; nb < NB; nb++) o[mt][nb][0] = o[mt][nb][1] = o[mt][nb][2] = o[mt][nb][3] = 0.0f;
-    const float scale_log2 = p.softmax_scale * AQ_LOG2E;
+        for (int mt = 0; mt < D / 16; mt++) o[mt][nb][0] = o[mt][nb][1] = o[mt][nb][2] = o[mt][nb][3] = 0.0f;
+    }
+    const float scale_log2 = p.softmax_scale * AQ_LOG2E * DEC_FRAME; /* the scores are 2^-8 q.k (file comment) */
 
     /* This warp's units u_begin + warp + DEC_WARPS * i, i < count, through its ring: unit i sits in stage
        i % DEC_STAGES and is cp.async group i (one group is committed per step, empty or not). */
@@ -477,39 +606,43 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
         const bool tail = u == full_units;
         const bool masked = tail || (p.causal && key0 + DEC_UNIT - 1 > L - tq_count);
 
-        float s[2][4] = {};
-        unit_scores<D>(s, qa, st, g, t);
+        float s[NB][4]; /* S^T: key g + 8 (e >> 1), query row 8 nb + 2t + (e & 1) */
+        unit_scores<D, NB>(s, qb, st, g, t);
 #pragma unroll
-        for (int h = 0; h < 2; h++)
+        for (int nb = 0; nb < NB; nb++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int key = key0 + 8 * h + frag_c_col(lane, e);
-                s[h][e] = !masked || key <= lim[e >> 1] ? s[h][e] * scale_log2 : -INFINITY;
+                const int key = key0 + g + 8 * (e >> 1);
+                s[nb][e] = !masked || key <= lim[nb][e & 1] ? s[nb][e] * scale_log2 : -INFINITY;
             }
-        unit_softmax<D, NB>(s, o, m, l, t); /* s becomes P̂ */
+        unit_softmax<D, NB>(s, o, m, l); /* s becomes P̂ */
+        fake_quantize_p_key_columns<NB>(s); /* ... and then fq16(P̂ * 2^11) */
 
-        uint32_t vis[2] = {0xFFFFu, 0xFFFFu};
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int n = min(max(lim[r] - key0 + 1, 0), DEC_UNIT);
-            vis[r] = (1u << n) - 1u;
-        }
-        if (!tail) {
-            uint32_t pa[4];
-            quantized_p_fragment<AQ_FLOAT16>(pa, s[0], s[1]);
-            if (!masked) {
-                pv_packed<D, NB>(o, pa, st, g, t);
-            } else {
-                uint32_t vb[D / 8][2];
-                packed_v_fragments<D>(vb, st, g, t);
-                pv_checked<D, NB, AQ_FLOAT16>(o, pa, vb, vis, t);
-            }
+        uint32_t pb[NB][2];
+        if (!masked) {
+            p_b_fragments<NB, AQ_FLOAT16>(pb, s);
+            token_pair_p_fragments<NB>(pb);
+            pv_packed<D, NB>(o, pb, st, g, t);
         } else {
-            uint32_t pa[4];
-            quantized_p_fragment<DT>(pa, s[0], s[1]);
+            uint32_t vis[NB][2];
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+                for (int c = 0; c < 2; c++) vis[nb][c] = (1u << min(max(lim[nb][c] - key0 + 1, 0), DEC_UNIT)) - 1u;
             uint32_t vb[D / 8][2];
-            tail_v_fragments<D>(vb, (const uint16_t *)p.v_tail + kv_head * DEC_UNIT * D, L - key0, g, t);
-            pv_checked<D, NB, DT>(o, pa, vb, vis, t);
+            if (!tail) {
+                p_b_fragments<NB, AQ_FLOAT16>(pb, s);
+                packed_v_fragments<D>(vb, st, g, t);
+                pv_checked<D, NB, AQ_FLOAT16>(o, pb, vb, vis, t);
+            } else {
+#pragma unroll
+                for (int nb = 0; nb < NB; nb++) /* P^F * 2^3 (exact in DT): the tail's V is not in the 2^-8 frame */
+#pragma unroll
+                    for (int e = 0; e < 4; e++) s[nb][e] *= 1.0f / DEC_FRAME;
+                p_b_fragments<NB, DT>(pb, s);
+                tail_v_fragments<D>(vb, (const uint16_t *)p.v_tail + kv_head * DEC_UNIT * D, L - key0, g, t);
+                pv_checked<D, NB, DT>(o, pb, vb, vis, t);
+            }
         }
         __syncwarp(); /* every lane is done with stage i % DEC_STAGES before step i + 1 refills it */
     }
@@ -521,14 +654,17 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
     float *merge_m = merge_o + DEC_WARPS * 16 * D;       /* [warp][16 rows] */
     float *merge_l = merge_m + DEC_WARPS * 16;           /* [warp][16 rows] */
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float lsum = l[r] + __shfl_xor_sync(AQ_FULL_MASK, l[r], 1);
-        lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 2);
-        if (t == 0) {
-            merge_m[warp * 16 + g + 8 * r] = m[r];
-            merge_l[warp * 16 + g + 8 * r] = lsum;
+    for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) { /* query row 8 nb + 2t + c: its sum is spread over the 8 lanes sharing t */
+            float lsum = l[nb][c] + __shfl_xor_sync(AQ_FULL_MASK, l[nb][c], 4);
+            lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 8);
+            lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 16);
+            if (g == 0) {
+                merge_m[warp * 16 + 8 * nb + 2 * t + c] = m[nb][c];
+                merge_l[warp * 16 + 8 * nb + 2 * t + c] = lsum;
+            }
         }
-    }
 #pragma unroll
     for (int mt = 0; mt < D / 16; mt++)
 #pragma unroll
@@ -550,10 +686,8 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
             acc += merge_o[(w * 16 + row) * D + d] * f;
             lsum += merge_l[w * 16 + row] * f;
         }
-        const int64_t out_row = ((int64_t)b * p.heads_q + (int64_t)hk * group + ridx / tq_count) * tq_count +
-                                ridx % tq_count;
-        float *part = p.workspace + (out_row * p.num_splits + split) * (D + 2);
-        part[d] = acc;
+        float *part = p.workspace + (q_row(ridx) * p.num_splits + split) * (D + 2);
+        part[d] = acc * DEC_FRAME; /* exact: O^T was accumulated from 2^-8 V^F */
         if (d == 0) {
             part[D] = frame;
             part[D + 1] = lsum;
@@ -608,8 +742,9 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace
         return "kv_cache_decode: batch and heads_kv must be <= 65535";
     if (p->seqlen_q < 1 || p->seqlen_q > 16) return "kv_cache_decode: 1 to 16 query tokens";
     if (p->heads_q / p->heads_kv > 1024) return "kv_cache_decode: at most 1024 query heads per KV head";
-    if (p->capacity < 0 || p->capacity % DEC_UNIT || p->capacity > INT32_MAX - 2 * DEC_MAX_CHUNK)
-        return "kv_cache_decode: capacity must be a multiple of 16 below 2^31 - 2048";
+    if (p->capacity < 0 || p->capacity % DEC_UNIT || p->capacity > INT32_MAX - 2 * DEC_MAX_CHUNK ||
+        p->capacity * (p->head_dim / 2) > UINT32_MAX) /* load_unit's 32-bit offsets */
+        return "kv_cache_decode: capacity must be a multiple of 16, and capacity * head_dim / 2 below 2^32";
     if (p->max_length < 0 || p->max_length > p->capacity) return "kv_cache_decode: max_length must be in [0, capacity]";
     int device = 0, sms = 0;
     cudaError_t err = cudaGetDevice(&device);
