@@ -8,7 +8,10 @@ with the GPU's nominal HBM bandwidth (--peak-gbs). SDPA runs with enable_gqa=Tru
 Tq > 1); for one query token it also runs with the query heads of a KV group folded into the query rows, the
 fastest way to call it for GQA decode, and the ratio uses the faster of the two. SDPA reads every sequence
 at full context (no mask); the NVFP4 cache's last sequence is 13 tokens shorter, so its V tail is in use.
-Times are CUDA-event medians over two alternating caches, so no run finds the previous run's cache in L2.
+Times are CUDA-event medians over two alternating caches, so no run finds the previous run's cache in L2; each
+sample times CALLS back-to-back calls (common.median_ms), so neither side's host launch overhead is counted: a
+decode call of ~0.1 ms would otherwise carry 20-60 us of Python and dispatch time, depending on the lent
+machine's CPU, into both columns.
 
     python benchmarks/bench_decode.py [--out benchmarks/results/decode.json] [--quick] [--peak-gbs 3350]
 """
@@ -23,6 +26,8 @@ from torch.nn.attention.bias import causal_lower_right
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_qat  # noqa: E402
 from common import median_ms, metadata, write_json  # noqa: E402
+
+CALLS = 10  # back-to-back calls per timed sample (module docstring)
 
 # name: (batch, heads_q, heads_kv, context, query tokens, head_dim)
 SHAPES = {
@@ -61,7 +66,7 @@ def alternating(fns, repeat):
         counter[0] += 1
         fns[counter[0] % len(fns)]()
 
-    return median_ms(step, warmup=3, repeat=repeat)
+    return median_ms(step, warmup=3, repeat=repeat, calls=CALLS)
 
 
 def bench_shape(name, shape, repeat, copy_gbs, peak_gbs):

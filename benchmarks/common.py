@@ -8,18 +8,22 @@ import subprocess
 import torch
 
 
-def median_ms(fn, warmup: int = 5, repeat: int = 20) -> float:
-    """Median over `repeat` runs of fn(), each timed with CUDA events after `warmup` runs."""
+def median_ms(fn, warmup: int = 5, repeat: int = 20, calls: int = 1) -> float:
+    """Median over `repeat` samples of the time of one fn() call, each sample timed with CUDA events around
+    `calls` back-to-back calls (divided by `calls`). With calls > 1 the GPU queue runs ahead of the host, so the
+    host's launch overhead (Python checks, op dispatch), which the first call of a sample would otherwise add to
+    a kernel of a few tens of microseconds, is left out: the GPU time of a call in a steady stream of calls."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     times.sort()
     return times[len(times) // 2]
 

@@ -56,7 +56,7 @@
 #define DEC_STAGES 4                          /* units in a warp's ring: three in flight while one is used */
 #define DEC_UNIT 16                           /* keys per unit: one V block, one P block */
 #define DEC_MIN_CHUNK (DEC_WARPS * DEC_UNIT)  /* chunks are multiples of this, at most DEC_MAX_CHUNK */
-#define DEC_MAX_CHUNK 1024
+#define DEC_MAX_CHUNK 4096
 #define DEC_FRAME 256.0f                      /* K^F and V^F are dequantized times 1 / DEC_FRAME (file comment) */
 
 /* One unit in shared memory: the bytes of its global rows, in order. V's 8 pair rows are padded by 32 bytes, so the
@@ -753,7 +753,10 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace
     /* The longest chunks (up to DEC_MAX_CHUNK keys) that still give every SM a CTA: a CTA's four warps already
        keep enough loads in flight, and shorter chunks only add pipeline start-up and partial results. Measured on
        the H100 (batch 8, 32 q / 8 kv heads, D = 128, one query token): 4k context 42.6 us with this rule against
-       121 us when aiming at 12 CTAs per SM; 32k context unchanged (1024-key chunks either way, 258-261 us). */
+       121 us when aiming at 12 CTAs per SM; 32k context unchanged (1024-key chunks either way, 258-261 us).
+       Longer chunks amortize a CTA's start and merge (~70 of ~650 instructions a unit with 1024 keys): at 32k
+       context, kernel time under ncu 181 / 164 / 159 / 179 us for at most 1024 / 2048 / 4096 / 8192 keys with
+       one query token (8192: 256 CTAs, half the SMs' CTA slots idle), 289 / 246 / 245 / 232 us with four. */
     const int64_t ctas_per_split = p->batch * p->heads_kv * decode_m_tiles(p);
     int64_t chunk = DEC_MAX_CHUNK;
     while (chunk > DEC_MIN_CHUNK && ctas_per_split * ((p->max_length + chunk - 1) / chunk) < (int64_t)sms)
