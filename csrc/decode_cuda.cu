@@ -57,6 +57,7 @@
 #define DEC_UNIT 16                           /* keys per unit: one V block, one P block */
 #define DEC_MIN_CHUNK (DEC_WARPS * DEC_UNIT)  /* chunks are multiples of this, at most DEC_MAX_CHUNK */
 #define DEC_MAX_CHUNK 4096
+#define DEC_F16X2_64 0x54005400u              /* (64.0, 64.0) in fp16 */
 #define DEC_FRAME 256.0f                      /* K^F and V^F are dequantized times 1 / DEC_FRAME (file comment) */
 
 /* One unit in shared memory: the bytes of its global rows, in order. V's 8 pair rows are padded by 32 bytes, so the
@@ -113,15 +114,6 @@ AQ_D uint32_t hmul2_by_half(uint32_t a, uint32_t s, int half) {
     return r;
 }
 
-/* prmt.b32 with its full selector: nibble n of sel picks, for result byte n, byte (sel_n & 7) of {a (bytes 0-3),
-   b (bytes 4-7)}, or with bit 3 set replicates that byte's top bit into all eight bits. (__byte_perm keeps only
-   the low 3 bits of each nibble and masks a variable selector with an extra instruction.) */
-AQ_D uint32_t prmt_b32(uint32_t a, uint32_t b, uint32_t sel) {
-    uint32_t r;
-    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
-
 /* Two E4M3 values (low byte first) as an fp16 pair, exactly: one cvt on sm_89+; elsewhere (the sm_80-class build)
    through nvfp4.h's decode, every E4M3 value (2^-9 .. 448, NaN) being an fp16 normal. */
 AQ_D uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
@@ -157,9 +149,7 @@ AQ_D void e2m1x8_to_f16(uint32_t w, uint32_t (&out)[4]) {
    2^-8 it lies in [2^-18, 10.5], its last bit at or above 2^-23: exact in fp16, and so is every intermediate (the
    scale times 2^6, at most 28672). A NaN scale (non-finite block) makes every product NaN, 0 included. */
 AQ_D uint32_t block_scales_f16x2(uint32_t two_bytes) {
-    uint32_t r;
-    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(e4m3x2_to_f16x2(two_bytes)), "r"(0x54005400u)); /* 64, 64 */
-    return r;
+    return hmul2_by_half(e4m3x2_to_f16x2(two_bytes), DEC_F16X2_64, 0);
 }
 
 /* A bf16 or fp16 pair as an fp16 pair; exact for the values of a fake-quantized tensor (Q^F). */
