@@ -2,14 +2,20 @@
 3.56x smaller than bf16, and attention computed on them (issue 5).
 
 Storage (numerics.md §2; blocks of 16 along the contraction axis of each product, E4M3 scales, the
-layout Blackwell's block-scaled FP4 MMA consumes):
+layout Blackwell's block-scaled FP4 MMA consumes), in pages of `page_size` tokens (a multiple of 16):
 
-- K, blocked along head_dim, one token at a time: ``k_codes`` (B, Hkv, capacity, D/2) uint8 (channel 2i in
-  the low nibble, 2i+1 in the high one) and ``k_scales`` (B, Hkv, capacity, D/16) uint8 E4M3 bytes.
-- V, blocked along tokens: ``v_codes`` (B, Hkv, capacity/2, D) uint8 (token 2k of a channel in the low
-  nibble, token 2k+1 in the high one) and ``v_scales`` (B, Hkv, capacity/16, D). A block is quantized once,
-  when its 16th token arrives, and never again; until then the sequence's incomplete last block stays
+- K, blocked along head_dim, one token at a time: ``k_codes`` (num_pages, Hkv, page_size, D/2) uint8 (channel 2i
+  in the low nibble, 2i+1 in the high one) and ``k_scales`` (num_pages, Hkv, page_size, D/16) uint8 E4M3 bytes.
+- V, blocked along tokens: ``v_codes`` (num_pages, Hkv, page_size/2, D) uint8 (token 2k of a channel in the low
+  nibble, token 2k+1 in the high one) and ``v_scales`` (num_pages, Hkv, page_size/16, D). A block is quantized
+  once, when its 16th token arrives, and never again; until then the sequence's incomplete last block stays
   unquantized in ``v_tail`` (B, Hkv, 16, D), in the cache's dtype.
+- ``block_table`` (B, capacity / page_size) int32: token j of sequence b lives at token j % page_size of page
+  block_table[b, j // page_size] (-1: no page yet).
+
+Unpaged (the default), each sequence owns one page of `capacity` tokens, page b for sequence b, so the buffers
+are (B, Hkv, capacity, ...). Paged (`page_size=`), the sequences draw pages from a shared pool of `num_pages` as
+they grow and give them back on `reset`: memory follows the tokens held, not batch x capacity.
 
 Numerics: `attention` computes numerics.md §3 (inference, no O') on Q^F (the queries fake-quantized along
 D), K^F and a V whose complete blocks are V^F and whose incomplete last block is the raw values: P is
@@ -22,7 +28,7 @@ Paths: on CUDA with 1 to 16 query tokens the decode kernel (csrc/decode_cuda.cu)
 directly: split over the context, the query heads of a KV group on the tensor cores. Otherwise (the CPU,
 or more than 16 query tokens) a composite path dequantizes K and V into dtype buffers and runs the
 attention forward kernel on them, with a mask for the per-sequence lengths: correct, but it reads the
-cache at bf16 size. There is no paged variant (block table) yet: each sequence owns `capacity` tokens.
+cache at bf16 size.
 """
 import math
 from typing import Optional, Sequence, Union
@@ -45,12 +51,18 @@ def _positive_int(name: str, value) -> int:
 
 class NVFP4KVCache:
     """A preallocated NVFP4 KV cache for `batch` sequences of up to `capacity` tokens (rounded up to a
-    multiple of 16), `heads_kv` heads of `head_dim` (64 or 128) channels, appended to in `dtype`
-    (bfloat16 or float16). Sequences grow independently: `lengths` (int64 (batch,) on the cache's
-    device; read it, do not modify it) says how many tokens each holds. No autograd."""
+    multiple of 16, or of `page_size`), `heads_kv` heads of `head_dim` (64 or 128) channels, appended to in
+    `dtype` (bfloat16 or float16). Sequences grow independently: `lengths` (int64 (batch,) on the cache's
+    device; read it, do not modify it) says how many tokens each holds. No autograd.
+
+    With `page_size` (a multiple of 16) the cache is paged: a pool of `num_pages` pages (default: enough for
+    every sequence to reach `capacity`) that sequences take from as they grow and return with `reset`; a pool
+    smaller than batch * capacity serves sequences of unequal lengths in less memory, and an append that finds
+    no free page raises."""
 
     def __init__(self, batch: int, heads_kv: int, head_dim: int, capacity: int, *,
-                 dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device, None] = None):
+                 dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device, None] = None,
+                 page_size: Optional[int] = None, num_pages: Optional[int] = None):
         self.batch = _positive_int("batch", batch)
         self.heads_kv = _positive_int("heads_kv", heads_kv)
         capacity = _positive_int("capacity", capacity)
@@ -59,17 +71,33 @@ class NVFP4KVCache:
         if dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"attn_qat.NVFP4KVCache: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         self.head_dim, self.dtype = head_dim, dtype
-        self.capacity = -(-capacity // BLOCK) * BLOCK
         self.device = torch.empty(0, device=device).device  # the default device for None; "cuda" gets its index
-        b, h, n, d = self.batch, self.heads_kv, self.capacity, head_dim
+        self.paged = page_size is not None
+        if self.paged:
+            if _positive_int("page_size", page_size) % BLOCK:
+                raise ValueError(f"attn_qat.NVFP4KVCache: page_size must be a multiple of {BLOCK}, got {page_size}")
+            pages_per_seq = -(-capacity // page_size)
+            num_pages = self.batch * pages_per_seq if num_pages is None else _positive_int("num_pages", num_pages)
+        else:
+            if num_pages is not None:
+                raise ValueError("attn_qat.NVFP4KVCache: num_pages needs page_size (a paged cache)")
+            page_size, pages_per_seq, num_pages = -(-capacity // BLOCK) * BLOCK, 1, self.batch
+        self.page_size, self.num_pages = page_size, num_pages
+        self.capacity = pages_per_seq * page_size
+        p, h, n, d = num_pages, self.heads_kv, page_size, head_dim
         zeros = dict(dtype=torch.uint8, device=self.device)
-        self.k_codes = torch.zeros(b, h, n, d // 2, **zeros)
-        self.k_scales = torch.zeros(b, h, n, d // BLOCK, **zeros)
-        self.v_codes = torch.zeros(b, h, n // 2, d, **zeros)
-        self.v_scales = torch.zeros(b, h, n // BLOCK, d, **zeros)
-        self.v_tail = torch.zeros(b, h, BLOCK, d, dtype=dtype, device=self.device)
-        self._lengths = torch.zeros(b, dtype=torch.long, device=self.device)
-        self._host_lengths = [0] * b  # the same numbers, so no call needs to read them back from the device
+        self.k_codes = torch.zeros(p, h, n, d // 2, **zeros)
+        self.k_scales = torch.zeros(p, h, n, d // BLOCK, **zeros)
+        self.v_codes = torch.zeros(p, h, n // 2, d, **zeros)
+        self.v_scales = torch.zeros(p, h, n // BLOCK, d, **zeros)
+        self.v_tail = torch.zeros(self.batch, h, BLOCK, d, dtype=dtype, device=self.device)
+        self._lengths = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        self._host_lengths = [0] * self.batch  # the same numbers, so no call needs to read them back from the device
+        # The pages of each sequence in token order (host copy of block_table's rows), and the free pages.
+        self._pages = [[] for _ in range(self.batch)] if self.paged else [[b] for b in range(self.batch)]
+        self._free = list(range(num_pages - 1, -1, -1)) if self.paged else []  # pop() takes the lowest first
+        self.block_table = torch.full((self.batch, pages_per_seq), -1, dtype=torch.int32, device=self.device)
+        self._sync_block_table()
 
     # ------------------------------------------------------------------------------------------
     # State
@@ -79,16 +107,36 @@ class NVFP4KVCache:
         """Tokens stored per sequence, int64 (batch,) on the cache's device."""
         return self._lengths
 
-    def reset(self) -> None:
-        """Empties every sequence (the buffers keep their memory and stale contents, which nothing reads)."""
-        self._host_lengths = [0] * self.batch
-        self._lengths.zero_()
+    def reset(self, sequences: Optional[Sequence[int]] = None) -> None:
+        """Empties the given sequences (default: all); a paged cache returns their pages to the pool. The buffers
+        keep their memory and stale contents, which nothing reads."""
+        chosen = range(self.batch) if sequences is None else list(sequences)
+        if any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch for b in chosen):
+            raise ValueError(f"attn_qat.NVFP4KVCache.reset: sequences must be ints in [0, {self.batch}), "
+                             f"got {sequences!r}")
+        for b in chosen:
+            self._host_lengths[b] = 0
+            if self.paged:
+                self._free.extend(reversed(self._pages[b]))
+                self._pages[b] = []
+        self._lengths.copy_(torch.tensor(self._host_lengths, dtype=torch.long))
+        self._sync_block_table()
+
+    @property
+    def free_pages(self) -> int:
+        """Pages of the pool no sequence holds (0 for an unpaged cache, whose pages are all owned)."""
+        return len(self._free)
+
+    def _sync_block_table(self) -> None:
+        rows = [pages + [-1] * (self.block_table.shape[1] - len(pages)) for pages in self._pages]
+        self.block_table.copy_(torch.tensor(rows, dtype=torch.int32))
 
     @property
     def nbytes(self) -> int:
         """Bytes of device memory the cache holds."""
         return sum(t.numel() * t.element_size() for t in
-                   (self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.v_tail, self._lengths))
+                   (self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.v_tail, self._lengths,
+                    self.block_table))
 
     @property
     def bytes_per_token(self) -> int:
@@ -99,7 +147,8 @@ class NVFP4KVCache:
     def __repr__(self) -> str:
         return (f"NVFP4KVCache(batch={self.batch}, heads_kv={self.heads_kv}, head_dim={self.head_dim}, "
                 f"capacity={self.capacity}, dtype={self.dtype}, device={self.device}, "
-                f"lengths={self._host_lengths})")
+                + (f"page_size={self.page_size}, num_pages={self.num_pages}, free_pages={self.free_pages}, "
+                   if self.paged else "") + f"lengths={self._host_lengths})")
 
     # ------------------------------------------------------------------------------------------
     # Append
@@ -149,6 +198,15 @@ class NVFP4KVCache:
                              f"capacity of {self.capacity}")
         if not any(counts):
             return
+        new_pages = [-(-(n + c) // self.page_size) - len(pages) for n, c, pages in zip(held, counts, self._pages)]
+        if sum(new_pages) > len(self._free):
+            raise ValueError(f"attn_qat.NVFP4KVCache.append: out of pages: the append needs {sum(new_pages)} more "
+                             f"pages of {self.page_size} tokens, {len(self._free)} of the pool's {self.num_pages} "
+                             f"are free (reset finished sequences, or make num_pages larger)")
+        if any(new_pages):
+            for pages, extra in zip(self._pages, new_pages):
+                pages.extend(self._free.pop() for _ in range(extra))
+            self._sync_block_table()
         with torch.no_grad():
             self._store(k, v, counts)
         self._host_lengths = [n + c for n, c in zip(self._host_lengths, counts)]
@@ -157,13 +215,16 @@ class NVFP4KVCache:
     def _store(self, k: torch.Tensor, v: torch.Tensor, counts: list) -> None:
         held = self._host_lengths
         rem = [n % BLOCK for n in held]  # tokens in each tail
-        # Every real (sequence, token) pair: its place in k / v, in the cache, and in the tail-plus-new buffer.
-        pairs = [(b, t, held[b] + t, rem[b] + t) for b, c in enumerate(counts) for t in range(c)]
-        b_idx, t_idx, cache_pos, work_pos = torch.tensor(pairs, dtype=torch.long).t().to(self.device).unbind(0)
+        ps = self.page_size
+        # Every real (sequence, token) pair: its place in k / v, in the cache (page, token in the page), and in
+        # the tail-plus-new buffer.
+        pairs = [(b, t, self._pages[b][(held[b] + t) // ps], (held[b] + t) % ps, rem[b] + t)
+                 for b, c in enumerate(counts) for t in range(c)]
+        b_idx, t_idx, page, slot, work_pos = torch.tensor(pairs, dtype=torch.long).t().to(self.device).unbind(0)
 
         codes, scales = ops.nvfp4_quantize(k, 3)
-        self.k_codes[b_idx, :, cache_pos] = codes[b_idx, :, t_idx]
-        self.k_scales[b_idx, :, cache_pos] = scales.view(torch.uint8)[b_idx, :, t_idx]
+        self.k_codes[page, :, slot] = codes[b_idx, :, t_idx]
+        self.k_scales[page, :, slot] = scales.view(torch.uint8)[b_idx, :, t_idx]
 
         full = [(r + c) // BLOCK for r, c in zip(rem, counts)]  # blocks completed per sequence
         if not any(full):  # the new values only extend the tails
@@ -176,12 +237,14 @@ class NVFP4KVCache:
         work[:, :, :BLOCK] = self.v_tail
         work[b_idx, :, work_pos] = v[b_idx, :, t_idx]
         codes, scales = ops.nvfp4_quantize(work, 2)
-        blocks = [(b, j, held[b] // BLOCK + j) for b in range(self.batch) for j in range(full[b])]
-        b_blk, src_blk, dst_blk = torch.tensor(blocks, dtype=torch.long).t().to(self.device).unbind(0)
+        # Block j of work[b] starts at token BLOCK * (held[b] // BLOCK + j) of the sequence: in a page, at a block.
+        starts = [(b, j, BLOCK * (held[b] // BLOCK + j)) for b in range(self.batch) for j in range(full[b])]
+        blocks = [(b, j, self._pages[b][start // ps], start % ps // BLOCK) for b, j, start in starts]
+        b_blk, src_blk, page_blk, dst_blk = torch.tensor(blocks, dtype=torch.long).t().to(self.device).unbind(0)
         pair_rows = BLOCK // 2  # rows of two tokens per block
-        by_block = (self.batch, self.heads_kv, -1, pair_rows, self.head_dim)
-        self.v_codes.view(by_block)[b_blk, :, dst_blk] = codes.view(by_block)[b_blk, :, src_blk]
-        self.v_scales[b_blk, :, dst_blk] = scales.view(torch.uint8)[b_blk, :, src_blk]
+        self.v_codes.view(self.num_pages, self.heads_kv, -1, pair_rows, self.head_dim)[page_blk, :, dst_blk] = \
+            codes.view(self.batch, self.heads_kv, -1, pair_rows, self.head_dim)[b_blk, :, src_blk]
+        self.v_scales[page_blk, :, dst_blk] = scales.view(torch.uint8)[b_blk, :, src_blk]
         start = torch.tensor([BLOCK * f for f in full], dtype=torch.long).to(self.device)
         tail_pos = (start[:, None] + torch.arange(BLOCK, device=self.device))[:, None, :, None]
         self.v_tail.copy_(work.gather(2, tail_pos.expand(self.batch, self.heads_kv, BLOCK, self.head_dim)))
@@ -214,7 +277,8 @@ class NVFP4KVCache:
         with torch.no_grad():
             if q.is_cuda and q.shape[2] <= MAX_KERNEL_QUERIES and _C.with_cuda:
                 return ops.kv_cache_decode(q, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.v_tail,
-                                           self._lengths, max(self._host_lengths), scale, bool(causal))
+                                           self._lengths, self.block_table, max(self._host_lengths), scale,
+                                           bool(causal))
             return self._attention_composite(q, scale, bool(causal))
 
     def dequantized(self):
@@ -225,16 +289,28 @@ class NVFP4KVCache:
         b, h, d = self.batch, self.heads_kv, self.head_dim
         if n == 0:
             return (self.v_tail.new_empty(b, h, 0, d),) * 2
-        k = ops.nvfp4_dequantize(self.k_codes[:, :, :n], self.k_scales[:, :, :n].view(torch.float8_e4m3fn), 3, d,
-                                 self.dtype)
+        k = ops.nvfp4_dequantize(self._by_sequence(self.k_codes, n), self._by_sequence(self.k_scales, n).view(
+            torch.float8_e4m3fn), 3, d, self.dtype)
         blocks = -(-n // BLOCK)
-        v = ops.nvfp4_dequantize(self.v_codes[:, :, :blocks * BLOCK // 2],
-                                 self.v_scales[:, :, :blocks].view(torch.float8_e4m3fn), 2, blocks * BLOCK, self.dtype)
+        v = ops.nvfp4_dequantize(self._by_sequence(self.v_codes, blocks * BLOCK // 2),
+                                 self._by_sequence(self.v_scales, blocks).view(torch.float8_e4m3fn), 2, blocks * BLOCK,
+                                 self.dtype)
         v = torch.cat([v, v.new_zeros(b, h, BLOCK, d)], dim=2)  # room for a tail that starts at `blocks`
         start = torch.tensor([BLOCK * (m // BLOCK) for m in self._host_lengths], dtype=torch.long).to(self.device)
         tail_pos = (start[:, None] + torch.arange(BLOCK, device=self.device))[:, None, :, None]
         v.scatter_(2, tail_pos.expand(b, h, BLOCK, d), self.v_tail)
         return k, v[:, :, :n]
+
+    def _by_sequence(self, pool: torch.Tensor, rows: int) -> torch.Tensor:
+        """The first `rows` rows of each sequence from a pool buffer (num_pages, Hkv, rows a page, X), as
+        (batch, Hkv, rows, X): the pages of each sequence in order (page 0, stale, where it has none yet)."""
+        if not self.paged:
+            return pool[:, :, :rows]
+        per_page = pool.shape[2]
+        count = -(-rows // per_page)
+        table = torch.tensor([(pages + [0] * count)[:count] for pages in self._pages], device=self.device)
+        x = pool[table].transpose(1, 2)  # (batch, Hkv, pages, rows a page, X)
+        return x.reshape(self.batch, self.heads_kv, count * per_page, -1)[:, :, :rows]
 
     def _attention_composite(self, q: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
         """The attention forward kernel on the dequantized cache, a mask carrying the lengths."""

@@ -81,7 +81,7 @@ def _(q, k, v, mask, scale, causal):
 
 
 @torch.library.register_fake("attn_qat::kv_cache_decode")
-def _(q, k_codes, k_scales, v_codes, v_scales, v_tail, lengths, max_length, scale, causal):
+def _(q, k_codes, k_scales, v_codes, v_scales, v_tail, lengths, block_table, max_length, scale, causal):
     return q.new_empty(q.shape)
 
 

@@ -8,10 +8,10 @@ with the GPU's nominal HBM bandwidth (--peak-gbs). SDPA runs with enable_gqa=Tru
 Tq > 1); for one query token it also runs with the query heads of a KV group folded into the query rows, the
 fastest way to call it for GQA decode, and the ratio uses the faster of the two. SDPA reads every sequence
 at full context (no mask); the NVFP4 cache's last sequence is 13 tokens shorter, so its V tail is in use.
-Times are CUDA-event medians over two alternating caches, so no run finds the previous run's cache in L2; each
-sample times CALLS back-to-back calls (common.median_ms), so neither side's host launch overhead is counted: a
-decode call of ~0.1 ms would otherwise carry 20-60 us of Python and dispatch time, depending on the lent
-machine's CPU, into both columns.
+Times are CUDA-event medians of the replay of a CUDA graph of CALLS calls alternating between two caches, so no
+call finds the previous call's cache in L2 and neither side's host launch overhead is counted (common.graph_ms):
+on the lent H100 machines a decode call spends 50-60 us in Python checks and op dispatch, more than the kernels
+take at 4k context, and eager timing then measures the host. Serving stacks replay decode steps as graphs too.
 
     python benchmarks/bench_decode.py [--out benchmarks/results/decode.json] [--quick] [--peak-gbs 3350]
 """
@@ -25,9 +25,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_qat  # noqa: E402
-from common import median_ms, metadata, write_json  # noqa: E402
+from common import graph_ms, median_ms, metadata, timed, write_json  # noqa: E402
 
-CALLS = 10  # back-to-back calls per timed sample (module docstring)
+CALLS = 10  # calls per captured CUDA graph, alternating between the two caches (module docstring)
 
 # name: (batch, heads_q, heads_kv, context, query tokens, head_dim)
 SHAPES = {
@@ -40,33 +40,26 @@ SHAPES = {
 }
 QUICK = ("b8_32k_q1", "b8_4k_q1")
 APPEND_CHUNK = 4096  # tokens per append while filling (bounds the bf16 staging memory)
+PAGE_SIZE = 16  # the paged cache's pages, vLLM's default block size: the most block-table entries per token
 
 
 def make_caches(b, hkv, ctx, d, copies=2):
-    """`copies` pairs of (NVFP4 cache, bf16 K, bf16 V) holding the same random tokens; the last sequence is 13
-    tokens shorter, so every V tail is in use."""
+    """`copies` tuples of (NVFP4 cache, paged NVFP4 cache, bf16 K, bf16 V) holding the same random tokens; the
+    last sequence is 13 tokens shorter, so every V tail is in use."""
     lengths = [ctx] * (b - 1) + [ctx - 13] if b > 1 else [ctx - 13]
     out = []
     for _ in range(copies):
         k = torch.randn(b, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
         cache = attn_qat.NVFP4KVCache(b, hkv, d, ctx, device="cuda")
+        paged = attn_qat.NVFP4KVCache(b, hkv, d, ctx, device="cuda", page_size=PAGE_SIZE)
         for start in range(0, ctx, APPEND_CHUNK):
             step = [max(0, min(APPEND_CHUNK, n - start)) for n in lengths]
-            cache.append(k[:, :, start:start + APPEND_CHUNK], v[:, :, start:start + APPEND_CHUNK], lengths=step)
-        out.append((cache, k, v))
+            for c in (cache, paged):
+                c.append(k[:, :, start:start + APPEND_CHUNK], v[:, :, start:start + APPEND_CHUNK], lengths=step)
+        out.append((cache, paged, k, v))
     torch.cuda.synchronize()
     return out, lengths
-
-
-def alternating(fns, repeat):
-    counter = [0]
-
-    def step():
-        counter[0] += 1
-        fns[counter[0] % len(fns)]()
-
-    return median_ms(step, warmup=3, repeat=repeat, calls=CALLS)
 
 
 def bench_shape(name, shape, repeat, copy_gbs, peak_gbs):
@@ -78,20 +71,23 @@ def bench_shape(name, shape, repeat, copy_gbs, peak_gbs):
     packed_bytes = sum(lengths) * cache.bytes_per_token + tail_bytes
     rows = {}
 
-    def add(label, fns, nbytes):
-        try:
-            ms = alternating(fns, repeat)
+    def add(label, fns, nbytes, graph=True):
+        try:  # the composite path copies host data into its mask, which a graph capture does not allow; it
+            # takes milliseconds, so eager timing (one call per sample, the caches alternating) is fair for it
+            ms = graph_ms(fns, calls=CALLS, repeat=repeat) if graph else timed(lambda fn: fn, fns, repeat)
             gbs = nbytes / ms / 1e6
             rows[label] = {"ms": ms, "bytes": nbytes, "GB/s": gbs, "of_copy": gbs / copy_gbs, "of_peak": gbs / peak_gbs}
         except RuntimeError as e:  # a backend that does not take this shape
             rows[label] = {"ms": None, "error": str(e).splitlines()[0][:200]}
         torch.cuda.empty_cache()
 
-    add("attn_qat decode kernel", [lambda c=c, q=q: c.attention(q) for (c, _, _), q in zip(caches, qs)],
+    add("attn_qat decode kernel", [lambda c=c, q=q: c.attention(q) for (c, _, _, _), q in zip(caches, qs)],
         packed_bytes)
+    add(f"attn_qat decode kernel, paged ({PAGE_SIZE}-token pages)",
+        [lambda c=c, q=q: c.attention(q) for (_, c, _, _), q in zip(caches, qs)], packed_bytes)
     add("attn_qat composite (dequantize + forward)",
-        [lambda c=c, q=q: c._attention_composite(q, d ** -0.5, True) for (c, _, _), q in zip(caches, qs)],
-        packed_bytes)
+        [lambda c=c, q=q: c._attention_composite(q, d ** -0.5, True) for (c, _, _, _), q in zip(caches, qs)],
+        packed_bytes, graph=False)
 
     # SDPA on the bf16 cache, all `ctx` keys of every sequence (no mask, so its fastest kernels run; the 13
     # extra keys of the last sequence are counted in its bytes); bottom-right causal for Tq > 1.
@@ -101,13 +97,13 @@ def bench_shape(name, shape, repeat, copy_gbs, peak_gbs):
     def sdpa_gqa(q, k, v):
         return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    add("torch SDPA bf16 (enable_gqa)", [sdpa_gqa(q, k, v) for (_, k, v), q in zip(caches, qs)], bf16_bytes)
+    add("torch SDPA bf16 (enable_gqa)", [sdpa_gqa(q, k, v) for (_, _, k, v), q in zip(caches, qs)], bf16_bytes)
     if tq == 1:  # the group's query heads as query rows of their KV head: one plain attention per KV head
         def sdpa_folded(q, k, v):
             qf = q.reshape(b, hkv, hq // hkv, d)
             return lambda: F.scaled_dot_product_attention(qf, k, v)
 
-        add("torch SDPA bf16 (GQA folded into rows)", [sdpa_folded(q, k, v) for (_, k, v), q in zip(caches, qs)],
+        add("torch SDPA bf16 (GQA folded into rows)", [sdpa_folded(q, k, v) for (_, _, k, v), q in zip(caches, qs)],
             bf16_bytes)
     sdpa_ms = [r["ms"] for label, r in rows.items() if label.startswith("torch SDPA") and r["ms"] is not None]
     ours = rows["attn_qat decode kernel"]["ms"]
@@ -169,10 +165,10 @@ def main():
             cell = ("n/a " + row.get("error", "")) if row["ms"] is None else (
                 f"{row['ms']:.3f} ms  {row['GB/s']:.0f} GB/s  {100 * row['of_copy']:.0f}% of copy, "
                 f"{100 * row['of_peak']:.0f}% of {args.peak_gbs:.0f}")
-            print(f"  {label:42s} {cell}")
+            print(f"  {label:48s} {cell}")
         s = r["speedup_vs_best_sdpa"]
-        print(f"  {'speed-up vs the faster SDPA':42s} {'n/a' if s is None else f'{s:.2f}x'}")
-        print(f"  {'memory per token (NVFP4 / bf16 bytes)':42s} {r['memory_per_token']['nvfp4_bytes']} / "
+        print(f"  {'speed-up vs the faster SDPA':48s} {'n/a' if s is None else f'{s:.2f}x'}")
+        print(f"  {'memory per token (NVFP4 / bf16 bytes)':48s} {r['memory_per_token']['nvfp4_bytes']} / "
               f"{r['memory_per_token']['bf16_bytes']} ({r['memory_per_token']['ratio']:.2f}x smaller)")
     meta = metadata()
     print(f"\nGPU {meta['gpu']}, commit {meta['commit']}, {meta['date']}, torch {meta['torch']}")

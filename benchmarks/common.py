@@ -8,24 +8,42 @@ import subprocess
 import torch
 
 
-def median_ms(fn, warmup: int = 5, repeat: int = 20, calls: int = 1) -> float:
-    """Median over `repeat` samples of the time of one fn() call, each sample timed with CUDA events around
-    `calls` back-to-back calls (divided by `calls`). With calls > 1 the GPU queue runs ahead of the host, so the
-    host's launch overhead (Python checks, op dispatch), which the first call of a sample would otherwise add to
-    a kernel of a few tens of microseconds, is left out: the GPU time of a call in a steady stream of calls."""
+def median_ms(fn, warmup: int = 5, repeat: int = 20) -> float:
+    """Median over `repeat` samples of the time of one fn() call, each timed with CUDA events."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(calls):
-            fn()
+        fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
+        times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
+
+
+def graph_ms(fns, calls: int = 10, repeat: int = 20) -> float:
+    """Median ms of one call, timing the replay of a CUDA graph of `calls` calls that cycle through `fns`: the
+    GPU time of a call in a steady stream with no host launch overhead, which for kernels of tens of
+    microseconds is larger than the kernel (50-60 us of Python checks and op dispatch per call on the lent
+    H100 machines) and would otherwise be what gets measured. Serving stacks replay decode steps as graphs
+    for the same reason."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (allocator pools, lazy initialisation)
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    ms = median_ms(graph.replay, warmup=2, repeat=repeat) / calls
+    del graph
+    return ms
 
 
 def timed(make_fn, sets, repeat: int = 10) -> float:

@@ -109,25 +109,31 @@ const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, void *stream
 /* ---------------------------------------------------------------------------------------------
    Decode on an NVFP4 KV cache (attn_qat/kv_cache.py): numerics.md §3 without O' on Q^F, K^F and a V whose
    complete 16-token blocks are V^F and whose incomplete last block is still the raw bf16/fp16 values.
-   Sequence b holds L_b = lengths[b] tokens (0 <= L_b <= max_length <= capacity, capacity a multiple of 16) in
-   contiguous buffers:
-     k_codes  (B, Hkv, capacity, D/2)   K blocked along D: codes of channels 2i (low nibble), 2i+1 (high)
-     k_scales (B, Hkv, capacity, D/16)  their E4M3 bytes
-     v_codes  (B, Hkv, capacity/2, D)   V blocked along tokens: byte (k, c) holds tokens 2k (low), 2k+1 (high)
-     v_scales (B, Hkv, capacity/16, D)  their E4M3 bytes; block k is read only when 16k + 16 <= L_b
-     v_tail   (B, Hkv, 16, D), dtype    tokens 16 * floor(L_b / 16) .. L_b - 1, unquantized
-   q (B, Hq, Tq, D) contiguous holds Q^F (fake-quantized along D); query t of sequence b is token L_b - Tq + t
+   Sequence b holds L_b = lengths[b] tokens (0 <= L_b <= max_length <= capacity = pages_per_seq * page_size) in
+   pages of page_size tokens (a multiple of 16) from pools of num_pages pages:
+     k_codes  (num_pages, Hkv, page_size, D/2)   K blocked along D: codes of channels 2i (low nibble), 2i+1 (high)
+     k_scales (num_pages, Hkv, page_size, D/16)  their E4M3 bytes
+     v_codes  (num_pages, Hkv, page_size/2, D)   V blocked along tokens: byte (k, c) holds tokens 2k (low), 2k+1
+     v_scales (num_pages, Hkv, page_size/16, D)  their E4M3 bytes; a block is read only when it is complete
+     block_table (B, pages_per_seq) int32        token j of sequence b is token j % page_size of page
+                                                 block_table[b][j / page_size]; entries past L_b are not read
+     v_tail   (B, Hkv, 16, D), dtype             tokens 16 * floor(L_b / 16) .. L_b - 1, unquantized
+   An unpaged cache is the case num_pages = B, page_size = capacity, block_table[b] = {b}. A block-table entry
+   outside [0, num_pages) that the kernel meets makes the rows of that sequence NaN; nothing outside the pools is
+   read. q (B, Hq, Tq, D) contiguous holds Q^F (fake-quantized along D); query t of sequence b is token L_b - Tq + t
    and sees keys j < L_b with, when causal, j <= L_b - Tq + t. A row with no visible key gives O = 0.
    out (B, Hq, Tq, D) contiguous in dtype. The CUDA kernel splits the keys into chunks of `chunk` tokens and
    merges the chunks' partial results through `workspace` (aq_kv_cache_decode_plan_cuda sizes both). */
 typedef struct {
     const void *q;
     const uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
+    const int32_t *block_table;
     const void *v_tail;
     const int64_t *lengths;
     void *out;
     float *workspace;
-    int64_t batch, heads_q, heads_kv, seqlen_q, head_dim, capacity, max_length;
+    int64_t batch, heads_q, heads_kv, seqlen_q, head_dim, max_length;
+    int64_t num_pages, page_size, pages_per_seq;
     float softmax_scale;
     int causal;
     aq_dtype dtype;

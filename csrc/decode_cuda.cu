@@ -10,6 +10,13 @@
    that of the one-pass forward kernel (numerics.md §3; chunks are multiples of 16 keys, so no P block straddles
    two of them).
 
+   Pages. A unit (16 tokens of one KV head) never straddles a page (pages are multiples of 16 tokens), so paging
+   only changes where a unit's bytes start: the CTA looks its units' pool slots up in the block table once, into
+   shared memory, and every copy after that is addressed as in a contiguous cache. The unpaged cache is the
+   one-page-per-sequence case of the same kernel. Measured on the H100 (batch 8, 32 q / 8 kv heads, D = 128, one
+   query token, CUDA graphs): 16-token pages cost nothing at 32k context (136.7 against 136.4 us), the lookup
+   ~1 us at 4k (30.2 against 29.1 us before the block table).
+
    Numbers. All tensor-core work is fp16 mma.sync m16n8k16 with fp32 accumulation, whatever the cache dtype:
    Q^F, 2^-8 K^F, 2^-8 V^F and fq16(P̂ * 2^11) are exact in fp16 (numerics.md §1, §3; 2^-8 K^F and 2^-8 V^F
    reach the fp16 subnormals, which the tensor cores take exactly), and so are the products formed below. The
@@ -400,10 +407,10 @@ AQ_D void pv_checked(float (&o)[D / 16][NB][4], const uint32_t (&pb)[NB][2], uin
         }
 }
 
-/* The cache of one (batch, kv head): its four packed buffers. */
+/* The cache's four packed page pools. */
 typedef struct {
     const uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
-} head_cache;
+} page_pools;
 
 /* The online softmax of one unit in S^T's layout (s[nb][e]: key g + 8 (e >> 1), query row 8 nb + 2t + (e & 1);
    a query row's 16 keys are in the 8 lanes sharing t), in integer frames as online_softmax_scores: s becomes
@@ -490,24 +497,25 @@ AQ_D void fake_quantize_p_key_columns(float (&s)[NB][4]) {
         for (int c = 0; c < 2; c++) s[nb][c] = x[2 * nb + c][0], s[nb][c + 2] = x[2 * nb + c][1];
 }
 
-/* Issues the cp.async copies of unit u (all its bytes, 16 per copy, spread over the warp's lanes) into st. A unit's
-   K and V codes are 8 D bytes each and its K and V scales D bytes each, and chunk c of every block is 16 c bytes
-   in: the lane's chunks are lane + 32 j, so two 32-bit offsets serve all four buffers (capacity * D/2 < 2^32 is
-   checked at launch). In V's padded stage rows, chunk c is row c / (D/16), column 16 (c % (D/16)). */
+/* Issues the cp.async copies of the unit stored at pool unit `slot` (all its bytes, 16 per copy, spread over the
+   warp's lanes) into st. A pool unit is 16 tokens of one (page, KV head): its K and V codes are 8 D bytes each and
+   its K and V scales D bytes each, at slot * 8 D and slot * D of the pools, and chunk c of every block is 16 c bytes
+   in, so the lane's chunks lane + 32 j of all four buffers come from two offsets. In V's padded stage rows, chunk c
+   is row c / (D/16), column 16 (c % (D/16)). */
 template <int D>
-AQ_D void load_unit(unsigned char *st, const head_cache &hc, int u, int lane) {
+AQ_D void load_unit(unsigned char *st, const page_pools &pools, uint32_t slot, int lane) {
     using U = UnitLayout<D>;
     constexpr int CHUNKS = 8 * D / 16 / 32, ROW_CHUNKS = D / 16; /* a lane's chunks of a code block; a V row's */
-    const uint32_t codes = (uint32_t)u * (8 * D) + 16 * lane, scales = (uint32_t)u * D + 16 * lane;
+    const uint64_t codes = (uint64_t)slot * (8 * D) + 16 * lane, scales = (uint64_t)slot * D + 16 * lane;
     unsigned char *v_stage = st + U::V_CODES + (lane / ROW_CHUNKS) * U::V_ROW + 16 * (lane % ROW_CHUNKS);
 #pragma unroll
     for (int j = 0; j < CHUNKS; j++) {
-        cp_async16(st + U::K_CODES + 16 * lane + 512 * j, hc.k_codes + codes + 512 * j);
-        cp_async16(v_stage + (32 / ROW_CHUNKS) * j * U::V_ROW, hc.v_codes + codes + 512 * j);
+        cp_async16(st + U::K_CODES + 16 * lane + 512 * j, pools.k_codes + codes + 512 * j);
+        cp_async16(v_stage + (32 / ROW_CHUNKS) * j * U::V_ROW, pools.v_codes + codes + 512 * j);
     }
     if (lane < D / 16) {
-        cp_async16(st + U::K_SCALES + 16 * lane, hc.k_scales + scales);
-        cp_async16(st + U::V_SCALES + 16 * lane, hc.v_scales + scales);
+        cp_async16(st + U::K_SCALES + 16 * lane, pools.k_scales + scales);
+        cp_async16(st + U::V_SCALES + 16 * lane, pools.v_scales + scales);
     }
 }
 
@@ -536,11 +544,28 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
     const int u_begin = c0 / DEC_UNIT, u_end = (min(c0 + chunk, L) + DEC_UNIT - 1) / DEC_UNIT;
     const int64_t kv_head = (int64_t)b * p.heads_kv + hk;
 
-    head_cache hc;
-    hc.k_codes = p.k_codes + kv_head * p.capacity * (D / 2);
-    hc.k_scales = p.k_scales + kv_head * p.capacity * (D / 16);
-    hc.v_codes = p.v_codes + kv_head * (p.capacity / 2) * D;
-    hc.v_scales = p.v_scales + kv_head * (p.capacity / 16) * D;
+    const page_pools pools = {p.k_codes, p.k_scales, p.v_codes, p.v_scales};
+
+    /* Where each unit of the chunk is stored: pool unit (page * Hkv + hk) * page_units + the unit's place in its
+       page, page = the sequence's block-table entry. Looked up once per CTA, so the copies of a step wait for no
+       global load. A page outside the pool is never read: the CTA reads pool unit 0 instead and its results turn
+       NaN (a corrupt block table must not give plausible output). */
+    __shared__ uint32_t unit_slot[DEC_MAX_CHUNK / DEC_UNIT];
+    __shared__ int chunk_bad_page; /* read after the merge's barriers; kept out of the registers of the loop */
+    {
+        bool bad_page = false;
+        const int page_units = (int)(p.page_size / DEC_UNIT);
+        const int32_t *table = p.block_table + (int64_t)b * p.pages_per_seq;
+        for (int i = (int)threadIdx.x; i < u_end - u_begin; i += DEC_THREADS) {
+            const int u = u_begin + i;
+            const int32_t page = table[u / page_units];
+            const bool ok = page >= 0 && page < p.num_pages;
+            bad_page |= !ok;
+            unit_slot[i] = ok ? ((uint32_t)page * (uint32_t)p.heads_kv + hk) * page_units + u % page_units : 0u;
+        }
+        bad_page = __syncthreads_or(bad_page);
+        if (threadIdx.x == 0) chunk_bad_page = bad_page;
+    }
 
     /* Query row ridx of the tile (16 mt + ridx < rows, else past the group's: computed with Q = 0 and dropped) is
        query token ridx % Tq of head hk * group + ridx / Tq. The lane loads Q^F of rows 8 nb + g (the B operand) and
@@ -581,13 +606,13 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
     const int count = n_units > warp ? (n_units - warp + DEC_WARPS - 1) / DEC_WARPS : 0;
 #pragma unroll
     for (int i = 0; i < DEC_STAGES - 1; i++) {
-        if (i < count) load_unit<D>(ring + i * U::BYTES, hc, u_begin + warp + DEC_WARPS * i, lane);
+        if (i < count) load_unit<D>(ring + i * U::BYTES, pools, unit_slot[warp + DEC_WARPS * i], lane);
         cp_async_commit();
     }
     for (int i = 0; i < count; i++) {
         const int ahead = i + DEC_STAGES - 1; /* into the stage that step i - 1 used and released */
         if (ahead < count)
-            load_unit<D>(ring + (ahead % DEC_STAGES) * U::BYTES, hc, u_begin + warp + DEC_WARPS * ahead, lane);
+            load_unit<D>(ring + (ahead % DEC_STAGES) * U::BYTES, pools, unit_slot[warp + DEC_WARPS * ahead], lane);
         cp_async_commit();
         cp_async_wait<DEC_STAGES - 1>(); /* group i has landed (for this lane's copies) */
         __syncwarp();                    /* ... and every lane's copies are visible to the warp */
@@ -676,11 +701,12 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
             acc += merge_o[(w * 16 + row) * D + d] * f;
             lsum += merge_l[w * 16 + row] * f;
         }
+        const bool bad_page = chunk_bad_page;
         float *part = p.workspace + (q_row(ridx) * p.num_splits + split) * (D + 2);
-        part[d] = acc * DEC_FRAME; /* exact: O^T was accumulated from 2^-8 V^F */
+        part[d] = bad_page ? NAN : acc * DEC_FRAME; /* exact: O^T was accumulated from 2^-8 V^F */
         if (d == 0) {
-            part[D] = frame;
-            part[D + 1] = lsum;
+            part[D] = bad_page ? NAN : frame;
+            part[D + 1] = bad_page ? NAN : lsum;
         }
     }
 }
@@ -700,8 +726,12 @@ __global__ void __launch_bounds__(D) decode_combine_kernel(const aq_decode_param
         const int splits = (int)min((int64_t)((L + p.chunk - 1) / p.chunk), p.num_splits);
         const float *part = p.workspace + row * p.num_splits * (D + 2);
         float frame = -INFINITY;
-        for (int s = 0; s < splits; s++) frame = fmaxf(frame, part[s * (D + 2) + D]);
-        if (frame == -INFINITY) {
+        bool bad_page = false; /* a chunk that met a page outside the pool marks its frame NaN (kv_decode_kernel) */
+        for (int s = 0; s < splits; s++) {
+            frame = fmaxf(frame, part[s * (D + 2) + D]);
+            bad_page |= isnan(part[s * (D + 2) + D]);
+        }
+        if (frame == -INFINITY || bad_page) {
             out = NAN;
         } else {
             float acc = 0.0f, lsum = 0.0f;
@@ -732,10 +762,13 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace
         return "kv_cache_decode: batch and heads_kv must be <= 65535";
     if (p->seqlen_q < 1 || p->seqlen_q > 16) return "kv_cache_decode: 1 to 16 query tokens";
     if (p->heads_q / p->heads_kv > 1024) return "kv_cache_decode: at most 1024 query heads per KV head";
-    if (p->capacity < 0 || p->capacity % DEC_UNIT || p->capacity > INT32_MAX - 2 * DEC_MAX_CHUNK ||
-        p->capacity * (p->head_dim / 2) > UINT32_MAX) /* load_unit's 32-bit offsets */
-        return "kv_cache_decode: capacity must be a multiple of 16, and capacity * head_dim / 2 below 2^32";
-    if (p->max_length < 0 || p->max_length > p->capacity) return "kv_cache_decode: max_length must be in [0, capacity]";
+    if (p->page_size < DEC_UNIT || p->page_size % DEC_UNIT || p->pages_per_seq < 1 || p->num_pages < 1)
+        return "kv_cache_decode: page_size must be a positive multiple of 16, with at least one page";
+    const int64_t capacity = p->pages_per_seq * p->page_size;
+    if (capacity > INT32_MAX - 2 * DEC_MAX_CHUNK) return "kv_cache_decode: capacity (pages_per_seq * page_size) too large";
+    if (p->num_pages * p->heads_kv * (p->page_size / DEC_UNIT) > UINT32_MAX) /* the kernel's 32-bit unit slots */
+        return "kv_cache_decode: more than 2^32 16-token units (pages x KV heads) in the pools";
+    if (p->max_length < 0 || p->max_length > capacity) return "kv_cache_decode: max_length must be in [0, capacity]";
     int device = 0, sms = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
@@ -781,6 +814,7 @@ const char *aq_kv_cache_decode_cuda(const aq_decode_params *p, void *stream) {
     if (p->chunk < DEC_MIN_CHUNK || p->chunk % DEC_MIN_CHUNK || p->chunk > DEC_MAX_CHUNK)
         return "kv_cache_decode: call aq_kv_cache_decode_plan_cuda first";
     const void *ptrs[] = {p->q, p->k_codes, p->k_scales, p->v_codes, p->v_scales, p->v_tail, p->workspace};
+    if (!p->block_table) return "kv_cache_decode: block_table is required";
     for (const void *ptr : ptrs)
         if (!aligned16(ptr)) return "kv_cache_decode: every buffer must be 16-byte aligned";
     cudaStream_t s = (cudaStream_t)stream;

@@ -426,18 +426,19 @@ const char *kv_cache_decode_no_cpu(const aq_decode_params *) {
     return "kv_cache_decode has no CPU kernel (NVFP4KVCache.attention takes its composite path on the CPU)";
 }
 
-// Decode on the packed cache (attn_qat.h's aq_decode_params): q (B, Hq, Tq, D) raw, fake-quantized here;
-// the cache buffers as NVFP4KVCache holds them; lengths (B,) int64; max_length >= every length.
+// Decode on the packed cache (attn_qat.h's aq_decode_params): q (B, Hq, Tq, D) raw, fake-quantized here; the page
+// pools and the per-sequence tails as NVFP4KVCache holds them; lengths (B,) int64; block_table (B, pages_per_seq)
+// int32; max_length >= every length.
 Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, Tensor v_tail,
-                       Tensor lengths, int64_t max_length, double scale, bool causal) {
+                       Tensor lengths, Tensor block_table, int64_t max_length, double scale, bool causal) {
     STD_TORCH_CHECK(q.dim() == 4, "attn_qat: kv_cache_decode: q must be (batch, heads_q, tokens, head_dim)");
     const int64_t batch = q.size(0), heads_q = q.size(1), tokens = q.size(2), dim = q.size(3);
-    STD_TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(0) == batch && k_codes.size(3) * 2 == dim,
-                    "attn_qat: kv_cache_decode: k_codes must be (batch, heads_kv, capacity, head_dim / 2)");
-    const int64_t heads_kv = k_codes.size(1), capacity = k_codes.size(2);
+    STD_TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(3) * 2 == dim,
+                    "attn_qat: kv_cache_decode: k_codes must be (num_pages, heads_kv, page_size, head_dim / 2)");
+    const int64_t pages = k_codes.size(0), heads_kv = k_codes.size(1), page_size = k_codes.size(2);
     const std::vector<std::pair<const Tensor *, std::vector<int64_t>>> buffers = {
-        {&k_codes, {batch, heads_kv, capacity, dim / 2}},     {&k_scales, {batch, heads_kv, capacity, dim / 16}},
-        {&v_codes, {batch, heads_kv, capacity / 2, dim}},     {&v_scales, {batch, heads_kv, capacity / 16, dim}},
+        {&k_codes, {pages, heads_kv, page_size, dim / 2}},     {&k_scales, {pages, heads_kv, page_size, dim / 16}},
+        {&v_codes, {pages, heads_kv, page_size / 2, dim}},     {&v_scales, {pages, heads_kv, page_size / 16, dim}},
         {&v_tail, {batch, heads_kv, 16, dim}},
     };
     for (const auto &[t, shape] : buffers) {
@@ -449,10 +450,14 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
         STD_TORCH_CHECK(t == &v_tail ? t->scalar_type() == q.scalar_type() : t->scalar_type() == ScalarType::Byte,
                         "attn_qat: kv_cache_decode: codes and scales are uint8, v_tail has q's dtype");
     }
-    STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == batch && lengths.scalar_type() == ScalarType::Long &&
-                        lengths.is_contiguous() && lengths.is_cuda() &&
-                        lengths.get_device_index() == q.get_device_index(),
-                    "attn_qat: kv_cache_decode: lengths must be a contiguous int64 (batch,) tensor on q's device");
+    for (const Tensor *t : {&lengths, &block_table})
+        STD_TORCH_CHECK(t->is_contiguous() && t->is_cuda() && t->get_device_index() == q.get_device_index(),
+                        "attn_qat: kv_cache_decode: lengths and block_table must be contiguous, on q's device");
+    STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == batch && lengths.scalar_type() == ScalarType::Long,
+                    "attn_qat: kv_cache_decode: lengths must be an int64 (batch,) tensor");
+    STD_TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch && block_table.size(1) >= 1 &&
+                        block_table.scalar_type() == ScalarType::Int,
+                    "attn_qat: kv_cache_decode: block_table must be an int32 (batch, pages_per_seq) tensor");
     aq_decode_params p = {};
     p.dtype = kernel_dtype(q, false);
     Tensor qf = nvfp4_fake_quantize(torch::stable::contiguous(q), 3);
@@ -462,13 +467,16 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
     p.v_codes = static_cast<const uint8_t *>(v_codes.data_ptr());
     p.v_scales = static_cast<const uint8_t *>(v_scales.data_ptr());
     p.v_tail = v_tail.data_ptr();
+    p.block_table = static_cast<const int32_t *>(block_table.data_ptr());
     p.lengths = static_cast<const int64_t *>(lengths.data_ptr());
     p.batch = batch;
     p.heads_q = heads_q;
     p.heads_kv = heads_kv;
     p.seqlen_q = tokens;
     p.head_dim = dim;
-    p.capacity = capacity;
+    p.num_pages = pages;
+    p.page_size = page_size;
+    p.pages_per_seq = block_table.size(1);
     p.max_length = max_length;
     p.softmax_scale = (float)scale;
     p.causal = causal;
@@ -502,7 +510,7 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
     m.def("attention_forward_prequantized(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal) "
           "-> (Tensor out, Tensor frame, Tensor row_sum)");
     m.def("kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
-          "Tensor v_tail, Tensor lengths, int max_length, float scale, bool causal) -> Tensor");
+          "Tensor v_tail, Tensor lengths, Tensor block_table, int max_length, float scale, bool causal) -> Tensor");
 }
 
 // The same functions serve both devices: `launch` picks the kernel from the tensors' device.

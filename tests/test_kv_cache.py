@@ -18,8 +18,8 @@ from test_attention import FWD_TOL, forward_error, fresh_generator, poison_cuda_
 class Filled:
     """A cache plus every token appended to it, kept raw on the CPU for the reference."""
 
-    def __init__(self, batch, heads_kv, head_dim, capacity, dtype, device):
-        self.cache = NVFP4KVCache(batch, heads_kv, head_dim, capacity, dtype=dtype, device=device)
+    def __init__(self, batch, heads_kv, head_dim, capacity, dtype, device, **paging):
+        self.cache = NVFP4KVCache(batch, heads_kv, head_dim, capacity, dtype=dtype, device=device, **paging)
         self.k = [[] for _ in range(batch)]
         self.v = [[] for _ in range(batch)]
         self.g = fresh_generator()
@@ -64,10 +64,10 @@ class Filled:
         return torch.stack(outs)
 
 
-def fill(batch, heads_kv, head_dim, steps, dtype=torch.bfloat16, device="cpu", capacity=None):
+def fill(batch, heads_kv, head_dim, steps, dtype=torch.bfloat16, device="cpu", capacity=None, **paging):
     """A cache filled by `steps`: a list of (tokens, lengths or None) appends."""
     total = sum(t for t, _ in steps)
-    f = Filled(batch, heads_kv, head_dim, capacity or total, dtype, device)
+    f = Filled(batch, heads_kv, head_dim, capacity or total, dtype, device, **paging)
     for tokens, lengths in steps:
         f.append(tokens, lengths)
     return f
@@ -230,7 +230,7 @@ def test_sizes():
     assert cache.bytes_per_token == 8 * 2 * (64 + 8)
     assert abs(8 * 2 * 128 * 2 / cache.bytes_per_token - 3.56) < 0.01  # vs a bf16 cache
     packed = 8 * 1008 * cache.bytes_per_token
-    assert packed < cache.nbytes < packed + 8 * 8 * 16 * 128 * 2 + 64 + 1
+    assert cache.nbytes == packed + 8 * 8 * 16 * 128 * 2 + 8 * 8 + 8 * 4  # + the tails, lengths, block table
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -296,14 +296,79 @@ def test_device_mismatch_raises():
 
 
 # ----------------------------------------------------------------------------------------------
+# Paged caches: sequences draw pages of a shared pool as they grow
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [16, 48, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tq", [1, 5])
+def test_paged_matches_reference_and_unpaged(device, page_size, head_dim, tq):
+    # UNEQUAL's appends interleave the sequences' page grabs, so each sequence's pages are scattered in the pool,
+    # and blocks, tails and pages end at different tokens.
+    paged = Filled(3, 2, head_dim, 80, torch.bfloat16, device, page_size=page_size)
+    unpaged = Filled(3, 2, head_dim, 80, torch.bfloat16, device)
+    unpaged.g.set_state(paged.g.get_state())  # the same tokens in both
+    for tokens, lengths in UNEQUAL + [(tq, None)]:
+        paged.append(tokens, lengths)
+        unpaged.append(tokens, lengths)
+    pages = [p for row in paged.cache.block_table.tolist() for p in row if p >= 0]
+    assert len(set(pages)) == len(pages) and paged.cache.free_pages == paged.cache.num_pages - len(pages)
+    for causal in (True, False):
+        q = paged.query(8, tq)
+        out, _ = check(paged, q, causal, f"page_size={page_size} tq={tq} causal={causal}")
+        assert torch.equal(out, unpaged.cache.attention(q, causal=causal))  # same numbers, same kernel split
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_reset_returns_pages_for_reuse(device):
+    # A pool too small for both sequences at once: the first must give its pages back before the second grows,
+    # and the second then reads pages full of the first one's stale codes.
+    f = Filled(2, 2, 64, 96, torch.bfloat16, device, page_size=32, num_pages=4)
+    f.append(70, [70, 20])  # 3 + 1 pages
+    assert f.cache.free_pages == 0
+    with pytest.raises(ValueError, match="out of pages"):
+        f.append(20, [0, 20])
+    assert f.cache.lengths.tolist() == [70, 20] and f.cache.free_pages == 0  # a failed append changes nothing
+    check(f, f.query(4, 2), label="full pool")
+    f.cache.reset([0])
+    f.k[0], f.v[0] = [], []
+    assert f.cache.free_pages == 3 and f.cache.lengths.tolist() == [0, 20]
+    assert f.cache.block_table[0].tolist() == [-1, -1, -1]
+    f.append(75, [1, 75])  # sequence 1 takes the pages sequence 0 gave back
+    assert f.cache.free_pages == 0 and f.cache.lengths.tolist() == [1, 95]
+    check(f, f.query(4, 3), label="reused pages")
+    with pytest.raises(ValueError, match="sequences"):
+        f.cache.reset([2])
+
+
+def test_paged_sizes_and_misuse():
+    unpaged = NVFP4KVCache(8, 8, 128, 4096)
+    pool = NVFP4KVCache(8, 8, 128, 4096, page_size=256, num_pages=40)  # room for 10k tokens, not 32k
+    assert pool.capacity == 4096 and pool.block_table.shape == (8, 16)
+    assert pool.bytes_per_token == unpaged.bytes_per_token
+    assert pool.nbytes < unpaged.nbytes * 40 / 128 + 8 * 8 * 16 * 128 * 2 + 1024
+    assert NVFP4KVCache(2, 1, 64, 100, page_size=48).capacity == 144  # whole pages
+    with pytest.raises(ValueError, match="page_size"):
+        NVFP4KVCache(2, 1, 64, 100, page_size=24)
+    with pytest.raises(ValueError, match="page_size"):
+        NVFP4KVCache(2, 1, 64, 100, page_size=0)
+    with pytest.raises(ValueError, match="num_pages"):
+        NVFP4KVCache(2, 1, 64, 100, num_pages=4)
+    with pytest.raises(ValueError, match="num_pages"):
+        NVFP4KVCache(2, 1, 64, 100, page_size=16, num_pages=0)
+
+
+# ----------------------------------------------------------------------------------------------
 # The CUDA decode kernel itself (the tests above run it through NVFP4KVCache.attention on CUDA)
 
 
-def kernel(f, q, causal=True):
+def kernel(f, q, causal=True, block_table=None):
     c = f.cache
     poison_cuda_allocator()
     return ops.kv_cache_decode(q, c.k_codes, c.k_scales, c.v_codes, c.v_scales, c.v_tail, c.lengths,
-                               max(c.lengths.tolist()), q.shape[-1] ** -0.5, causal)
+                               c.block_table if block_table is None else block_table, max(c.lengths.tolist()),
+                               q.shape[-1] ** -0.5, causal)
 
 
 @requires_cuda
@@ -339,3 +404,32 @@ def test_kernel_is_deterministic_and_matches_composite():
     out = kernel(f, q)
     assert torch.equal(out, kernel(f, q))
     assert forward_error(out, f.cache._attention_composite(q, 128 ** -0.5, True))[0] <= FWD_TOL
+
+
+@requires_cuda
+@pytest.mark.parametrize("page_size", [16, 272])
+def test_kernel_paged_long_context(page_size):
+    # Chunks of up to 4096 keys spanning up to 256 pages (page_size 16) or starting mid-page (272 = 17 units).
+    f = Filled(2, 8, 128, 5001, torch.bfloat16, "cuda", page_size=page_size)
+    unpaged = Filled(2, 8, 128, 5001, torch.bfloat16, "cuda")
+    unpaged.g.set_state(f.g.get_state())
+    for filled in (f, unpaged):
+        filled.append(5000, [5000, 3333]).append(1)
+    q = f.query(32, 1)
+    out = kernel(f, q)
+    assert forward_error(out, f.reference(q))[0] <= FWD_TOL
+    assert torch.equal(out, kernel(unpaged, q))
+
+
+@requires_cuda
+def test_kernel_block_table_outside_the_pool_gives_nan():
+    # The block table is the cache's own, but the op takes it as an argument: a page index outside the pool
+    # must not read outside it, nor give plausible numbers.
+    f = fill(2, 2, 64, [(40, [40, 33])], device="cuda", page_size=16)
+    q = f.query(4, 1)
+    good = kernel(f, q)
+    for bad_page in (-1, f.cache.num_pages, 2**31 - 1):
+        table = f.cache.block_table.clone()
+        table[1, 1] = bad_page
+        out = kernel(f, q, block_table=table)
+        assert out[1].isnan().all() and torch.equal(out[0], good[0])
