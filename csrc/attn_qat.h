@@ -120,8 +120,9 @@ const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, void *stream
      v_tail   (B, Hkv, 16, D), dtype             tokens 16 * floor(L_b / 16) .. L_b - 1, unquantized
    An unpaged cache is the case num_pages = B, page_size = capacity, block_table[b] = {b}. A block-table entry
    outside [0, num_pages) that the kernel meets makes the rows of that sequence NaN; nothing outside the pools is
-   read. q (B, Hq, Tq, D) contiguous holds Q^F (fake-quantized along D); query t of sequence b is token L_b - Tq + t
-   and sees keys j < L_b with, when causal, j <= L_b - Tq + t. A row with no visible key gives O = 0.
+   read. q (B, Hq, Tq, D) contiguous holds the raw queries (the kernel makes Q^F, blocked along D, itself); query
+   t of sequence b is token L_b - Tq + t and sees keys j < L_b with, when causal, j <= L_b - Tq + t. A row with no
+   visible key gives O = 0.
    out (B, Hq, Tq, D) contiguous in dtype. The CUDA kernel splits the keys into chunks of `chunk` tokens and
    merges the chunks' partial results through `workspace` (aq_kv_cache_decode_plan_cuda sizes both). */
 typedef struct {
@@ -138,6 +139,7 @@ typedef struct {
     int causal;
     aq_dtype dtype;
     int64_t chunk, num_splits; /* set by aq_kv_cache_decode_plan_cuda */
+    int programmatic_launch;    /* likewise: sm_90+ overlaps the two kernels' launches */
 } aq_decode_params;
 
 /* Checks the sizes, picks chunk and num_splits for the current device and sets *workspace_floats. */

@@ -159,19 +159,15 @@ AQ_D uint32_t block_scales_f16x2(uint32_t two_bytes) {
     return hmul2_by_half(e4m3x2_to_f16x2(two_bytes), DEC_F16X2_64, 0);
 }
 
-/* A bf16 or fp16 pair as an fp16 pair; exact for the values of a fake-quantized tensor (Q^F). */
-template <aq_dtype DT>
-AQ_D uint32_t to_f16x2(uint32_t x) {
-    if constexpr (DT == AQ_FLOAT16) return x;
-    else return pack2<AQ_FLOAT16>(__uint_as_float(x << 16), __uint_as_float(x & 0xFFFF0000u));
-}
-
 /* ------------------------------------------------------------------------------------------------
    Unit pieces */
 
 /* The B fragments of Q^F (fp16) for n-block nb of the tile's query rows: row 8 nb + g (row_index[nb]:
    (b * Hq + h) * Tq + t, or -1 for a row past the KV group's, which stays 0), in the contraction order of the file
-   comment: qb[kk][nb] = {channels c, c + 4; channels c + 1, c + 5} with c = t * D/4 + 8 (kk >> 1) + 2 (kk & 1). */
+   comment: qb[kk][nb] = {channels c, c + 4; channels c + 1, c + 5} with c = t * D/4 + 8 (kk >> 1) + 2 (kk & 1).
+   q holds the raw queries: the lane's D/4 channels are whole 16-channel blocks (D/64 of them), so it applies the
+   block rule itself (aq_fake_quantize_block, the quantize kernels' code) and no separate pass over Q runs before
+   the kernel. Q^F is exact in fp16 (numerics.md §1). */
 template <int D, aq_dtype DT, int NB>
 AQ_D void load_q_fragments(uint32_t (&qb)[D / 16][NB][2], const void *q, const int64_t (&row_index)[NB], int t) {
 #pragma unroll
@@ -179,14 +175,18 @@ AQ_D void load_q_fragments(uint32_t (&qb)[D / 16][NB][2], const void *q, const i
         uint32_t w[D / 8] = {}; /* channel pairs t * D/4 + 2i, + 1 */
         if (row_index[nb] >= 0) {
             const uint4 *src = (const uint4 *)((const uint16_t *)q + row_index[nb] * D + t * (D / 4));
+            float v[D / 4];
 #pragma unroll
             for (int c = 0; c < D / 32; c++) {
-                const uint4 v = src[c];
-                w[4 * c] = to_f16x2<DT>(v.x);
-                w[4 * c + 1] = to_f16x2<DT>(v.y);
-                w[4 * c + 2] = to_f16x2<DT>(v.z);
-                w[4 * c + 3] = to_f16x2<DT>(v.w);
+                const uint4 raw = src[c];
+                const uint16_t *h = (const uint16_t *)&raw;
+#pragma unroll
+                for (int i = 0; i < 8; i++) v[8 * c + i] = to_float<DT>(h[i]);
             }
+#pragma unroll
+            for (int blk = 0; blk < D / 64; blk++) aq_fake_quantize_block(v + 16 * blk, 16);
+#pragma unroll
+            for (int i = 0; i < D / 8; i++) w[i] = pack2<AQ_FLOAT16>(v[2 * i], v[2 * i + 1]);
         }
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) { /* w[i]: channels c, c+1; w[i + 2]: c+4, c+5 */
@@ -538,6 +538,10 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
     const int L = (int)min(max(p.lengths[b], (int64_t)0), p.max_length);
     const int chunk = (int)p.chunk, c0 = split * chunk;
     if (c0 >= L) return; /* CTA-uniform, before any barrier */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    /* decode_combine_kernel may be scheduled once every CTA has started; it waits for this grid to complete */
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int tq_count = (int)p.seqlen_q, group = (int)(p.heads_q / p.heads_kv), rows = group * tq_count;
     const int full_units = L / DEC_UNIT; /* units below have a packed V block; unit full_units is the tail */
@@ -586,9 +590,6 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
             lim[nb][c] = ridx < rows && p.causal ? L - tq_count + ridx % tq_count : L - 1;
         }
     }
-    uint32_t qb[D / 16][NB][2];
-    load_q_fragments<D, DT, NB>(qb, p.q, q_rows, t);
-
     float o[D / 16][NB][4], m[NB][2], l[NB][2];
 #pragma unroll
     for (int nb = 0; nb < NB; nb++) {
@@ -609,6 +610,8 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
         if (i < count) load_unit<D>(ring + i * U::BYTES, pools, unit_slot[warp + DEC_WARPS * i], lane);
         cp_async_commit();
     }
+    uint32_t qb[D / 16][NB][2]; /* Q^F, made while the first units are in flight */
+    load_q_fragments<D, DT, NB>(qb, p.q, q_rows, t);
     for (int i = 0; i < count; i++) {
         const int ahead = i + DEC_STAGES - 1; /* into the stage that step i - 1 used and released */
         if (ahead < count)
@@ -716,6 +719,11 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
    has frame -inf and is NaN, like the forward kernels. */
 template <int D, aq_dtype DT>
 __global__ void __launch_bounds__(D) decode_combine_kernel(const aq_decode_params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    /* launched early (programmatic dependent launch, launch_decode): wait until kv_decode_kernel has completed and
+       its partial results are visible; a no-op when launched the ordinary way */
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
     const int64_t row = blockIdx.x; /* (b * Hq + h) * Tq + t */
     const int tq_count = (int)p.seqlen_q, tq = (int)(row % tq_count), d = (int)threadIdx.x;
     const int64_t b = row / (p.heads_q * tq_count);
@@ -772,7 +780,10 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace
     int device = 0, sms = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    int major = 0;
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     if (err != cudaSuccess) return cudaGetErrorString(err);
+    p->programmatic_launch = major >= 9;
     /* The longest chunks (up to DEC_MAX_CHUNK keys) that still give every SM a CTA: a CTA's four warps already
        keep enough loads in flight, and shorter chunks only add pipeline start-up and partial results. Measured on
        the H100 (batch 8, 32 q / 8 kv heads, D = 128, one query token): 4k context 42.6 us with this rule against
@@ -805,8 +816,19 @@ static const char *launch_decode(const aq_decode_params *p, cudaStream_t stream)
     }
     const int64_t rows = p->batch * p->heads_q * p->seqlen_q;
     if (rows > INT32_MAX) return "kv_cache_decode: too many output rows";
-    decode_combine_kernel<D, DT><<<(unsigned)rows, D, 0, stream>>>(*p);
-    return launch_status();
+    /* Programmatic dependent launch: the combine kernel's launch overlaps the decode kernel's last CTAs instead of
+       starting after them (~5 us of a 130 us decode at 32k context). */
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3((unsigned)rows);
+    config.blockDim = dim3(D);
+    config.stream = stream;
+    cudaLaunchAttribute overlap = {};
+    overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &overlap;
+    config.numAttrs = p->programmatic_launch ? 1 : 0;
+    const cudaError_t err = cudaLaunchKernelEx(&config, decode_combine_kernel<D, DT>, *p);
+    return err == cudaSuccess ? launch_status() : cudaGetErrorString(err);
 }
 
 const char *aq_kv_cache_decode_cuda(const aq_decode_params *p, void *stream) {

@@ -426,9 +426,9 @@ const char *kv_cache_decode_no_cpu(const aq_decode_params *) {
     return "kv_cache_decode has no CPU kernel (NVFP4KVCache.attention takes its composite path on the CPU)";
 }
 
-// Decode on the packed cache (attn_qat.h's aq_decode_params): q (B, Hq, Tq, D) raw, fake-quantized here; the page
-// pools and the per-sequence tails as NVFP4KVCache holds them; lengths (B,) int64; block_table (B, pages_per_seq)
-// int32; max_length >= every length.
+// Decode on the packed cache (attn_qat.h's aq_decode_params): q (B, Hq, Tq, D) raw (the kernel fake-quantizes
+// it); the page pools and the per-sequence tails as NVFP4KVCache holds them; lengths (B,) int64; block_table
+// (B, pages_per_seq) int32; max_length >= every length.
 Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, Tensor v_tail,
                        Tensor lengths, Tensor block_table, int64_t max_length, double scale, bool causal) {
     STD_TORCH_CHECK(q.dim() == 4, "attn_qat: kv_cache_decode: q must be (batch, heads_q, tokens, head_dim)");
@@ -460,8 +460,8 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
                     "attn_qat: kv_cache_decode: block_table must be an int32 (batch, pages_per_seq) tensor");
     aq_decode_params p = {};
     p.dtype = kernel_dtype(q, false);
-    Tensor qf = nvfp4_fake_quantize(torch::stable::contiguous(q), 3);
-    p.q = qf.data_ptr();
+    Tensor qc = torch::stable::contiguous(q); // raw: the kernel fake-quantizes its rows along D itself
+    p.q = qc.data_ptr();
     p.k_codes = static_cast<const uint8_t *>(k_codes.data_ptr());
     p.k_scales = static_cast<const uint8_t *>(k_scales.data_ptr());
     p.v_codes = static_cast<const uint8_t *>(v_codes.data_ptr());
