@@ -51,6 +51,27 @@ def self_check(device: str) -> bool:
     ok &= passed
     print(f"  [{device}] attention (GQA 4/2 heads, causal, Nq={nq}, Nk={nk}, D={d}): forward rel. error "
           f"{err_fwd:.1e} (<= 3e-3), backward {err_bwd:.1e} (<= 1e-2): {'ok' if passed else 'FAILED'}")
+
+    # Decode on a paged NVFP4 KV cache: two sequences of unequal lengths in 16-token pages, one query token.
+    lengths = (45, 30)
+    kc = torch.randn(2, hkv, max(lengths), d, generator=g).to(torch.bfloat16)
+    vc = torch.randn(2, hkv, max(lengths), d, generator=g).to(torch.bfloat16)
+    qc = torch.randn(2, hq, 1, d, generator=g).to(torch.bfloat16)
+    cache = attn_qat.NVFP4KVCache(2, hkv, d, 64, page_size=16, device=device)
+    cache.append(kc.to(device), vc.to(device), lengths=list(lengths))
+    out = cache.attention(qc.to(device))
+    err_dec = 0.0
+    for i, n in enumerate(lengths):  # the cache's V: complete 16-token blocks quantized, the tail raw
+        v_mixed = vc[i, :, :n].double()
+        v_mixed[:, :16 * (n // 16)] = reference.fake_quantize(vc[i, :, :16 * (n // 16)], -2)
+        ref = reference.attention_forward(reference.fake_quantize(qc[i], -1)[None],
+                                          reference.fake_quantize(kc[i, :, :n], -1)[None], v_mixed[None],
+                                          causal="bottom_right", operands_quantized=True)["out"][0]
+        err_dec = max(err_dec, rel_error(out[i], ref))
+    passed = err_dec <= 3e-3
+    ok &= passed
+    print(f"  [{device}] decode on a paged NVFP4 KV cache (lengths {lengths}, 16-token pages): rel. error "
+          f"{err_dec:.1e} (<= 3e-3): {'ok' if passed else 'FAILED'}")
     return ok
 
 
