@@ -86,7 +86,8 @@ def decode_section(d):
              f"{d['gpu']}, {d['date']}, commit {d['commit']}, torch {d['torch']}. Bytes: {d['bytes']}. GB/s of those "
              f"bytes; \"of copy\" against a device-to-device copy in the same process ({d['copy_GB/s']:.0f} GB/s), "
              f"\"of peak\" against {d['peak_GB/s']:.0f} GB/s. Speed-up: the faster torch SDPA bf16 variant's time over "
-             "the decode kernel's. Cells: ms / GB/s.\n"]
+             "the decode kernel's. Times are CUDA-graph replays, no host launch overhead on either side "
+             "(`bench_decode.py`'s docstring says why). Cells: ms / GB/s.\n"]
     labels = list(d["shapes"][0]["results"])
     lines += ["| shape (B, Hq, Hkv, context, Tq, D) | " + " | ".join(labels) + " | kernel of copy / of peak | speed-up "
               "| bytes per token, bf16 / NVFP4 |", "|---|" + "---|" * (len(labels) + 3)]
