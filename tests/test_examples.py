@@ -1,6 +1,7 @@
 """CPU smoke tests of examples/train_lm.py and examples/train_wan.py: a few steps of the tiny model in four
 arms, end to end."""
 import csv
+import importlib.util
 import json
 import math
 import pathlib
@@ -58,4 +59,5 @@ def test_train_wan_tiny_cpu(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = check_outputs(out, ARMS)
     assert summary["cross_attention"] and summary["tokens_per_video"] == 32
-    assert (out / "loss.png").exists() and (out / "grad_norm.png").exists()
+    if importlib.util.find_spec("matplotlib"):  # the plots need it (README's test command installs it)
+        assert (out / "loss.png").exists() and (out / "grad_norm.png").exists()
