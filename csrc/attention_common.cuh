@@ -433,6 +433,44 @@ AQ_D void fake_quantize_p_block(float c0[4], float c1[4]) {
     c0[2] = row_g8[0], c0[3] = row_g8[1], c1[2] = row_g8[2], c1[3] = row_g8[3];
 }
 
+/* fake_quantize_p_block for two 16-key blocks at once (c0, c1: block A, c2, c3: block B), bit for bit: the lane
+   quad holds 4 row-blocks (rows g and g+8 of each block), 4 values a lane. Instead of every lane computing all 4
+   block scales, a reduce-scatter of the 4 amaxes over lane bits 0 and 1 leaves lane t the amax of row-block t, each
+   lane computes one scale (the E4M3 rounding and the reciprocal: ~14 instructions), and an all-gather brings every
+   lane the 4 (s, r). 11 shuffles instead of 8, a quarter of the scale work: ~2.5 instructions an element fewer. */
+AQ_D void fake_quantize_p_block_pair(float c0[4], float c1[4], float c2[4], float c3[4]) {
+    float x[4][4] = {{c0[0], c0[1], c1[0], c1[1]}, {c0[2], c0[3], c1[2], c1[3]},
+                     {c2[0], c2[1], c3[0], c3[1]}, {c2[2], c2[3], c3[2], c3[3]}};
+    const int lane = (int)threadIdx.x & 31;
+    const bool bit0 = lane & 1, bit1 = lane & 2;
+    uint32_t a[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        a[j] = max(max(__float_as_uint(x[j][0]), __float_as_uint(x[j][1])),
+                   max(__float_as_uint(x[j][2]), __float_as_uint(x[j][3])));
+    uint32_t kept[2]; /* over lane bit 0: row-blocks 2 * bit0 + i */
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const uint32_t keep = bit0 ? a[2 + i] : a[i], send = bit0 ? a[i] : a[2 + i];
+        kept[i] = max(keep, __shfl_xor_sync(AQ_FULL_MASK, send, 1));
+    }
+    /* over lane bit 1: row-block 2 * bit0 + bit1, the full amax of its 16 values */
+    const uint32_t amax = max(bit1 ? kept[1] : kept[0], __shfl_xor_sync(AQ_FULL_MASK, bit1 ? kept[0] : kept[1], 2));
+    float s, s_pf, r;
+    p_block_scale(amax, &s, &s_pf, &r);
+#pragma unroll
+    for (int j = 0; j < 4; j++) { /* row-block j's scale from the lane that computed it: bit0 = j >> 1, bit1 = j & 1 */
+        const int src = (lane & ~3) | (j >> 1) | ((j & 1) << 1);
+        const float js = __shfl_sync(AQ_FULL_MASK, s, src), jr = __shfl_sync(AQ_FULL_MASK, r, src);
+#pragma unroll
+        for (int i = 0; i < 4; i++) x[j][i] = p_fake_quantize_element(x[j][i], js, jr);
+    }
+    c0[0] = x[0][0], c0[1] = x[0][1], c1[0] = x[0][2], c1[1] = x[0][3];
+    c0[2] = x[1][0], c0[3] = x[1][1], c1[2] = x[1][2], c1[3] = x[1][3];
+    c2[0] = x[2][0], c2[1] = x[2][1], c3[0] = x[2][2], c3[1] = x[2][3];
+    c2[2] = x[3][0], c2[3] = x[3][1], c3[2] = x[3][2], c3[3] = x[3][3];
+}
+
 /* The A fragment of fq16(P̂ * 2^11) for one 16-key block, from P̂ in C layout (fake_quantize_p_block). */
 template <aq_dtype DT>
 AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[4]) {

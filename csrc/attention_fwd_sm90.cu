@@ -154,7 +154,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
     };
     auto quantize_scores = [&]() {
 #pragma unroll
-        for (int kb = 0; kb < BN / 16; kb++) fake_quantize_p_block(sc[2 * kb], sc[2 * kb + 1]);
+        for (int kb = 0; kb < BN / 16; kb += 2)
+            fake_quantize_p_block_pair(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3]);
     };
 
     /* O += P V, O' += P̂ V for tile j: one 16-key block of P (two C fragments = one A fragment) per wgmma */
