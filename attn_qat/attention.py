@@ -8,7 +8,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, mode_code, ops
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, mode_code, positive_scale, ops
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LN2 = math.log(2.0)
@@ -97,6 +97,7 @@ def _kernel_mask(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> t
 
 def _run(q, k, v, mask, scale, causal, mode):
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    q, scale = positive_scale(q, scale)
     return ops.attention_forward(q, k, v, mask, scale, causal, mode_code(mode), need_grad)
 
 

@@ -37,7 +37,7 @@ import torch
 
 from . import _C
 from .attention import SUPPORTED_HEAD_DIMS
-from .ops import CAUSAL_NONE, ops
+from .ops import CAUSAL_NONE, positive_scale, ops
 
 BLOCK = 16
 MAX_KERNEL_QUERIES = 16  # query tokens the CUDA decode kernel takes; more use the composite path
@@ -326,5 +326,5 @@ class NVFP4KVCache:
             visible = visible & (keys <= length - tq + torch.arange(tq, device=self.device)[:, None])
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=self.device).masked_fill(~visible, float("-inf"))
         mask = mask[:, None].expand(batch, heads_q, tq, n)
-        q_fq = ops.nvfp4_fake_quantize(q, 3)
+        q_fq, scale = positive_scale(ops.nvfp4_fake_quantize(q, 3), scale)
         return ops.attention_forward_prequantized(q_fq, k, v, mask, scale, CAUSAL_NONE)[0]

@@ -18,6 +18,16 @@ def mode_code(mode: str) -> int:
     return MODES.index(mode)
 
 
+def positive_scale(q: torch.Tensor, scale: float):
+    """(q, scale) for the attention ops, which take scale > 0 (their kernels find the row max on the raw scores
+    and scale inside the exp, csrc/attention_common.cuh's logit_map): a negative scale becomes the same logits
+    from -q, since q.k * scale == (-q).k * (-scale) exactly and the NVFP4 block rule is symmetric in sign; a zero
+    scale (every logit 0) becomes zero queries with scale 1."""
+    if scale < 0:
+        return -q, -scale
+    return (q * 0, 1.0) if scale == 0 else (q, scale)
+
+
 def _token_major(t: torch.Tensor) -> bool:
     """Same rule as csrc/ops.cpp: (B, H, N, D) views of (B, N, H, D) memory keep that layout."""
     return t.size(1) > 1 and t.size(2) > 1 and t.stride(1) < t.stride(2)

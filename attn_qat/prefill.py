@@ -24,7 +24,7 @@ import torch
 
 from .attention import SUPPORTED_HEAD_DIMS, attention
 from .nvfp4 import BLOCK, NVFP4Tensor, dequantize, fake_quantize, quantize
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, ops
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, positive_scale, ops
 
 _DTYPES = (torch.bfloat16, torch.float16)
 Operand = Union[torch.Tensor, NVFP4Tensor]
@@ -135,6 +135,7 @@ def attention_prequantized(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
     """The §3 inference forward on operands that already hold FP4 values (Q^F, K^F, V^F as bf16/fp16,
     (B, H, S, D) with any strides and a contiguous last dim): P is quantized, Q, K, V are not touched.
     Causal aligns bottom-right. Output (B, Hq, Nq, D) in the layout of qf."""
+    qf, scale = positive_scale(qf, scale)
     return ops.attention_forward_prequantized(qf, kf, vf, None, scale,
                                               CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE)[0]
 

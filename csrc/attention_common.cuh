@@ -206,14 +206,22 @@ AQ_D void store_fragment_rows(const float (&acc)[D / 8][4], uint16_t *g, int64_t
 }
 
 /* ------------------------------------------------------------------------------------------------
-   Scores to the log2 domain (numerics.md §3) with masking, for one (batch, query head). */
+   Scores to the log2 domain (numerics.md §3) with masking, for one (batch, query head).
+
+   The kernels carry logits u with t = u * exp_scale and evaluate P̂ = 2^(t - M) as ex2(fma(u, exp_scale, -M)), so
+   without an additive mask the scaling rides in the exp's fma instead of a multiply per element: u is the raw
+   score q.k and exp_scale = scale * log2(e), and the frame M = ceil(max u * exp_scale) is the same as ceil(max t),
+   since rounding is monotonic and the scale is > 0 (the ops reject others: the Python entry points flip q's sign
+   for a negative scale, and a zero one would turn a hidden key's -inf into NaN). With an additive mask, u = t and
+   exp_scale = 1. */
 typedef struct {
     const float *mask;            /* at (b, h), or NULL */
     int64_t mask_stride_i, mask_stride_j;
     int seqlen_q, seqlen_k, causal;
     int64_t causal_offset;
     float scale;                  /* softmax_scale, for the masked formula */
-    float scale_log2;             /* softmax_scale * log2(e), for the unmasked one */
+    float scale_log2;             /* softmax_scale * log2(e) */
+    float exp_scale;              /* t = u * exp_scale (above) */
 } logit_map;
 
 AQ_D logit_map make_logit_map(const float *mask, const int64_t mask_stride[4], int b, int h, int64_t seqlen_q,
@@ -228,6 +236,7 @@ AQ_D logit_map make_logit_map(const float *mask, const int64_t mask_stride[4], i
     lm.causal_offset = causal_offset;
     lm.scale = scale;
     lm.scale_log2 = scale * AQ_LOG2E;
+    lm.exp_scale = mask ? 1.0f : lm.scale_log2;
     return lm;
 }
 
@@ -268,13 +277,13 @@ AQ_D bool key_visible(const logit_map *lm, int i, int j) {
     return in_causal_range(lm, i, j) && (lm->mask == NULL || mask_at(lm, i, j) != -INFINITY);
 }
 
-/* For the fp32 score s = q_i . k_j: returns key_visible and sets *t to t_ij, or to -inf for a hidden key
-   (whose score, even NaN, is never used). */
+/* For the fp32 score s = q_i . k_j: returns key_visible and sets *t to the logit u_ij (logit_map: t_ij = u_ij *
+   exp_scale), or to -inf for a hidden key (whose score, even NaN, is never used). */
 AQ_D bool masked_logit_log2(const logit_map *lm, float s, int i, int j, float *t) {
     *t = -INFINITY;
     if (!in_causal_range(lm, i, j)) return false;
     if (lm->mask == NULL) {
-        *t = s * lm->scale_log2;
+        *t = s;
         return true;
     }
     const float m = mask_at(lm, i, j);
@@ -292,7 +301,7 @@ AQ_D bool logit_log2(const logit_map *lm, float s, int i, int j, float *t) {
     } else {
         const bool visible = (i < lm->seqlen_q) & (j < lm->seqlen_k) &
                              (!lm->causal | ((int64_t)j <= (int64_t)i + lm->causal_offset));
-        *t = visible ? s * lm->scale_log2 : -INFINITY;
+        *t = visible ? s : -INFINITY;
         return visible;
     }
 }
@@ -485,7 +494,7 @@ AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[
    thread keeps two rows (r = 0: row g, elements 0, 1; r = 1: row g+8, elements 2, 3) with their integer frame
    m[r], its part of l[r] (summed over the quad at the end) and whether it met a visible key. */
 
-/* Scores q.k -> t = log2-domain logits, hidden keys -inf (attn_qat.h's visibility). */
+/* Scores q.k -> logits u (logit_map: t = u * exp_scale), hidden keys -inf (attn_qat.h's visibility). */
 template <int BN>
 AQ_D void scores_to_log2(const logit_map *lm, float (&s)[BN / 8][4], int row_base, int k0, bool needs_mask,
                          bool seen[2]) {
@@ -503,20 +512,16 @@ AQ_D void scores_to_log2(const logit_map *lm, float (&s)[BN / 8][4], int row_bas
     } else if (needs_mask) {
         masked(std::false_type());
     } else {
-        seen[0] = seen[1] = true;
-#pragma unroll
-        for (int n = 0; n < BN / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) s[n][e] *= lm->scale_log2;
+        seen[0] = seen[1] = true; /* the logits are the scores (logit_map) */
     }
 }
 
 /* One key tile of the online softmax in an integer frame: m = ceil(running max), so the factor alpha by which the
    accumulators must be rescaled (rescale_rows) is an exact power of two, which commutes with the P block rule.
-   s becomes P̂ = 2^(t - m), and l is rescaled and accumulated. The row max ignores NaN (fmaxf); a NaN score still
-   reaches l and O through exp2. */
+   s holds logits u (t = u * exp_scale, logit_map) and becomes P̂ = 2^(t - m), and l is rescaled and accumulated. The
+   row max ignores NaN (fmaxf); a NaN score still reaches l and O through exp2. */
 template <int BN>
-AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2]) {
+AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2], float exp_scale) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         float mx = -INFINITY;
@@ -524,7 +529,7 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
         for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 2));
-        const float m_new = fmaxf(m[r], ceilf(mx));
+        const float m_new = fmaxf(m[r], ceilf(mx * exp_scale));
         alpha[r] = exp2_frame_step(m[r] - m_new);
         m[r] = m_new;
         l[r] *= alpha[r];
@@ -533,8 +538,8 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
         const float frame = m_new == -INFINITY ? 0.0f : m_new;
 #pragma unroll
         for (int n = 0; n < BN / 8; n++) {
-            s[n][2 * r] = frame_exp2(s[n][2 * r] - frame);
-            s[n][2 * r + 1] = frame_exp2(s[n][2 * r + 1] - frame);
+            s[n][2 * r] = frame_exp2(fmaf(s[n][2 * r], exp_scale, -frame));
+            s[n][2 * r + 1] = frame_exp2(fmaf(s[n][2 * r + 1], exp_scale, -frame));
             l[r] += s[n][2 * r] + s[n][2 * r + 1];
         }
     }
@@ -552,9 +557,9 @@ AQ_D void rescale_rows(float (&acc)[D / 8][4], const float alpha[2]) {
 /* online_softmax_scores, then the rescale of o (and o2 with RESCALE_O2). */
 template <int BN, int D, bool RESCALE_O2>
 AQ_D void online_softmax_tile(float (&s)[BN / 8][4], float (&o)[D / 8][4], float (&o2)[D / 8][4], float m[2],
-                              float l[2]) {
+                              float l[2], float exp_scale) {
     float alpha[2];
-    online_softmax_scores<BN>(s, m, l, alpha);
+    online_softmax_scores<BN>(s, m, l, alpha, exp_scale);
     rescale_rows<D>(o, alpha);
     if constexpr (RESCALE_O2) rescale_rows<D>(o2, alpha);
 }
@@ -675,16 +680,16 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
             for (int e = 0; e < 4; e++) {
                 const int col = 2 * h + (e & 1);
                 const float m = float4_at(m4, col), inv_l = float4_at(inv_l4, col);
-                float t = st[n][e] * lm->scale_log2;
                 float phat;
                 if constexpr (CHECKED) {
                     const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
-                    const bool live = masked_logit_log2(lm, st[n][e], q0 + qi, kj, &t) && inv_l != 0.0f;
-                    phat = live ? frame_exp2(t - m) : 0.0f;
+                    float u;
+                    const bool live = masked_logit_log2(lm, st[n][e], q0 + qi, kj, &u) && inv_l != 0.0f;
+                    phat = live ? frame_exp2(fmaf(u, lm->exp_scale, -m)) : 0.0f;
                     st[n][e] = live ? phat * inv_l : 0.0f;
                     live_bits |= (uint32_t)live << (4 * n + e);
                 } else {
-                    phat = frame_exp2(t - m);
+                    phat = frame_exp2(fmaf(st[n][e], lm->scale_log2, -m));
                     st[n][e] = phat * inv_l;
                 }
                 xq[col][e >> 1] = phat;
@@ -758,15 +763,15 @@ AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const f
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int r = e >> 1;
-            float t = s[n][e] * lm->scale_log2;
             if constexpr (CHECKED) {
+                float u;
                 const bool live = masked_logit_log2(lm, s[n][e], row_base + frag_c_row(lane, e),
-                                                    k0 + 8 * n + frag_c_col(lane, e), &t) &&
+                                                    k0 + 8 * n + frag_c_col(lane, e), &u) &&
                                   inv_l[r] != 0.0f;
-                s[n][e] = live ? frame_exp2(t - m[r]) * inv_l[r] : 0.0f;
+                s[n][e] = live ? frame_exp2(fmaf(u, lm->exp_scale, -m[r])) * inv_l[r] : 0.0f;
                 live_bits |= (uint32_t)live << (4 * n + e);
             } else {
-                s[n][e] = frame_exp2(t - m[r]) * inv_l[r];
+                s[n][e] = frame_exp2(fmaf(s[n][e], lm->scale_log2, -m[r])) * inv_l[r];
             }
         }
     return live_bits;

@@ -265,10 +265,18 @@ void set_causal(int64_t causal, const AttentionShape &s, int *flag, int64_t *off
     *offset = causal == CAUSAL_BOTTOM_RIGHT ? s.seqlen_k - s.seqlen_q : 0;
 }
 
+// The kernels take the row max on raw scores and scale inside the exp (attention_common.cuh's logit_map), which
+// needs scale > 0.
+void check_scale(double scale) {
+    STD_TORCH_CHECK(scale > 0.0, "attn_qat: the attention ops take softmax scale > 0, got ", scale,
+                    " (the Python entry points pass a negative scale as -q and -scale, zero as zero queries)");
+}
+
 // Runs the forward kernel on operands the caller has already prepared.
 void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::optional<Tensor> &mask,
                  double scale, int64_t causal, bool quantize_p, const Tensor &out, const Tensor *out_prime,
                  const Tensor &frame, const Tensor &row_sum, const AttentionShape &s) {
+    check_scale(scale);
     aq_attention_fwd_params p = {};
     p.q = q.data_ptr();
     p.k = k.data_ptr();
@@ -333,6 +341,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                                                       Tensor out_prime, std::optional<Tensor> mask, Tensor frame,
                                                       Tensor row_sum, double scale, int64_t causal, int64_t mode) {
     check_mode(mode);
+    check_scale(scale);
     const AttentionShape s = check_attention_inputs(q, k, v);
     STD_TORCH_CHECK(dout.dim() == 4 && dout.size(0) == s.batch && dout.size(1) == s.heads_q &&
                         dout.size(2) == s.seqlen_q && dout.size(3) == s.head_dim && dout.stride(3) == 1,

@@ -389,6 +389,28 @@ def test_mma_sync_kernels_on_any_gpu(monkeypatch, shape, mode):
         assert rel_error(a, c) < 1e-3, f"{name}: default kernels and mma.sync kernels disagree"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [0.3, -0.2, 0.0], ids=["0.3", "negative", "zero"])
+def test_softmax_scale_against_reference(device, scale):
+    # The kernels scale inside the exp's fma and take the row max on raw scores, so a negative scale reaches
+    # them as -q, and zero as zero queries (ops.positive_scale); causal and not, GQA, against the float64 reference.
+    q, k, v, dout = make_inputs(1, 4, 2, 70, 90, 64, torch.bfloat16, device)
+    for causal in (None, "top_left"):
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        poison_cuda_allocator()
+        out = attn_qat.scaled_dot_product_attention(qg, kg, vg, is_causal=causal == "top_left", scale=scale,
+                                                    enable_gqa=True)
+        out.backward(dout)
+        qc, kc, vc, dc = (t.cpu() for t in (q, k, v, dout))
+        ref = reference.attention(qc, kc, vc, causal=causal, scale=scale)
+        grads = reference.attention_backward(qc, kc, vc, dc, causal=causal, scale=scale)
+        assert forward_error(out.detach(), ref)[0] <= FWD_TOL, f"scale {scale}, causal {causal}"
+        for name, ours, r in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), grads):
+            assert rel_error(ours, r) <= BWD_TOL, f"{name}, scale {scale}, causal {causal}"
+    with pytest.raises(RuntimeError, match="scale > 0"):
+        attn_qat.ops.ops.attention_forward(q, k, v, None, -0.5, 0, 0, False)
+
+
 def test_scale_default_is_inverse_sqrt_d():
     q, k, v, _ = make_inputs(1, 1, 1, 16, 16, 64, torch.bfloat16, "cpu")
     assert torch.equal(attn_qat.scaled_dot_product_attention(q, k, v),
