@@ -545,9 +545,17 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
     }
 }
 
-/* acc *= alpha of each of the thread's two rows. */
+/* Whether any of the warp's 16 rows moved its frame in this tile (alpha != 1). An integer frame moves only when a
+   row's max passes the next integer, so after the first tiles most tiles move none, and skipping their rescale
+   (a multiply per accumulator element: D/2 a thread, as much as a tenth of a tile's elementwise work) is exact. */
+AQ_D bool frames_moved(const float alpha[2]) {
+    return __any_sync(AQ_FULL_MASK, alpha[0] != 1.0f || alpha[1] != 1.0f);
+}
+
+/* acc *= alpha of each of the thread's two rows, if any row of the warp moved its frame (frames_moved). */
 template <int D>
 AQ_D void rescale_rows(float (&acc)[D / 8][4], const float alpha[2]) {
+    if (!frames_moved(alpha)) return;
 #pragma unroll
     for (int n = 0; n < D / 8; n++)
 #pragma unroll
