@@ -198,7 +198,8 @@ class NVFP4KVCache:
                              f"capacity of {self.capacity}")
         if not any(counts):
             return
-        new_pages = [-(-(n + c) // self.page_size) - len(pages) for n, c, pages in zip(held, counts, self._pages)]
+        new_pages = [max(0, -(-(n + c) // self.page_size) - len(pages))
+                     for n, c, pages in zip(held, counts, self._pages)]
         if sum(new_pages) > len(self._free):
             raise ValueError(f"attn_qat.NVFP4KVCache.append: out of pages: the append needs {sum(new_pages)} more "
                              f"pages of {self.page_size} tokens, {len(self._free)} of the pool's {self.num_pages} "
@@ -207,8 +208,16 @@ class NVFP4KVCache:
             for pages, extra in zip(self._pages, new_pages):
                 pages.extend(self._free.pop() for _ in range(extra))
             self._sync_block_table()
-        with torch.no_grad():
-            self._store(k, v, counts)
+        try:
+            with torch.no_grad():
+                self._store(k, v, counts)
+        except BaseException:  # a failed store (out of memory, say) gives its pages back: the append changed nothing
+            if any(new_pages):
+                for pages, extra in zip(self._pages, new_pages):
+                    for _ in range(extra):
+                        self._free.append(pages.pop())
+                self._sync_block_table()
+            raise
         self._host_lengths = [n + c for n, c in zip(self._host_lengths, counts)]
         self._lengths.copy_(torch.tensor(self._host_lengths, dtype=torch.long))
 
@@ -276,6 +285,8 @@ class NVFP4KVCache:
         scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
         with torch.no_grad():
             if q.is_cuda and q.shape[2] <= MAX_KERNEL_QUERIES and _C.with_cuda:
+                if not q.is_contiguous() or q.data_ptr() % 16:  # the kernel reads q's rows 16 bytes at a time
+                    q = q.clone(memory_format=torch.contiguous_format)
                 return ops.kv_cache_decode(q, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.v_tail,
                                            self._lengths, self.block_table, max(self._host_lengths), scale,
                                            bool(causal))

@@ -342,6 +342,26 @@ def test_paged_reset_returns_pages_for_reuse(device):
         f.cache.reset([2])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_failed_store_gives_pages_back(device, monkeypatch):
+    # An append that fails after taking its pages (the store runs out of memory, say) leaves the pool as it was.
+    f = Filled(2, 1, 64, 64, torch.bfloat16, device, page_size=16, num_pages=4)
+    f.append(20, [20, 5])  # 2 + 1 pages
+    table, free = f.cache.block_table.clone(), f.cache.free_pages
+
+    def fail(*args):
+        raise RuntimeError("store failed")
+
+    monkeypatch.setattr(f.cache, "_store", fail)
+    with pytest.raises(RuntimeError, match="store failed"):
+        f.cache.append(*(torch.zeros(2, 1, 12, 64, dtype=torch.bfloat16, device=device),) * 2)
+    assert f.cache.free_pages == free and torch.equal(f.cache.block_table, table)
+    assert f.cache.lengths.tolist() == [20, 5]
+    monkeypatch.undo()
+    f.append(12)  # the pages are there to take
+    check(f, f.query(2, 1), label="after a failed append")
+
+
 def test_paged_sizes_and_misuse():
     unpaged = NVFP4KVCache(8, 8, 128, 4096)
     pool = NVFP4KVCache(8, 8, 128, 4096, page_size=256, num_pages=40)  # room for 10k tokens, not 32k
@@ -419,6 +439,18 @@ def test_kernel_paged_long_context(page_size):
     out = kernel(f, q)
     assert forward_error(out, f.reference(q))[0] <= FWD_TOL
     assert torch.equal(out, kernel(unpaged, q))
+
+
+@requires_cuda
+def test_misaligned_query_view():
+    # A contiguous q whose storage starts 6 bytes into a buffer: the kernel reads 16-byte rows, so the cache copies it.
+    f = fill(2, 2, 64, [(40, [40, 33])], device="cuda")
+    q = f.query(4, 1)
+    flat = torch.empty(q.numel() + 3, dtype=q.dtype, device="cuda")
+    shifted = flat[3:].view(q.shape)
+    shifted.copy_(q)
+    assert shifted.data_ptr() % 16 and shifted.is_contiguous()
+    assert torch.equal(f.cache.attention(shifted), f.cache.attention(q))
 
 
 @requires_cuda
