@@ -213,14 +213,13 @@ AQ_D void store_fragment_rows(const float (&acc)[D / 8][4], uint16_t *g, int64_t
    score q.k and exp_scale = scale * log2(e), and the frame M = ceil(max u * exp_scale) is the same as ceil(max t),
    since rounding is monotonic and the scale is > 0 (the ops reject others: the Python entry points flip q's sign
    for a negative scale, and a zero one would turn a hidden key's -inf into NaN). With an additive mask, u = t and
-   exp_scale = 1. */
+   exp_scale = 1. An unchecked step (no hidden key, hence no additive mask) takes u = s as it comes. */
 typedef struct {
     const float *mask;            /* at (b, h), or NULL */
     int64_t mask_stride_i, mask_stride_j;
     int seqlen_q, seqlen_k, causal;
     int64_t causal_offset;
     float scale;                  /* softmax_scale, for the masked formula */
-    float scale_log2;             /* softmax_scale * log2(e) */
     float exp_scale;              /* t = u * exp_scale (above) */
 } logit_map;
 
@@ -235,8 +234,7 @@ AQ_D logit_map make_logit_map(const float *mask, const int64_t mask_stride[4], i
     lm.causal = causal;
     lm.causal_offset = causal_offset;
     lm.scale = scale;
-    lm.scale_log2 = scale * AQ_LOG2E;
-    lm.exp_scale = mask ? 1.0f : lm.scale_log2;
+    lm.exp_scale = mask ? 1.0f : scale * AQ_LOG2E;
     return lm;
 }
 
@@ -277,31 +275,31 @@ AQ_D bool key_visible(const logit_map *lm, int i, int j) {
     return in_causal_range(lm, i, j) && (lm->mask == NULL || mask_at(lm, i, j) != -INFINITY);
 }
 
-/* For the fp32 score s = q_i . k_j: returns key_visible and sets *t to the logit u_ij (logit_map: t_ij = u_ij *
+/* For the fp32 score s = q_i . k_j: returns key_visible and sets *u to the logit u_ij (logit_map: t_ij = u_ij *
    exp_scale), or to -inf for a hidden key (whose score, even NaN, is never used). */
-AQ_D bool masked_logit_log2(const logit_map *lm, float s, int i, int j, float *t) {
-    *t = -INFINITY;
+AQ_D bool masked_logit(const logit_map *lm, float s, int i, int j, float *u) {
+    *u = -INFINITY;
     if (!in_causal_range(lm, i, j)) return false;
     if (lm->mask == NULL) {
-        *t = s;
+        *u = s;
         return true;
     }
     const float m = mask_at(lm, i, j);
     if (m == -INFINITY) return false;
-    *t = (s * lm->scale + m) * AQ_LOG2E;
+    *u = (s * lm->scale + m) * AQ_LOG2E;
     return true;
 }
 
-/* masked_logit_log2 for GENERAL, else (no additive mask: only the sequence ends and the causal rule hide keys)
+/* masked_logit for GENERAL, else (no additive mask: only the sequence ends and the causal rule hide keys)
    the same result without a branch, so that the terms of a masked tile stay straight-line code. */
 template <bool GENERAL>
-AQ_D bool logit_log2(const logit_map *lm, float s, int i, int j, float *t) {
+AQ_D bool visible_logit(const logit_map *lm, float s, int i, int j, float *u) {
     if constexpr (GENERAL) {
-        return masked_logit_log2(lm, s, i, j, t);
+        return masked_logit(lm, s, i, j, u);
     } else {
         const bool visible = (i < lm->seqlen_q) & (j < lm->seqlen_k) &
                              (!lm->causal | ((int64_t)j <= (int64_t)i + lm->causal_offset));
-        *t = visible ? s : -INFINITY;
+        *u = visible ? s : -INFINITY;
         return visible;
     }
 }
@@ -496,7 +494,7 @@ AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[
 
 /* Scores q.k -> logits u (logit_map: t = u * exp_scale), hidden keys -inf (attn_qat.h's visibility). */
 template <int BN>
-AQ_D void scores_to_log2(const logit_map *lm, float (&s)[BN / 8][4], int row_base, int k0, bool needs_mask,
+AQ_D void scores_to_logits(const logit_map *lm, float (&s)[BN / 8][4], int row_base, int k0, bool needs_mask,
                          bool seen[2]) {
     const int lane = (int)threadIdx.x & 31;
     auto masked = [&](auto general) {
@@ -504,7 +502,7 @@ AQ_D void scores_to_log2(const logit_map *lm, float (&s)[BN / 8][4], int row_bas
         for (int n = 0; n < BN / 8; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
-                seen[e >> 1] |= logit_log2<decltype(general)::value>(lm, s[n][e], row_base + frag_c_row(lane, e),
+                seen[e >> 1] |= visible_logit<decltype(general)::value>(lm, s[n][e], row_base + frag_c_row(lane, e),
                                                                      k0 + 8 * n + frag_c_col(lane, e), &s[n][e]);
     };
     if (needs_mask && lm->mask != NULL) {
@@ -692,12 +690,12 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
                 if constexpr (CHECKED) {
                     const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
                     float u;
-                    const bool live = masked_logit_log2(lm, st[n][e], q0 + qi, kj, &u) && inv_l != 0.0f;
+                    const bool live = masked_logit(lm, st[n][e], q0 + qi, kj, &u) && inv_l != 0.0f;
                     phat = live ? frame_exp2(fmaf(u, lm->exp_scale, -m)) : 0.0f;
                     st[n][e] = live ? phat * inv_l : 0.0f;
                     live_bits |= (uint32_t)live << (4 * n + e);
                 } else {
-                    phat = frame_exp2(fmaf(st[n][e], lm->scale_log2, -m));
+                    phat = frame_exp2(fmaf(st[n][e], lm->exp_scale, -m));
                     st[n][e] = phat * inv_l;
                 }
                 xq[col][e >> 1] = phat;
@@ -725,7 +723,7 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
 template <int BQ, bool QUANTIZE_DV, aq_dtype DT>
 AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
                           const float *row_m, const float *row_inv_l, int q0, int key_base, bool checked) {
-    /* one checked variant for masks and causal alike: a third (logit_log2<false>, branch-free causal, as the
+    /* one checked variant for masks and causal alike: a third (visible_logit<false>, branch-free causal, as the
        forward has) made the kernels spill and measured no faster (Wan 14B and Qwen causal shapes, H100) */
     if (checked) return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, true>(lm, st, pa, row_m, row_inv_l, q0, key_base);
     return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base);
@@ -773,13 +771,13 @@ AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const f
             const int r = e >> 1;
             if constexpr (CHECKED) {
                 float u;
-                const bool live = masked_logit_log2(lm, s[n][e], row_base + frag_c_row(lane, e),
+                const bool live = masked_logit(lm, s[n][e], row_base + frag_c_row(lane, e),
                                                     k0 + 8 * n + frag_c_col(lane, e), &u) &&
                                   inv_l[r] != 0.0f;
                 s[n][e] = live ? frame_exp2(fmaf(u, lm->exp_scale, -m[r])) * inv_l[r] : 0.0f;
                 live_bits |= (uint32_t)live << (4 * n + e);
             } else {
-                s[n][e] = frame_exp2(fmaf(s[n][e], lm->scale_log2, -m[r])) * inv_l[r];
+                s[n][e] = frame_exp2(fmaf(s[n][e], lm->exp_scale, -m[r])) * inv_l[r];
             }
         }
     return live_bits;

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
        P^F * 2^11 in place (exact in 16 bits), and sc packed into the A operand of O += P V. */
     auto needs_mask = [&](int j) { return tile_needs_mask(&lm, q0 + wrow, j * BN, BN); };
     auto softmax_scores = [&](int j, bool masked, float alpha[2]) {
-        scores_to_log2<BN>(&lm, sc, q0 + row0, j * BN, masked, seen);
+        scores_to_logits<BN>(&lm, sc, q0 + row0, j * BN, masked, seen);
         online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
     };
     auto pack_scores = [&](uint32_t (&a)[BN / 16][4]) {
