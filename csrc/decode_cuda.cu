@@ -18,17 +18,17 @@
    ~1 us at 4k (30.2 against 29.1 us before the block table).
 
    Numbers. All tensor-core work is fp16 mma.sync m16n8k16 with fp32 accumulation, whatever the cache dtype:
-   Q^F, 2^-8 K^F, 2^-8 V^F and fq16(P̂ * 2^11) are exact in fp16 (numerics.md §1, §3; 2^-8 K^F and 2^-8 V^F
+   Q^F, 2^-14 K^F, 2^-14 V^F and fq16(P̂ * 2^11) are exact in fp16 (numerics.md §1, §3; 2^-14 K^F and 2^-14 V^F
    reach the fp16 subnormals, which the tensor cores take exactly), and so are the products formed below. The
-   2^-8 is undone where it costs nothing: in the factor that turns scores into log2 logits, and in the factor
+   2^-14 is undone where it costs nothing: in the factor that turns scores into log2 logits, and in the factor
    that stores the partial O. Only the unquantized V tail, at most one unit per sequence, multiplies in the
-   cache dtype, with P^F * 2^3 so that it lands in the same 2^-8 frame.
+   cache dtype, with P^F * 2^-3 so that it lands in the same 2^-14 frame.
 
    Dequantization (e2m1x8_to_f16) uses no convert instruction and no table: an E2M1 code s e1 e0 m placed in an
    fp16 as sign s and bits e1 e0 m at 11 .. 9 (exponent field e1 e0, top mantissa bit m) reads as its value
-   times 2^-14 (e = 0: the subnormal m * 2^-15); two shifts and two LOP3s place a pair. The block scale, as an
-   fp16 times 2^6 (at most 448 * 64 < 65504), then multiplies it to K^F or V^F times 2^-8. A code word yields
-   the pairs (code i, code i + 4), i < 4: the two codes 16 bits apart, which one shift places together. That
+   times 2^-14 (e = 0: the subnormal m * 2^-15); a code word's eight are placed with four masks and four byte
+   permutes. The block scale, converted to fp16, then multiplies it to K^F or V^F times 2^-14. A code word yields
+   the pairs (code i, code i + 4), i < 4: the two codes 16 bits apart, the two halves of an fp16 pair. That
    pairing fixes the contraction order below.
 
    Fragment layouts (mma.sync m16n8k16, g = lane >> 2, t = lane & 3; see attention_common.cuh). The order of the
@@ -64,8 +64,7 @@
 #define DEC_UNIT 16                           /* keys per unit: one V block, one P block */
 #define DEC_MIN_CHUNK (DEC_WARPS * DEC_UNIT)  /* chunks are multiples of this, at most DEC_MAX_CHUNK */
 #define DEC_MAX_CHUNK 4096
-#define DEC_F16X2_64 0x54005400u              /* (64.0, 64.0) in fp16 */
-#define DEC_FRAME 256.0f                      /* K^F and V^F are dequantized times 1 / DEC_FRAME (file comment) */
+#define DEC_FRAME 16384.0f                    /* K^F and V^F are dequantized times 1 / DEC_FRAME (file comment) */
 
 /* One unit in shared memory: the bytes of its global rows, in order. V's 8 pair rows are padded by 32 bytes, so the
    row-t, column-(g * D/8) reads of one load phase fall into distinct banks (D = 128: 8 lanes x 16 bytes, row
@@ -138,26 +137,26 @@ AQ_D uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
 }
 
 /* The 8 E2M1 codes n0 .. n7 of w (nibble i = bits 4i .. 4i + 3, sign in its top bit) as four fp16 pairs of their
-   values times 2^-14: out[i] = (n_i, n_{i+4}), n_i in the low half. Shifting w left by 9 - 4i puts the magnitude
-   bits of n_i and n_{i+4} at 11 .. 9 and 27 .. 25, and 3 more put their sign bits at 15 and 31; -0 for code 8
-   (aq_e2m1_value's decode). */
+   values times 2^-14: out[i] = (n_i, n_{i+4}), n_i in the low half; -0 for code 8 (aq_e2m1_value's decode). A
+   placed code fills one byte (sign at bit 7, magnitude at 3 .. 1, the rest 0), so the even codes are placed
+   all at once in the bytes of `even`, the odd ones in `odd`, and one byte permute puts two of them in the high
+   bytes of an fp16 pair: two masks serve four codes, where masking each pair took two (11 instructions a word
+   instead of 16; bit-identical, checked over all 2^32 words). */
 AQ_D void e2m1x8_to_f16(uint32_t w, uint32_t (&out)[4]) {
-#pragma unroll
-    for (int i = 0; i < 3; i++) {
-        const uint32_t x = w << (9 - 4 * i);
-        out[i] = (x & 0x0E000E00u) | ((x << 3) & 0x80008000u);
-    }
-    out[3] = ((w >> 3) & 0x0E000E00u) | (w & 0x80008000u);
+    const uint32_t even = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u); /* byte k: n_{2k} */
+    const uint32_t odd = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);        /* byte k: n_{2k+1} */
+    out[0] = __byte_perm(even, 0, 0x2404); /* bytes 0 and 2 (n0, n4) to bytes 1 and 3, zeros below */
+    out[1] = __byte_perm(odd, 0, 0x2404);
+    out[2] = __byte_perm(even, 0, 0x3414);
+    out[3] = __byte_perm(odd, 0, 0x3414);
 }
 
-/* Two E4M3 block scales (low byte first) as an fp16 pair times 2^6: with e2m1x8_to_f16's 2^-14, hmul2_by_half
-   gives the K^F or V^F element times 2^-8. A product of an E2M1 value (at most 2 significant bits, 0.5 .. 6) and
-   an E4M3 value (at most 4, 2^-9 .. 448) has at most 6 significant bits and lies in [2^-10, 2688] or is 0; times
-   2^-8 it lies in [2^-18, 10.5], its last bit at or above 2^-23: exact in fp16, and so is every intermediate (the
-   scale times 2^6, at most 28672). A NaN scale (non-finite block) makes every product NaN, 0 included. */
-AQ_D uint32_t block_scales_f16x2(uint32_t two_bytes) {
-    return hmul2_by_half(e4m3x2_to_f16x2(two_bytes), DEC_F16X2_64, 0);
-}
+/* Two E4M3 block scales (low byte first) as an fp16 pair: with e2m1x8_to_f16's 2^-14, hmul2_by_half gives the
+   K^F or V^F element times 2^-14. A product of an E2M1 value (at most 2 significant bits, 0.5 .. 6) and an E4M3
+   value (at most 4, 2^-9 .. 448) has at most 6 significant bits and lies in [2^-10, 2688] or is 0; times 2^-14 it
+   lies in [2^-24, 0.165], its last bit at or above 2^-24, the fp16 subnormals' step: exact in fp16. A NaN scale
+   (non-finite block) makes every product NaN, 0 included. */
+AQ_D uint32_t block_scales_f16x2(uint32_t two_bytes) { return e4m3x2_to_f16x2(two_bytes); }
 
 /* ------------------------------------------------------------------------------------------------
    Unit pieces */
@@ -202,9 +201,11 @@ AQ_D void load_q_fragments(uint32_t (&qb)[D / 16][NB][2], const void *q, const i
    8 nb + 2t + (e & 1). Lane (g, t) dequantizes channels [t * D/4, (t + 1) * D/4) of keys g (h = 0) and g + 8
    (h = 1): word j holds channels 8j .. 8j + 7 of that range, in block t * D/64 + j / 2 (D/4 channels span D/64
    blocks of 16), and its pairs c[h][i] = channels 8j + i and 8j + i + 4 are the A registers of keys g + 8h in
-   steps 2j (i = 0, 1) and 2j + 1 (i = 2, 3), in the file comment's order. */
+   steps 2j (i = 0, 1) and 2j + 1 (i = 2, 3), in the file comment's order. qf: load_q_fragments' registers of
+   every lane (qf[kk][nb][lane] = qb[kk][nb]), kept in shared memory once per CTA: in registers they cost 16 of
+   the 128 a thread has with four CTAs an SM. */
 template <int D, int NB>
-AQ_D void unit_scores(float (&s)[NB][4], const uint32_t (&qb)[D / 16][NB][2], const unsigned char *st, int g, int t) {
+AQ_D void unit_scores(float (&s)[NB][4], const uint2 (&qf)[D / 16][NB][32], const unsigned char *st, int g, int t) {
     using U = UnitLayout<D>;
     uint32_t w[2][D / 32], sc[2];
 #pragma unroll
@@ -230,7 +231,10 @@ AQ_D void unit_scores(float (&s)[NB][4], const uint32_t (&qb)[D / 16][NB][2], co
         for (int step = 0; step < 2; step++) {
             const uint32_t a[4] = {c[0][2 * step], c[1][2 * step], c[0][2 * step + 1], c[1][2 * step + 1]};
 #pragma unroll
-            for (int nb = 0; nb < NB; nb++) mma_16816<AQ_FLOAT16>(s[nb], a, qb[2 * j + step][nb][0], qb[2 * j + step][nb][1]);
+            for (int nb = 0; nb < NB; nb++) {
+                const uint2 qb = qf[2 * j + step][nb][4 * g + t];
+                mma_16816<AQ_FLOAT16>(s[nb], a, qb.x, qb.y);
+            }
         }
     }
 }
@@ -300,9 +304,8 @@ AQ_D void token_pair_p_fragments(uint32_t (&pb)[NB][2]) {
 
 /* O^T += V^T P^F^T for a unit whose every key each query row sees: no hidden term, so a plain product. */
 template <int D, int NB>
-AQ_D void pv_packed(float (&o)[D / 16][NB][4], const uint32_t (&pb)[NB][2], const unsigned char *st, int g, int t) {
-    uint32_t r0[D / 32], r1[D / 32], sw[D / 32];
-    load_v_words<D>(r0, r1, sw, st, g, t);
+AQ_D void pv_packed(float (&o)[D / 16][NB][4], const uint32_t (&pb)[NB][2], const uint32_t (&r0)[D / 32],
+                    const uint32_t (&r1)[D / 32], const uint32_t (&sw)[D / 32]) {
 #pragma unroll
     for (int j = 0; j < D / 32; j++) {
         uint32_t a[2][4]; /* m-tiles 2j, 2j + 1 */
@@ -317,9 +320,8 @@ AQ_D void pv_packed(float (&o)[D / 16][NB][4], const uint32_t (&pb)[NB][2], cons
 /* All B fragments of a packed V unit in the natural token order, for pv_checked: vb[n][0] = tokens 2t, 2t + 1 and
    vb[n][1] = tokens 2t + 8, 2t + 9 of channel g * D/8 + n. */
 template <int D>
-AQ_D void packed_v_fragments(uint32_t (&vb)[D / 8][2], const unsigned char *st, int g, int t) {
-    uint32_t r0[D / 32], r1[D / 32], sw[D / 32];
-    load_v_words<D>(r0, r1, sw, st, g, t);
+AQ_D void packed_v_fragments(uint32_t (&vb)[D / 8][2], const uint32_t (&r0)[D / 32], const uint32_t (&r1)[D / 32],
+                             const uint32_t (&sw)[D / 32]) {
 #pragma unroll
     for (int j = 0; j < D / 32; j++) {
         uint32_t a[2][4];
@@ -417,10 +419,12 @@ typedef struct {
    P̂ = 2^(t - m), O^T and l are rescaled by the exact power of two alpha. The lane holds the frames m, sums l and
    O^T columns of its own query rows, so the rescale needs no exchange, and it is skipped when no row's frame
    moves, as in most units after the first few: every factor would then be exactly 1 (an integer frame only moves
-   by a whole number), so the result is the same bit for bit. The max ignores NaN (fmaxf); a NaN score still
-   reaches l and O through exp2. */
+   by a whole number), so the result is the same bit for bit. s holds raw scores (-inf for hidden keys), which
+   exp_scale turns into log2 logits inside the exp's fma, as in the forward (numerics.md §8). The max ignores NaN
+   (fmaxf); a NaN score still reaches l and O through exp2. */
 template <int D, int NB>
-AQ_D void unit_softmax(float (&s)[NB][4], float (&o)[D / 16][NB][4], float (&m)[NB][2], float (&l)[NB][2]) {
+AQ_D void unit_softmax(float (&s)[NB][4], float (&o)[D / 16][NB][4], float (&m)[NB][2], float (&l)[NB][2],
+                       float exp_scale) {
     float mx[NB][2];
     bool moves = false;
 #pragma unroll
@@ -431,7 +435,7 @@ AQ_D void unit_softmax(float (&s)[NB][4], float (&o)[D / 16][NB][4], float (&m)[
             x = fmaxf(x, __shfl_xor_sync(AQ_FULL_MASK, x, 4));
             x = fmaxf(x, __shfl_xor_sync(AQ_FULL_MASK, x, 8));
             x = fmaxf(x, __shfl_xor_sync(AQ_FULL_MASK, x, 16));
-            mx[nb][c] = ceilf(x);
+            mx[nb][c] = ceilf(x * exp_scale);
             moves |= m[nb][c] == -INFINITY || mx[nb][c] > m[nb][c];
         }
     if (__any_sync(AQ_FULL_MASK, moves)) {
@@ -455,8 +459,8 @@ AQ_D void unit_softmax(float (&s)[NB][4], float (&o)[D / 16][NB][4], float (&m)[
         for (int c = 0; c < 2; c++) {
             /* frame -inf (no finite score yet): exp2(t - 0), so a hidden key's -inf gives 0, not NaN */
             const float frame = m[nb][c] == -INFINITY ? 0.0f : m[nb][c];
-            s[nb][c] = frame_exp2(s[nb][c] - frame);
-            s[nb][c + 2] = frame_exp2(s[nb][c + 2] - frame);
+            s[nb][c] = frame_exp2(fmaf(s[nb][c], exp_scale, -frame));
+            s[nb][c + 2] = frame_exp2(fmaf(s[nb][c + 2], exp_scale, -frame));
             l[nb][c] += s[nb][c] + s[nb][c + 2];
         }
 }
@@ -598,7 +602,7 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
 #pragma unroll
         for (int mt = 0; mt < D / 16; mt++) o[mt][nb][0] = o[mt][nb][1] = o[mt][nb][2] = o[mt][nb][3] = 0.0f;
     }
-    const float scale_log2 = p.softmax_scale * AQ_LOG2E * DEC_FRAME; /* the scores are 2^-8 q.k (file comment) */
+    const float exp_scale = p.softmax_scale * AQ_LOG2E * DEC_FRAME; /* the scores are 2^-14 q.k (file comment) */
 
     /* This warp's units u_begin + warp + DEC_WARPS * i, i < count, through its ring: unit i sits in stage
        i % DEC_STAGES and is cp.async group i (one group is committed per step, empty or not). */
@@ -610,8 +614,16 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
         if (i < count) load_unit<D>(ring + i * U::BYTES, pools, unit_slot[warp + DEC_WARPS * i], lane);
         cp_async_commit();
     }
-    uint32_t qb[D / 16][NB][2]; /* Q^F, made while the first units are in flight */
-    load_q_fragments<D, DT, NB>(qb, p.q, q_rows, t);
+    __shared__ uint2 q_frag[D / 16][NB][32]; /* Q^F's B fragments by lane: the same for every warp */
+    if (warp == 0) { /* made while the first units are in flight */
+        uint32_t qb[D / 16][NB][2];
+        load_q_fragments<D, DT, NB>(qb, p.q, q_rows, t);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) q_frag[kk][nb][lane] = make_uint2(qb[kk][nb][0], qb[kk][nb][1]);
+    }
+    __syncthreads();
     for (int i = 0; i < count; i++) {
         const int ahead = i + DEC_STAGES - 1; /* into the stage that step i - 1 used and released */
         if (ahead < count)
@@ -625,22 +637,23 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
         const bool masked = tail || (p.causal && key0 + DEC_UNIT - 1 > L - tq_count);
 
         float s[NB][4]; /* S^T: key g + 8 (e >> 1), query row 8 nb + 2t + (e & 1) */
-        unit_scores<D, NB>(s, qb, st, g, t);
+        unit_scores<D, NB>(s, q_frag, st, g, t);
+        uint32_t r0[D / 32], r1[D / 32], sw[D / 32]; /* the unit's V words (packed units) */
+        if (masked)
 #pragma unroll
-        for (int nb = 0; nb < NB; nb++)
+            for (int nb = 0; nb < NB; nb++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = key0 + g + 8 * (e >> 1);
-                s[nb][e] = !masked || key <= lim[nb][e & 1] ? s[nb][e] * scale_log2 : -INFINITY;
-            }
-        unit_softmax<D, NB>(s, o, m, l); /* s becomes P̂ */
+                for (int e = 0; e < 4; e++)
+                    if (key0 + g + 8 * (e >> 1) > lim[nb][e & 1]) s[nb][e] = -INFINITY;
+        unit_softmax<D, NB>(s, o, m, l, exp_scale); /* s becomes P̂ */
         fake_quantize_p_key_columns<NB>(s); /* ... and then fq16(P̂ * 2^11) */
 
         uint32_t pb[NB][2];
         if (!masked) {
             p_b_fragments<NB, AQ_FLOAT16>(pb, s);
             token_pair_p_fragments<NB>(pb);
-            pv_packed<D, NB>(o, pb, st, g, t);
+            load_v_words<D>(r0, r1, sw, st, g, t);
+            pv_packed<D, NB>(o, pb, r0, r1, sw);
         } else {
             uint32_t vis[NB][2];
 #pragma unroll
@@ -650,11 +663,12 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
             uint32_t vb[D / 8][2];
             if (!tail) {
                 p_b_fragments<NB, AQ_FLOAT16>(pb, s);
-                packed_v_fragments<D>(vb, st, g, t);
+                load_v_words<D>(r0, r1, sw, st, g, t);
+                packed_v_fragments<D>(vb, r0, r1, sw);
                 pv_checked<D, NB, AQ_FLOAT16>(o, pb, vb, vis, t);
             } else {
 #pragma unroll
-                for (int nb = 0; nb < NB; nb++) /* P^F * 2^3 (exact in DT): the tail's V is not in the 2^-8 frame */
+                for (int nb = 0; nb < NB; nb++) /* P^F * 2^-3 (exact in DT): the tail's V is not in the 2^-14 frame */
 #pragma unroll
                     for (int e = 0; e < 4; e++) s[nb][e] *= 1.0f / DEC_FRAME;
                 p_b_fragments<NB, DT>(pb, s);
@@ -706,7 +720,7 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
         }
         const bool bad_page = chunk_bad_page;
         float *part = p.workspace + (q_row(ridx) * p.num_splits + split) * (D + 2);
-        part[d] = bad_page ? NAN : acc * DEC_FRAME; /* exact: O^T was accumulated from 2^-8 V^F */
+        part[d] = bad_page ? NAN : acc * DEC_FRAME; /* exact: O^T was accumulated from 2^-14 V^F */
         if (d == 0) {
             part[D] = bad_page ? NAN : frame;
             part[D + 1] = bad_page ? NAN : lsum;
