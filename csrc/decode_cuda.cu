@@ -422,8 +422,8 @@ typedef struct {
    by a whole number), so the result is the same bit for bit. s holds raw scores (-inf for hidden keys), which
    exp_scale turns into log2 logits inside the exp's fma, as in the forward (numerics.md §8). The max ignores NaN
    (fmaxf); a NaN score still reaches l and O through exp2. */
-template <int D, int NB>
-AQ_D void unit_softmax(float (&s)[NB][4], float (&o)[D / 16][NB][4], float (&m)[NB][2], float (&l)[NB][2],
+template <int D, int NB, int SU>
+AQ_D void step_softmax(float (&s)[SU][NB][4], float (&o)[D / 16][NB][4], float (&m)[NB][2], float (&l)[NB][2],
                        float exp_scale) {
     float mx[NB][2];
     bool moves = false;
@@ -431,7 +431,9 @@ AQ_D void unit_softmax(float (&s)[NB][4], float (&o)[D / 16][NB][4], float (&m)[
     for (int nb = 0; nb < NB; nb++)
 #pragma unroll
         for (int c = 0; c < 2; c++) {
-            float x = fmaxf(s[nb][c], s[nb][c + 2]);
+            float x = fmaxf(s[0][nb][c], s[0][nb][c + 2]);
+#pragma unroll
+            for (int su = 1; su < SU; su++) x = fmaxf(x, fmaxf(s[su][nb][c], s[su][nb][c + 2]));
             x = fmaxf(x, __shfl_xor_sync(AQ_FULL_MASK, x, 4));
             x = fmaxf(x, __shfl_xor_sync(AQ_FULL_MASK, x, 8));
             x = fmaxf(x, __shfl_xor_sync(AQ_FULL_MASK, x, 16));
@@ -459,24 +461,34 @@ AQ_D void unit_softmax(float (&s)[NB][4], float (&o)[D / 16][NB][4], float (&m)[
         for (int c = 0; c < 2; c++) {
             /* frame -inf (no finite score yet): exp2(t - 0), so a hidden key's -inf gives 0, not NaN */
             const float frame = m[nb][c] == -INFINITY ? 0.0f : m[nb][c];
-            s[nb][c] = frame_exp2(fmaf(s[nb][c], exp_scale, -frame));
-            s[nb][c + 2] = frame_exp2(fmaf(s[nb][c + 2], exp_scale, -frame));
-            l[nb][c] += s[nb][c] + s[nb][c + 2];
+#pragma unroll
+            for (int su = 0; su < SU; su++) {
+                s[su][nb][c] = frame_exp2(fmaf(s[su][nb][c], exp_scale, -frame));
+                s[su][nb][c + 2] = frame_exp2(fmaf(s[su][nb][c + 2], exp_scale, -frame));
+                l[nb][c] += s[su][nb][c] + s[su][nb][c + 2];
+            }
         }
 }
 
-/* fq16(P̂ * 2^11) in place for a unit in S^T's layout (unit_softmax): query row 8 nb + 2t + c's 16 values are
-   s[nb][c] and s[nb][c + 2] of the 8 lanes sharing t. Two rows (one n-block): a reduce-scatter over lane bit 4
-   leaves each lane the amax of row 2t + (bit 4), one block scale a lane, and one exchange over bit 4 brings the
-   other row's; four rows: fake_quantize_p_columns. */
-template <int NB>
-AQ_D void fake_quantize_p_key_columns(float (&s)[NB][4]) {
-    float x[2 * NB][2];
+/* fq16(P̂ * 2^11) in place for a step's units in S^T's layout (step_softmax): query row 8 nb + 2t + c's 16 values
+   of unit su (one P block) are s[su][nb][c] and s[su][nb][c + 2] of the 8 lanes sharing t. Two blocks (one unit,
+   one n-block): a reduce-scatter over lane bit 4 leaves each lane the amax of row 2t + (bit 4), one block scale a
+   lane, and one exchange over bit 4 brings the other row's; four blocks: fake_quantize_p_columns. */
+template <int NB, int SU>
+AQ_D void fake_quantize_p_step(float (&s)[SU][NB][4]) {
+    constexpr int COLS = 2 * NB * SU;
+    static_assert(COLS == 2 || COLS == 4, "two or four 16-key blocks a lane group");
+    float x[COLS][2];
 #pragma unroll
-    for (int nb = 0; nb < NB; nb++)
+    for (int su = 0; su < SU; su++)
 #pragma unroll
-        for (int c = 0; c < 2; c++) x[2 * nb + c][0] = s[nb][c], x[2 * nb + c][1] = s[nb][c + 2];
-    if constexpr (NB == 2) {
+        for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                x[2 * (su * NB + nb) + c][0] = s[su][nb][c];
+                x[2 * (su * NB + nb) + c][1] = s[su][nb][c + 2];
+            }
+    if constexpr (COLS == 4) {
         fake_quantize_p_columns<true>(x);
     } else {
         const bool hi = threadIdx.x & 16;
@@ -496,9 +508,14 @@ AQ_D void fake_quantize_p_key_columns(float (&s)[NB][4]) {
         }
     }
 #pragma unroll
-    for (int nb = 0; nb < NB; nb++)
+    for (int su = 0; su < SU; su++)
 #pragma unroll
-        for (int c = 0; c < 2; c++) s[nb][c] = x[2 * nb + c][0], s[nb][c + 2] = x[2 * nb + c][1];
+        for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                s[su][nb][c] = x[2 * (su * NB + nb) + c][0];
+                s[su][nb][c + 2] = x[2 * (su * NB + nb) + c][1];
+            }
 }
 
 /* Issues the cp.async copies of the unit stored at pool unit `slot` (all its bytes, 16 per copy, spread over the
@@ -605,12 +622,16 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
     const float exp_scale = p.softmax_scale * AQ_LOG2E * DEC_FRAME; /* the scores are 2^-14 q.k (file comment) */
 
     /* This warp's units u_begin + warp + DEC_WARPS * i, i < count, through its ring: unit i sits in stage
-       i % DEC_STAGES and is cp.async group i (one group is committed per step, empty or not). */
+       i % DEC_STAGES and is cp.async group i (one group is committed per unit, empty or not). A step takes SU
+       units: with one n-block, two (32 keys), so the softmax's reductions, its rescale vote and the P block
+       scales are shared by two units (one p_block_scale a lane for four blocks instead of one for two), and
+       the loop's bookkeeping runs half as often; with two n-blocks, one (their registers leave no room). */
+    constexpr int SU = NB == 1 ? 2 : 1;
     unsigned char *ring = smem + warp * RING;
     const int n_units = u_end - u_begin;
     const int count = n_units > warp ? (n_units - warp + DEC_WARPS - 1) / DEC_WARPS : 0;
 #pragma unroll
-    for (int i = 0; i < DEC_STAGES - 1; i++) {
+    for (int i = 0; i < DEC_STAGES - SU; i++) {
         if (i < count) load_unit<D>(ring + i * U::BYTES, pools, unit_slot[warp + DEC_WARPS * i], lane);
         cp_async_commit();
     }
@@ -624,45 +645,56 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
             for (int nb = 0; nb < NB; nb++) q_frag[kk][nb][lane] = make_uint2(qb[kk][nb][0], qb[kk][nb][1]);
     }
     __syncthreads();
-    for (int i = 0; i < count; i++) {
-        const int ahead = i + DEC_STAGES - 1; /* into the stage that step i - 1 used and released */
-        if (ahead < count)
-            load_unit<D>(ring + (ahead % DEC_STAGES) * U::BYTES, pools, unit_slot[warp + DEC_WARPS * ahead], lane);
-        cp_async_commit();
-        cp_async_wait<DEC_STAGES - 1>(); /* group i has landed (for this lane's copies) */
-        __syncwarp();                    /* ... and every lane's copies are visible to the warp */
-        const unsigned char *st = ring + (i % DEC_STAGES) * U::BYTES;
-        const int u = u_begin + warp + DEC_WARPS * i, key0 = u * DEC_UNIT;
-        const bool tail = u == full_units;
-        const bool masked = tail || (p.causal && key0 + DEC_UNIT - 1 > L - tq_count);
-
-        float s[NB][4]; /* S^T: key g + 8 (e >> 1), query row 8 nb + 2t + (e & 1) */
-        unit_scores<D, NB>(s, q_frag, st, g, t);
-        uint32_t r0[D / 32], r1[D / 32], sw[D / 32]; /* the unit's V words (packed units) */
-        if (masked)
+    for (int i0 = 0; i0 < count; i0 += SU) {
 #pragma unroll
-            for (int nb = 0; nb < NB; nb++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    if (key0 + g + 8 * (e >> 1) > lim[nb][e & 1]) s[nb][e] = -INFINITY;
-        unit_softmax<D, NB>(s, o, m, l, exp_scale); /* s becomes P̂ */
-        fake_quantize_p_key_columns<NB>(s); /* ... and then fq16(P̂ * 2^11) */
+        for (int su = 0; su < SU; su++) { /* into the stages that the previous step used and released */
+            const int ahead = i0 + DEC_STAGES - SU + su;
+            if (ahead < count)
+                load_unit<D>(ring + (ahead % DEC_STAGES) * U::BYTES, pools, unit_slot[warp + DEC_WARPS * ahead], lane);
+            cp_async_commit();
+        }
+        cp_async_wait<DEC_STAGES - SU>(); /* the step's groups have landed (for this lane's copies) */
+        __syncwarp();                     /* ... and every lane's copies are visible to the warp */
 
-        uint32_t pb[NB][2];
-        if (!masked) {
-            p_b_fragments<NB, AQ_FLOAT16>(pb, s);
-            token_pair_p_fragments<NB>(pb);
-            load_v_words<D>(r0, r1, sw, st, g, t);
-            pv_packed<D, NB>(o, pb, r0, r1, sw);
-        } else {
+        float s[SU][NB][4]; /* S^T: key g + 8 (e >> 1) of unit su, query row 8 nb + 2t + (e & 1) */
+        bool present[SU], masked[SU];
+#pragma unroll
+        for (int su = 0; su < SU; su++) {
+            const int i = i0 + su, u = u_begin + warp + DEC_WARPS * i, key0 = u * DEC_UNIT;
+            present[su] = i < count; /* the last step of an odd count has one unit */
+            masked[su] = !present[su] || u == full_units || (p.causal && key0 + DEC_UNIT - 1 > L - tq_count);
+            if (present[su]) unit_scores<D, NB>(s[su], q_frag, ring + (i % DEC_STAGES) * U::BYTES, g, t);
+            if (masked[su])
+#pragma unroll
+                for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        if (!present[su] || key0 + g + 8 * (e >> 1) > lim[nb][e & 1]) s[su][nb][e] = -INFINITY;
+        }
+        step_softmax<D, NB, SU>(s, o, m, l, exp_scale); /* s becomes P̂ */
+        fake_quantize_p_step<NB, SU>(s);                 /* ... and then fq16(P̂ * 2^11) */
+
+#pragma unroll
+        for (int su = 0; su < SU; su++) {
+            if (!present[su]) continue;
+            const int i = i0 + su, u = u_begin + warp + DEC_WARPS * i, key0 = u * DEC_UNIT;
+            const unsigned char *st = ring + (i % DEC_STAGES) * U::BYTES;
+            uint32_t pb[NB][2], r0[D / 32], r1[D / 32], sw[D / 32]; /* P^T's B fragments; the unit's V words */
+            if (!masked[su]) {
+                p_b_fragments<NB, AQ_FLOAT16>(pb, s[su]);
+                token_pair_p_fragments<NB>(pb);
+                load_v_words<D>(r0, r1, sw, st, g, t);
+                pv_packed<D, NB>(o, pb, r0, r1, sw);
+                continue;
+            }
             uint32_t vis[NB][2];
 #pragma unroll
             for (int nb = 0; nb < NB; nb++)
 #pragma unroll
                 for (int c = 0; c < 2; c++) vis[nb][c] = (1u << min(max(lim[nb][c] - key0 + 1, 0), DEC_UNIT)) - 1u;
             uint32_t vb[D / 8][2];
-            if (!tail) {
-                p_b_fragments<NB, AQ_FLOAT16>(pb, s);
+            if (u != full_units) {
+                p_b_fragments<NB, AQ_FLOAT16>(pb, s[su]);
                 load_v_words<D>(r0, r1, sw, st, g, t);
                 packed_v_fragments<D>(vb, r0, r1, sw);
                 pv_checked<D, NB, AQ_FLOAT16>(o, pb, vb, vis, t);
@@ -670,13 +702,13 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
 #pragma unroll
                 for (int nb = 0; nb < NB; nb++) /* P^F * 2^-3 (exact in DT): the tail's V is not in the 2^-14 frame */
 #pragma unroll
-                    for (int e = 0; e < 4; e++) s[nb][e] *= 1.0f / DEC_FRAME;
-                p_b_fragments<NB, DT>(pb, s);
+                    for (int e = 0; e < 4; e++) s[su][nb][e] *= 1.0f / DEC_FRAME;
+                p_b_fragments<NB, DT>(pb, s[su]);
                 tail_v_fragments<D>(vb, (const uint16_t *)p.v_tail + kv_head * DEC_UNIT * D, L - key0, g, t);
                 pv_checked<D, NB, DT>(o, pb, vb, vis, t);
             }
         }
-        __syncwarp(); /* every lane is done with stage i % DEC_STAGES before step i + 1 refills it */
+        __syncwarp(); /* every lane is done with the step's stages before the next step refills them */
     }
 
     /* Merge the warps' partial results: the rings are free once every copy has landed and every warp is done. */
