@@ -440,12 +440,43 @@ AQ_D void fake_quantize_p_block(float c0[4], float c1[4]) {
     c0[2] = row_g8[0], c0[3] = row_g8[1], c1[2] = row_g8[2], c1[3] = row_g8[3];
 }
 
-/* fake_quantize_p_block for two 16-key blocks at once (c0, c1: block A, c2, c3: block B), bit for bit: the lane
-   quad holds 4 row-blocks (rows g and g+8 of each block), 4 values a lane. Instead of every lane computing all 4
-   block scales, a reduce-scatter of the 4 amaxes over lane bits 0 and 1 leaves lane t the amax of row-block t, each
-   lane computes one scale (the E4M3 rounding and the reciprocal: ~14 instructions), and an all-gather brings every
-   lane the 4 (s, r). 11 shuffles instead of 8, a quarter of the scale work: ~2.5 instructions an element fewer. */
-AQ_D void fake_quantize_p_block_pair(float c0[4], float c1[4], float c2[4], float c3[4]) {
+/* e2m1(x * r) for x >= 0 or NaN, as p_fake_quantize_element but neither clamped at 6 nor scaled: round_p_block_pair's
+   half, whose other half (pack_quantized_p_pair) clamps and scales two values at once in 16-bit pairs. Rounding
+   first and clamping after gives what clamping first gives: 6 is on the grid and the rounding is monotonic, so any
+   y > 6 rounds to 6 or more. y <= 2^20 here (x <= 1, r <= 2^20), so c stays finite; a NaN y stays NaN. */
+AQ_D float p_round_element(float x, float r) {
+    const float y = __fmul_rn(x, r);
+    const uint32_t e = max(__float_as_uint(y) & 0x7F800000u, 0x3F800000u) + (22u << 23);
+    const float c = __uint_as_float(e);
+    return __fsub_rn(__fadd_rn(y, c), c);
+}
+
+/* min(q, 6) * s on a 16-bit pair (DT), both exact: q is an E2M1 grid value or a larger power-of-two multiple of one
+   (at most 2 significant bits), s an E4M3 value (4), so the product has at most 6 significant bits and lies within
+   [2^-10, 2688]. One min and one multiply for two elements, where fp32 took two of each; a NaN s (non-finite block)
+   makes both NaN. */
+template <aq_dtype DT>
+AQ_D uint32_t clamp_scale_pair(uint32_t q, uint32_t s2) {
+    uint32_t r;
+    if constexpr (DT == AQ_BFLOAT16)
+        asm("{\n .reg .b32 t;\n min.bf16x2 t, %1, %3;\n mul.rn.bf16x2 %0, t, %2;\n}\n"
+            : "=r"(r) : "r"(q), "r"(s2), "r"(0x40C040C0u));
+    else
+        asm("{\n .reg .b32 t;\n min.f16x2 t, %1, %3;\n mul.rn.f16x2 %0, t, %2;\n}\n"
+            : "=r"(r) : "r"(q), "r"(s2), "r"(0x46004600u));
+    return r;
+}
+
+/* fq16(P̂ * 2^11) for two 16-key blocks at once (c0, c1: block A, c2, c3: block B), in two halves a pipeline can
+   keep apart: round_p_block_pair leaves the E2M1 roundings of x * r in place (fp32) and returns the lane's block
+   scale as a DT pair; pack_quantized_p_pair then makes the A fragments, clamping and scaling pairs. Together bit for
+   bit the per-block rule (aq_block_fake_quantize on P̂ * 2^11). The lane quad holds 4 row-blocks (rows g and g+8 of
+   each block), 4 values a lane: a reduce-scatter of the 4 amaxes over lane bits 0 and 1 leaves lane t the amax of
+   row-block t (j = 0: block A row g, 1: block A row g+8, 2: block B row g, 3: block B row g+8), each lane computes
+   one scale (the E4M3 rounding and the reciprocal: ~14 instructions), and all-gathers bring every lane the 4
+   reciprocals here and the 4 scales in pack_quantized_p_pair. */
+template <aq_dtype DT>
+AQ_D uint32_t round_p_block_pair(float c0[4], float c1[4], float c2[4], float c3[4]) {
     float x[4][4] = {{c0[0], c0[1], c1[0], c1[1]}, {c0[2], c0[3], c1[2], c1[3]},
                      {c2[0], c2[1], c3[0], c3[1]}, {c2[2], c2[3], c3[2], c3[3]}};
     const int lane = (int)threadIdx.x & 31;
@@ -466,16 +497,34 @@ AQ_D void fake_quantize_p_block_pair(float c0[4], float c1[4], float c2[4], floa
     float s, s_pf, r;
     p_block_scale(amax, &s, &s_pf, &r);
 #pragma unroll
-    for (int j = 0; j < 4; j++) { /* row-block j's scale from the lane that computed it: bit0 = j >> 1, bit1 = j & 1 */
-        const int src = (lane & ~3) | (j >> 1) | ((j & 1) << 1);
-        const float js = __shfl_sync(AQ_FULL_MASK, s, src), jr = __shfl_sync(AQ_FULL_MASK, r, src);
+    for (int j = 0; j < 4; j++) { /* row-block j's reciprocal from the lane that computed it */
+        const float jr = __shfl_sync(AQ_FULL_MASK, r, (lane & ~3) | (j >> 1) | ((j & 1) << 1));
 #pragma unroll
-        for (int i = 0; i < 4; i++) x[j][i] = p_fake_quantize_element(x[j][i], js, jr);
+        for (int i = 0; i < 4; i++) x[j][i] = p_round_element(x[j][i], jr);
     }
     c0[0] = x[0][0], c0[1] = x[0][1], c1[0] = x[0][2], c1[1] = x[0][3];
     c0[2] = x[1][0], c0[3] = x[1][1], c1[2] = x[1][2], c1[3] = x[1][3];
     c2[0] = x[2][0], c2[1] = x[2][1], c3[0] = x[2][2], c3[1] = x[2][3];
     c2[2] = x[3][0], c2[3] = x[3][1], c3[2] = x[3][2], c3[3] = x[3][3];
+    return pack2<DT>(s, s);
+}
+
+/* The A fragments of blocks A (a0) and B (a1) from round_p_block_pair's roundings and the lane's scale pair. */
+template <aq_dtype DT>
+AQ_D void pack_quantized_p_pair(uint32_t a0[4], uint32_t a1[4], const float c0[4], const float c1[4], const float c2[4],
+                                const float c3[4], uint32_t scale_pair) {
+    const int lane = (int)threadIdx.x & 31;
+    uint32_t s2[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) s2[j] = __shfl_sync(AQ_FULL_MASK, scale_pair, (lane & ~3) | (j >> 1) | ((j & 1) << 1));
+    a0[0] = clamp_scale_pair<DT>(pack2<DT>(c0[0], c0[1]), s2[0]);
+    a0[1] = clamp_scale_pair<DT>(pack2<DT>(c0[2], c0[3]), s2[1]);
+    a0[2] = clamp_scale_pair<DT>(pack2<DT>(c1[0], c1[1]), s2[0]);
+    a0[3] = clamp_scale_pair<DT>(pack2<DT>(c1[2], c1[3]), s2[1]);
+    a1[0] = clamp_scale_pair<DT>(pack2<DT>(c2[0], c2[1]), s2[2]);
+    a1[1] = clamp_scale_pair<DT>(pack2<DT>(c2[2], c2[3]), s2[3]);
+    a1[2] = clamp_scale_pair<DT>(pack2<DT>(c3[0], c3[1]), s2[2]);
+    a1[3] = clamp_scale_pair<DT>(pack2<DT>(c3[2], c3[3]), s2[3]);
 }
 
 /* The A fragment of fq16(P̂ * 2^11) for one 16-key block, from P̂ in C layout (fake_quantize_p_block). */

@@ -147,10 +147,17 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
     };
+    uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1]; /* the lane's block scale of each block pair, for pack_p */
     auto quantize_scores = [&]() {
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb += 2)
-            fake_quantize_p_block_pair(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3]);
+            p_scales[kb / 2] = round_p_block_pair<DT>(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3]);
+    };
+    auto pack_p = [&]() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb += 2)
+            pack_quantized_p_pair<DT>(a_o[kb], a_o[kb + 1], sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3],
+                                      p_scales[kb / 2]);
     };
 
     /* O += P V, O' += P̂ V for tile j: one 16-key block of P (two C fragments = one A fragment) per wgmma */
@@ -204,7 +211,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
             softmax_scores(0, needs_mask(0), alpha);
             if constexpr (WITH_O_PRIME) pack_scores(a_hat);
             quantize_scores();
-            pack_scores(a_o);
+            pack_p();
         }
         /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1) in sc and P̂(j+1) in next_hat */
         auto step = [&](int j, hat_regs &hat, hat_regs &next_hat) {
@@ -230,7 +237,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
             finish_pv(j, hat);
             rescale_rows<D>(o, alpha);
             if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
-            pack_scores(a_o);
+            pack_p();
         };
         int j = 0; /* P̂(j) is in a_hat for even j, in a_hat2 for odd j */
         for (; j + 2 < n_tiles; j += 2) {
