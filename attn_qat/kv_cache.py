@@ -285,6 +285,7 @@ class NVFP4KVCache:
         scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
         with torch.no_grad():
             if q.is_cuda and q.shape[2] <= MAX_KERNEL_QUERIES and _C.with_cuda:
+                q, scale = positive_scale(q, scale)  # the kernel takes scale > 0 (ops.positive_scale)
                 if not q.is_contiguous() or q.data_ptr() % 16:  # the kernel reads q's rows 16 bytes at a time
                     q = q.clone(memory_format=torch.contiguous_format)
                 return ops.kv_cache_decode(q, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.v_tail,

@@ -471,14 +471,13 @@ AQ_D void step_softmax(float (&s)[SU][NB][4], float (&o)[D / 16][NB][4], float (
 }
 
 /* fq16(P̂ * 2^11) in place for a step's units in S^T's layout (step_softmax): query row 8 nb + 2t + c's 16 values
-   of unit su (one P block) are s[su][nb][c] and s[su][nb][c + 2] of the 8 lanes sharing t. Two blocks (one unit,
-   one n-block): a reduce-scatter over lane bit 4 leaves each lane the amax of row 2t + (bit 4), one block scale a
-   lane, and one exchange over bit 4 brings the other row's; four blocks: fake_quantize_p_columns. */
+   of unit su (one P block) are s[su][nb][c] and s[su][nb][c + 2] of the 8 lanes sharing t. A step always holds
+   four such blocks (two units of one n-block, or one unit of two), which fake_quantize_p_columns quantizes with
+   one block scale computation a lane. */
 template <int NB, int SU>
 AQ_D void fake_quantize_p_step(float (&s)[SU][NB][4]) {
-    constexpr int COLS = 2 * NB * SU;
-    static_assert(COLS == 2 || COLS == 4, "two or four 16-key blocks a lane group");
-    float x[COLS][2];
+    static_assert(NB * SU == 2, "four 16-key blocks a lane group");
+    float x[4][2];
 #pragma unroll
     for (int su = 0; su < SU; su++)
 #pragma unroll
@@ -488,25 +487,7 @@ AQ_D void fake_quantize_p_step(float (&s)[SU][NB][4]) {
                 x[2 * (su * NB + nb) + c][0] = s[su][nb][c];
                 x[2 * (su * NB + nb) + c][1] = s[su][nb][c + 2];
             }
-    if constexpr (COLS == 4) {
-        fake_quantize_p_columns<true>(x);
-    } else {
-        const bool hi = threadIdx.x & 16;
-        const uint32_t a0 = max(__float_as_uint(x[0][0]), __float_as_uint(x[0][1]));
-        const uint32_t a1 = max(__float_as_uint(x[1][0]), __float_as_uint(x[1][1]));
-        uint32_t amax = max(hi ? a1 : a0, __shfl_xor_sync(AQ_FULL_MASK, hi ? a0 : a1, 16));
-        amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 8));
-        amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 4));
-        float sc, s_pf, r;
-        p_block_scale(amax, &sc, &s_pf, &r);
-        const float other_s = __shfl_xor_sync(AQ_FULL_MASK, sc, 16), other_r = __shfl_xor_sync(AQ_FULL_MASK, r, 16);
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            const float cs = (c == 1) == hi ? sc : other_s, cr = (c == 1) == hi ? r : other_r;
-            x[c][0] = p_fake_quantize_element(x[c][0], cs, cr);
-            x[c][1] = p_fake_quantize_element(x[c][1], cs, cr);
-        }
-    }
+    fake_quantize_p_columns<true>(x);
 #pragma unroll
     for (int su = 0; su < SU; su++)
 #pragma unroll

@@ -440,6 +440,7 @@ const char *kv_cache_decode_no_cpu(const aq_decode_params *) {
 // (B, pages_per_seq) int32; max_length >= every length.
 Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, Tensor v_tail,
                        Tensor lengths, Tensor block_table, int64_t max_length, double scale, bool causal) {
+    check_scale(scale);
     STD_TORCH_CHECK(q.dim() == 4, "attn_qat: kv_cache_decode: q must be (batch, heads_q, tokens, head_dim)");
     const int64_t batch = q.size(0), heads_q = q.size(1), tokens = q.size(2), dim = q.size(3);
     STD_TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(3) * 2 == dim,

@@ -117,6 +117,13 @@ def test_more_than_16_queries(device):
 def test_softmax_scale(device):
     f = fill(2, 2, 128, [(40, [40, 29])], device=device)
     check(f, f.query(4, 2), scale=0.3, label="scale 0.3")
+    # The kernel takes scale > 0; attention passes a negative one as -q and a zero one as zero queries. Hidden
+    # keys (the tail, the causal edge, the absent second unit of a step) must still count as absent.
+    for length in (20, 32, 77):
+        f = fill(2, 2, 64, [(length, [length, length - 7])], device=device)
+        for tq in (1, 3):
+            for scale in (-0.088, 0.0):
+                check(f, f.query(4, tq), scale=scale, label=f"scale {scale}, L {length}, Tq {tq}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -383,12 +390,21 @@ def test_paged_sizes_and_misuse():
 # The CUDA decode kernel itself (the tests above run it through NVFP4KVCache.attention on CUDA)
 
 
-def kernel(f, q, causal=True, block_table=None):
+def kernel(f, q, causal=True, block_table=None, scale=None):
     c = f.cache
     poison_cuda_allocator()
     return ops.kv_cache_decode(q, c.k_codes, c.k_scales, c.v_codes, c.v_scales, c.v_tail, c.lengths,
                                c.block_table if block_table is None else block_table, max(c.lengths.tolist()),
-                               q.shape[-1] ** -0.5, causal)
+                               q.shape[-1] ** -0.5 if scale is None else scale, causal)
+
+
+@requires_cuda
+def test_kernel_rejects_nonpositive_scale():
+    # The kernel finds the row max on raw scores and scales inside the exp: the op itself takes scale > 0 only.
+    f = fill(1, 1, 64, [(20, [20])], device="cuda")
+    for scale in (-0.1, 0.0, float("nan")):
+        with pytest.raises(RuntimeError, match="scale > 0"):
+            kernel(f, f.query(2, 1), scale=scale)
 
 
 @requires_cuda
