@@ -326,13 +326,17 @@ AQ_D float exp2_frame_step(float e) {
 
 /* 2^x for x = t - frame <= 0 (or NaN): the bare MUFU.EX2. exp2f wraps it in a range check and two conditional
    multiplies (4 more instructions an element) only to return subnormal results; here those flush to 0, which
-   changes no output: every P̂ that counts is at least 2^-126 of a row maximum that is >= 1/2. The forward and
-   the backward both take P̂ from here, so the backward recomputes the forward's values. */
+   changes no output: every P̂ that counts is at least 2^-126 of a row maximum that is >= 1/2 (p_hat). */
 AQ_D float frame_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+
+/* P̂ = 2^(t - frame) for the logit u (t = u * exp_scale, logit_map) as ex2(fma(u, exp_scale, -frame)): one rounding
+   of the exponent argument (numerics.md §8), the form every kernel uses, so the backward recomputes the forward's
+   P̂. */
+AQ_D float p_hat(float u, float exp_scale, float frame) { return frame_exp2(fmaf(u, exp_scale, -frame)); }
 
 /* ------------------------------------------------------------------------------------------------
    NVFP4 fake-quant of P̂ * 2^11 (numerics.md §3). P̂ is >= 0 (or NaN), which makes the block rule cheap; the
@@ -467,6 +471,9 @@ AQ_D uint32_t clamp_scale_pair(uint32_t q, uint32_t s2) {
     return r;
 }
 
+/* The lane of this lane's quad that holds row-block j's block scale after round_p_block_pair's reduce-scatter. */
+AQ_D int row_block_lane(int lane, int j) { return (lane & ~3) | (j >> 1) | ((j & 1) << 1); }
+
 /* fq16(P̂ * 2^11) for two 16-key blocks at once (c0, c1: block A, c2, c3: block B), in two halves a pipeline can
    keep apart: round_p_block_pair leaves the E2M1 roundings of x * r in place (fp32) and returns the lane's block
    scale as a DT pair; pack_quantized_p_pair then makes the A fragments, clamping and scaling pairs. Together bit for
@@ -498,7 +505,7 @@ AQ_D uint32_t round_p_block_pair(float c0[4], float c1[4], float c2[4], float c3
     p_block_scale(amax, &s, &s_pf, &r);
 #pragma unroll
     for (int j = 0; j < 4; j++) { /* row-block j's reciprocal from the lane that computed it */
-        const float jr = __shfl_sync(AQ_FULL_MASK, r, (lane & ~3) | (j >> 1) | ((j & 1) << 1));
+        const float jr = __shfl_sync(AQ_FULL_MASK, r, row_block_lane(lane, j));
 #pragma unroll
         for (int i = 0; i < 4; i++) x[j][i] = p_round_element(x[j][i], jr);
     }
@@ -516,7 +523,7 @@ AQ_D void pack_quantized_p_pair(uint32_t a0[4], uint32_t a1[4], const float c0[4
     const int lane = (int)threadIdx.x & 31;
     uint32_t s2[4];
 #pragma unroll
-    for (int j = 0; j < 4; j++) s2[j] = __shfl_sync(AQ_FULL_MASK, scale_pair, (lane & ~3) | (j >> 1) | ((j & 1) << 1));
+    for (int j = 0; j < 4; j++) s2[j] = __shfl_sync(AQ_FULL_MASK, scale_pair, row_block_lane(lane, j));
     a0[0] = clamp_scale_pair<DT>(pack2<DT>(c0[0], c0[1]), s2[0]);
     a0[1] = clamp_scale_pair<DT>(pack2<DT>(c0[2], c0[3]), s2[1]);
     a0[2] = clamp_scale_pair<DT>(pack2<DT>(c1[0], c1[1]), s2[0]);
@@ -585,8 +592,8 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
         const float frame = m_new == -INFINITY ? 0.0f : m_new;
 #pragma unroll
         for (int n = 0; n < BN / 8; n++) {
-            s[n][2 * r] = frame_exp2(fmaf(s[n][2 * r], exp_scale, -frame));
-            s[n][2 * r + 1] = frame_exp2(fmaf(s[n][2 * r + 1], exp_scale, -frame));
+            s[n][2 * r] = p_hat(s[n][2 * r], exp_scale, frame);
+            s[n][2 * r + 1] = p_hat(s[n][2 * r + 1], exp_scale, frame);
             l[r] += s[n][2 * r] + s[n][2 * r + 1];
         }
     }
@@ -740,11 +747,11 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
                     const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
                     float u;
                     const bool live = masked_logit(lm, st[n][e], q0 + qi, kj, &u) && inv_l != 0.0f;
-                    phat = live ? frame_exp2(fmaf(u, lm->exp_scale, -m)) : 0.0f;
+                    phat = live ? p_hat(u, lm->exp_scale, m) : 0.0f;
                     st[n][e] = live ? phat * inv_l : 0.0f;
                     live_bits |= (uint32_t)live << (4 * n + e);
                 } else {
-                    phat = frame_exp2(fmaf(st[n][e], lm->exp_scale, -m));
+                    phat = p_hat(st[n][e], lm->exp_scale, m);
                     st[n][e] = phat * inv_l;
                 }
                 xq[col][e >> 1] = phat;
@@ -823,10 +830,10 @@ AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const f
                 const bool live = masked_logit(lm, s[n][e], row_base + frag_c_row(lane, e),
                                                     k0 + 8 * n + frag_c_col(lane, e), &u) &&
                                   inv_l[r] != 0.0f;
-                s[n][e] = live ? frame_exp2(fmaf(u, lm->exp_scale, -m[r])) * inv_l[r] : 0.0f;
+                s[n][e] = live ? p_hat(u, lm->exp_scale, m[r]) * inv_l[r] : 0.0f;
                 live_bits |= (uint32_t)live << (4 * n + e);
             } else {
-                s[n][e] = frame_exp2(fmaf(s[n][e], lm->exp_scale, -m[r])) * inv_l[r];
+                s[n][e] = p_hat(s[n][e], lm->exp_scale, m[r]) * inv_l[r];
             }
         }
     return live_bits;

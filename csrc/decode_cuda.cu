@@ -121,7 +121,11 @@ AQ_D uint32_t hmul2_by_half(uint32_t a, uint32_t s, int half) {
 }
 
 /* Two E4M3 values (low byte first) as an fp16 pair, exactly: one cvt on sm_89+; elsewhere (the sm_80-class build)
-   through nvfp4.h's decode, every E4M3 value (2^-9 .. 448, NaN) being an fp16 normal. */
+   through nvfp4.h's decode, every E4M3 value (2^-9 .. 448, NaN) being an fp16 normal. As block scales, with
+   e2m1x8_to_f16's 2^-14, hmul2_by_half gives the K^F or V^F element times 2^-14: a product of an E2M1 value (at
+   most 2 significant bits, 0.5 .. 6) and an E4M3 value (at most 4, 2^-9 .. 448) has at most 6 significant bits
+   and lies in [2^-10, 2688] or is 0; times 2^-14 it lies in [2^-24, 0.165], its last bit at or above 2^-24, the
+   fp16 subnormals' step: exact in fp16. A NaN scale (non-finite block) makes every product NaN, 0 included. */
 AQ_D uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
     uint32_t r = 0;
@@ -150,13 +154,6 @@ AQ_D void e2m1x8_to_f16(uint32_t w, uint32_t (&out)[4]) {
     out[2] = __byte_perm(even, 0, 0x3414);
     out[3] = __byte_perm(odd, 0, 0x3414);
 }
-
-/* Two E4M3 block scales (low byte first) as an fp16 pair: with e2m1x8_to_f16's 2^-14, hmul2_by_half gives the
-   K^F or V^F element times 2^-14. A product of an E2M1 value (at most 2 significant bits, 0.5 .. 6) and an E4M3
-   value (at most 4, 2^-9 .. 448) has at most 6 significant bits and lies in [2^-10, 2688] or is 0; times 2^-14 it
-   lies in [2^-24, 0.165], its last bit at or above 2^-24, the fp16 subnormals' step: exact in fp16. A NaN scale
-   (non-finite block) makes every product NaN, 0 included. */
-AQ_D uint32_t block_scales_f16x2(uint32_t two_bytes) { return e4m3x2_to_f16x2(two_bytes); }
 
 /* ------------------------------------------------------------------------------------------------
    Unit pieces */
@@ -214,7 +211,7 @@ AQ_D void unit_scores(float (&s)[NB][4], const uint2 (&qf)[D / 16][NB][32], cons
         load_words<D / 32>(w[h], st + U::K_CODES + key * (D / 2) + t * (D / 8));
         const unsigned char *sp = st + U::K_SCALES + key * (D / 16) + t * (D / 64);
         /* the scales of blocks t * D/64 (low half) and, for D = 128, t * D/64 + 1 (high half) */
-        sc[h] = block_scales_f16x2(D == 128 ? (uint32_t)sp[0] | ((uint32_t)sp[1] << 8) : sp[0]);
+        sc[h] = e4m3x2_to_f16x2(D == 128 ? (uint32_t)sp[0] | ((uint32_t)sp[1] << 8) : sp[0]);
     }
 #pragma unroll
     for (int nb = 0; nb < NB; nb++) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
@@ -247,7 +244,7 @@ AQ_D void unit_scores(float (&s)[NB][4], const uint2 (&qf)[D / 16][NB][32], cons
 AQ_D void packed_v_word(uint32_t (&a)[2][4], uint32_t r0, uint32_t r1, uint32_t sw) {
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const uint32_t sc = block_scales_f16x2(sw >> (16 * h)); /* channels 4j + 2h (low half) and 4j + 2h + 1 */
+        const uint32_t sc = e4m3x2_to_f16x2(sw >> (16 * h)); /* channels 4j + 2h (low half) and 4j + 2h + 1 */
         uint32_t c[4]; /* channel 4j + 2h: c[0] tokens 2t, 2t + 8, c[1] 2t + 1, 2t + 9; channel + 1: c[2], c[3] */
         e2m1x8_to_f16(__byte_perm(r0, r1, h ? 0x7632 : 0x5410), c);
         a[h][0] = hmul2_by_half(c[0], sc, 0);
@@ -463,8 +460,8 @@ AQ_D void step_softmax(float (&s)[SU][NB][4], float (&o)[D / 16][NB][4], float (
             const float frame = m[nb][c] == -INFINITY ? 0.0f : m[nb][c];
 #pragma unroll
             for (int su = 0; su < SU; su++) {
-                s[su][nb][c] = frame_exp2(fmaf(s[su][nb][c], exp_scale, -frame));
-                s[su][nb][c + 2] = frame_exp2(fmaf(s[su][nb][c + 2], exp_scale, -frame));
+                s[su][nb][c] = p_hat(s[su][nb][c], exp_scale, frame);
+                s[su][nb][c + 2] = p_hat(s[su][nb][c + 2], exp_scale, frame);
                 l[nb][c] += s[su][nb][c] + s[su][nb][c + 2];
             }
         }
