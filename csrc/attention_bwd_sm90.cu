@@ -30,7 +30,9 @@ struct DkdvLayout {
        row (as a float) */
     static constexpr int STATS_FLOATS = 3 * BWD90_Q_STEP + 4;
     static constexpr int STATS_OFFSET = DO_OFFSET + BWD90_STAGES * STEP_BYTES;
-    static constexpr int BAR_OFFSET = STATS_OFFSET + BWD90_STAGES * STATS_FLOATS * 4;
+    /* each consumer warp's 32 float4 through which dkdv_step_p_quantized's lanes trade block scales */
+    static constexpr int SCALES_OFFSET = STATS_OFFSET + BWD90_STAGES * STATS_FLOATS * 4;
+    static constexpr int BAR_OFFSET = SCALES_OFFSET + 8 * 32 * 16;
     static constexpr int ALLOC = BAR_OFFSET + 8 * (1 + 2 * BWD90_STAGES) + 1024;
 };
 
@@ -42,6 +44,14 @@ struct DqLayout {
     static constexpr int BAR_OFFSET = V_OFFSET + BWD90_STAGES * STEP_BYTES;
     static constexpr int ALLOC = BAR_OFFSET + 8 * (1 + 2 * BWD90_STAGES) + 1024;
 };
+
+/* The dK/dV loop's next step: the next 64 queries of head h, or the first of head h + 1 (counters rather than a
+   division of the step index, whose ~40 dependent instructions stood at the top of every step: 5% of the stall
+   samples under ncu). */
+AQ_D void next_query_step(int *h, int *q0, int q_begin, int nq) {
+    *q0 += BWD90_Q_STEP;
+    if (*q0 >= nq) *q0 = q_begin, ++*h;
+}
 
 /* grid (ceil(Nk / 128), Hkv, B), 384 threads. Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v
    (B, Hkv, Nk, D) with boxes of 128 rows. */
@@ -93,9 +103,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             tma_load_rows<D>(ks, &tm_k, kv_full, BWD90_KEYS, k0, hk, b);
             tma_load_rows<D>(vs, &tm_v, kv_full, BWD90_KEYS, k0, hk, b);
         }
-        for (int step = 0; step < n_steps; step++) {
-            const int s = step % BWD90_STAGES, h = hk * group + step / steps_per_head;
-            const int q0 = q_begin + (step % steps_per_head) * BQ;
+        for (int step = 0, h = hk * group, q0 = q_begin; step < n_steps; step++, next_query_step(&h, &q0, q_begin, nq)) {
+            const int s = step % BWD90_STAGES;
             /* the statistics first, into registers: their global-load latency then overlaps the wait for the
                slot instead of delaying the step's TMA (consumers waited on it: 6-9% of their stall samples) */
             const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
@@ -126,6 +135,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     /* consumers: warpgroup c owns keys k0 + 64c .. +63, its warp w keys k0 + 64c + 16w .. +15 */
     setmaxnreg_inc<240>();
     const int c = warpgroup - 1, key0 = 64 * c + 16 * (warp % 4);
+    float4 *scales = (float4 *)(smem + L::SCALES_OFFSET) + 32 * (warp - 4);
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; n++)
@@ -134,9 +144,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 
     if (ping_pong && c == 1) named_barrier_arrive(PING_PONG_BARRIER, 256); /* warpgroup 0 takes the first turn */
     mbar_wait(kv_full, 0);
-    for (int step = 0; step < n_steps; step++) {
-        const int s = step % BWD90_STAGES, h = hk * group + step / steps_per_head;
-        const int q0 = q_begin + (step % steps_per_head) * BQ;
+    for (int step = 0, h = hk * group, q0 = q_begin; step < n_steps; step++, next_query_step(&h, &q0, q_begin, nq)) {
+        const int s = step % BWD90_STAGES;
         const logit_map lm =
             make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
         const unsigned char *qt = qs + s * L::STEP_BYTES, *dot = dos + s * L::STEP_BYTES;
@@ -148,6 +157,12 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
            ptxas then serializes every wgmma: C7515.) */
         float st[BQ / 8][4], dpt[BQ / 8][4];
         mbar_wait(&step_full[s], (step / BWD90_STAGES) & 1);
+        /* the step's row frames and dead-row flag are read before the products are issued: behind S^T and dP^T,
+           which saturate the shared-memory pipe, these loads waited hundreds of cycles (step_stat). 1/l is read
+           where used: 16 more registers held across the products cost more (spills) than its loads' wait. */
+        float4 m4[BQ / 16];
+        dkdv_step_stats<BQ>(m4, st_m);
+        const float dead_rows = st_m[3 * BQ];
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++)
@@ -157,14 +172,17 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         for (int kk = 0; kk < D / 16; kk++)
             wgmma_ss<BQ, DT, 0>(dpt, k_major_desc(vs, BWD90_KEYS, 64 * c, kk), k_major_desc(dot, BQ, 0, kk), kk > 0);
         wgmma_commit();
-        const bool checked = tile_needs_mask(&lm, q0, k0 + 64 * c, 64) || st_m[3 * BQ] != 0.0f;
+        const bool checked = tile_needs_mask(&lm, q0, k0 + 64 * c, 64) || dead_rows != 0.0f;
         fence_registers(dpt);
         wgmma_wait<1>();
         fence_registers(st);
 
         uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
         if constexpr (ping_pong) named_barrier_sync(PING_PONG_BARRIER + c, 256);
-        const uint32_t live = dkdv_step_p<BQ, QUANTIZE_DV, DT>(&lm, st, pa, st_m, st_m + BQ, q0, k0 + key0, checked);
+        const uint32_t live = QUANTIZE_DV ? dkdv_step_p_quantized<DT>(&lm, st, pa, m4, st_m + BQ, q0, k0 + key0, checked, scales)
+                                          : dkdv_step_p<BQ, false, DT>(&lm, st, pa, m4, st_m + BQ, q0, k0 + key0, checked);
+        float4 delta4[BQ / 16]; /* before dV is issued, for the same reason */
+        dkdv_step_stats<BQ>(delta4, st_m + 2 * BQ);
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dv, pa[kb], mn_major_desc(dot, BQ, kb), 1);
@@ -174,7 +192,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         wgmma_wait<1>();
         fence_registers(dpt);
 
-        dkdv_step_ds<BQ, DT>(st, dpt, dsa, st_m + 2 * BQ, live, checked);
+        dkdv_step_ds<BQ, DT>(st, dpt, dsa, delta4, live, checked);
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dk, dsa[kb], mn_major_desc(qt, BQ, kb), 1);

@@ -722,18 +722,33 @@ AQ_D float4 dkdv_fragment_stats(const float *stat, int kb) {
 
 AQ_D float float4_at(const float4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
+/* A step's statistic for the P and dS parts below, either read from shared memory where it is used, or from
+   registers that the caller loaded earlier (dkdv_step_stats): the wgmma kernel loads what it can before issuing
+   the products, because behind S^T and dP^T, which saturate the shared-memory pipe, a load waited ~hundreds of
+   cycles (ncu: the largest single stalls of the dK/dV kernel). */
+AQ_D float4 step_stat(const float *stat, int kb) { return dkdv_fragment_stats(stat, kb); }
+template <int N>
+AQ_D float4 step_stat(const float4 (&stat)[N], int kb) { return stat[kb]; }
+
+/* All BQ / 16 of them at once, into registers. */
+template <int BQ>
+AQ_D void dkdv_step_stats(float4 (&v)[BQ / 16], const float *stat) {
+#pragma unroll
+    for (int kb = 0; kb < BQ / 16; kb++) v[kb] = dkdv_fragment_stats(stat, kb);
+}
+
 /* Leaves P^T = P̂ / l in st and the dV operand as A fragments in pa (16 queries each): P^F = fq16(P̂ * 2^11) *
    2^-11 / l with QUANTIZE_DV (the forward's P^F, since M is the forward's final frame; a block with a NaN is NaN
-   throughout, its dead terms stay 0), else P. */
-template <int BQ, bool QUANTIZE_DV, aq_dtype DT, bool CHECKED>
+   throughout, its dead terms stay 0), else P. row_m, row_inv_l: step_stat's shared memory or registers. */
+template <int BQ, bool QUANTIZE_DV, aq_dtype DT, bool CHECKED, typename M, typename InvL>
 AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
-                               const float *row_m, const float *row_inv_l, int q0, int key_base) {
+                               const M &row_m, const InvL &row_inv_l, int q0, int key_base) {
     static_assert(BQ <= 64 && BQ % 16 == 0, "one live bit per term of the step, whole A fragments");
     const int lane = (int)threadIdx.x & 31;
     uint32_t live_bits = CHECKED ? 0u : ~0u;
 #pragma unroll
     for (int kb = 0; kb < BQ / 16; kb++) { /* 16 queries at a time, so only their P̂ is kept aside */
-        const float4 m4 = dkdv_fragment_stats(row_m, kb), inv_l4 = dkdv_fragment_stats(row_inv_l, kb);
+        const float4 m4 = step_stat(row_m, kb), inv_l4 = step_stat(row_inv_l, kb);
         float xq[4][2]; /* P̂ of the fragment's 4 columns (fake_quantize_p_columns' order), key rows g and g+8 */
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -776,22 +791,124 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
     return live_bits;
 }
 
-template <int BQ, bool QUANTIZE_DV, aq_dtype DT>
+template <int BQ, bool QUANTIZE_DV, aq_dtype DT, typename M, typename InvL>
 AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
-                          const float *row_m, const float *row_inv_l, int q0, int key_base, bool checked) {
+                          const M &row_m, const InvL &row_inv_l, int q0, int key_base, bool checked) {
     /* one checked variant for masks and causal alike: a third (visible_logit<false>, branch-free causal, as the
        forward has) made the kernels spill and measured no faster (Wan 14B and Qwen causal shapes, H100) */
     if (checked) return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, true>(lm, st, pa, row_m, row_inv_l, q0, key_base);
     return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base);
 }
 
+/* dkdv_step_p with QUANTIZE_DV for a step of 64 queries, the P^F column quant done for the whole step at once
+   rather than per A fragment (the wgmma dK/dV kernel; bit for bit the same st, pa and live bits, checked on the
+   H100/H200 over causal, grouped and odd-length shapes; the mma.sync kernel, with 32-query steps at D = 128,
+   keeps the per-fragment form). Per A fragment,
+   fake_quantize_p_columns puts a chain of 3 amax shuffles, a block scale and 8 gather shuffles between a
+   fragment's exponentials and its P^F, and the four chains of a step ran mostly one after another: the kernel
+   waited on latency (ncu: issue slots 37% busy). Here every exponential comes first; then one reduce-scatter
+   of the thread's 16 column amaxes over the 8 lanes of a column set (lane bits 4, 3, 2: 8 + 4 + 2 shuffles)
+   leaves lane (g, t) the amaxes of columns 8g + 2t and 8g + 2t + 1, two block scales a lane instead of four;
+   the lanes trade (s_pf, r) through `scales` (this warp's 32 float4 of shared memory, lane l's pair at [l])
+   with one 16-byte store and 8 broadcast loads instead of 32 shuffles; only then the elements. */
+template <aq_dtype DT, bool CHECKED, typename M, typename InvL>
+AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4], uint32_t (&pa)[4][4],
+                                         const M &row_m, const InvL &row_inv_l, int q0, int key_base,
+                                         float4 *scales) {
+    const int lane = (int)threadIdx.x & 31;
+    uint32_t live_bits = CHECKED ? 0u : ~0u;
+    /* P̂ in place (0 on dead terms) */
+#pragma unroll
+    for (int kb = 0; kb < 4; kb++) {
+        const float4 m4 = step_stat(row_m, kb);
+        float4 inv_l4 = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+        if constexpr (CHECKED) inv_l4 = step_stat(row_inv_l, kb);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int n = 2 * kb + h;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = 2 * h + (e & 1);
+                if constexpr (CHECKED) {
+                    const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
+                    float u;
+                    const bool live = masked_logit(lm, st[n][e], q0 + qi, kj, &u) && float4_at(inv_l4, col) != 0.0f;
+                    st[n][e] = live ? p_hat(u, lm->exp_scale, float4_at(m4, col)) : 0.0f;
+                    live_bits |= (uint32_t)live << (4 * n + e);
+                } else {
+                    st[n][e] = p_hat(st[n][e], lm->exp_scale, float4_at(m4, col));
+                }
+            }
+        }
+    }
+    /* the amax of column 8n + 2t + j over the lane's two keys, then over the 8 lanes of the column set, halving
+       the columns a lane holds at each level: lane bit 4 keeps n-blocks 4 * bit + i, bit 3 then 2 * bit + i, bit 2
+       the one n-block g */
+    uint32_t a[8][2];
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) a[n][j] = max(__float_as_uint(st[n][j]), __float_as_uint(st[n][j + 2]));
+#pragma unroll
+    for (int half = 4; half >= 1; half /= 2) {
+        const int lane_bit = half == 4 ? 16 : half == 2 ? 8 : 4;
+        const bool hi = lane & lane_bit;
+#pragma unroll
+        for (int i = 0; i < half; i++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const uint32_t keep = hi ? a[half + i][j] : a[i][j], send = hi ? a[i][j] : a[half + i][j];
+                a[i][j] = max(keep, __shfl_xor_sync(AQ_FULL_MASK, send, lane_bit));
+            }
+    }
+    float s[2], s_pf[2], r[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) p_block_scale(a[0][j], &s[j], &s_pf[j], &r[j]);
+    __syncwarp(); /* the last step's loads are done before the store */
+    scales[lane] = make_float4(s_pf[0], r[0], s_pf[1], r[1]);
+    __syncwarp();
+#pragma unroll
+    for (int kb = 0; kb < 4; kb++) {
+        const float4 inv_l4 = step_stat(row_inv_l, kb);
+        float pf[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int n = 2 * kb + h;
+            const float4 sr = scales[4 * n + (lane & 3)]; /* columns 8n + 2t and 8n + 2t + 1 */
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = 2 * h + (e & 1);
+                const float inv_l = float4_at(inv_l4, col);
+                const float xq = (e & 1) ? p_fake_quantize_element(st[n][e], sr.z, sr.w)
+                                         : p_fake_quantize_element(st[n][e], sr.x, sr.y);
+                pf[h][e] = xq * inv_l;
+                st[n][e] *= inv_l;
+                if constexpr (CHECKED) {
+                    const bool live = (live_bits >> (4 * n + e)) & 1u;
+                    pf[h][e] = live ? pf[h][e] : 0.0f;
+                    st[n][e] = live ? st[n][e] : 0.0f;
+                }
+            }
+        }
+        pack_a_from_c<DT>(pa[kb], pf[0], pf[1]);
+    }
+    return live_bits;
+}
+
+template <aq_dtype DT, typename M, typename InvL>
+AQ_D uint32_t dkdv_step_p_quantized(const logit_map *lm, float (&st)[8][4], uint32_t (&pa)[4][4], const M &row_m,
+                                    const InvL &row_inv_l, int q0, int key_base, bool checked, float4 *scales) {
+    if (checked) return dkdv_step_p_quantized_impl<DT, true>(lm, st, pa, row_m, row_inv_l, q0, key_base, scales);
+    return dkdv_step_p_quantized_impl<DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base, scales);
+}
+
 /* dS^T = P^T (dP^T - delta) into dpt as A fragments dsa, from dkdv_step_p's st and live bits. */
-template <int BQ, aq_dtype DT, bool CHECKED>
+template <int BQ, aq_dtype DT, bool CHECKED, typename Delta>
 AQ_D void dkdv_step_ds_impl(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][4], uint32_t (&dsa)[BQ / 16][4],
-                            const float *row_delta, uint32_t live_bits) {
+                            const Delta &row_delta, uint32_t live_bits) {
 #pragma unroll
     for (int kb = 0; kb < BQ / 16; kb++) {
-        const float4 delta4 = dkdv_fragment_stats(row_delta, kb);
+        const float4 delta4 = step_stat(row_delta, kb);
         float ds[2][4];
 #pragma unroll
         for (int h = 0; h < 2; h++)
@@ -805,9 +922,9 @@ AQ_D void dkdv_step_ds_impl(const float (&st)[BQ / 8][4], const float (&dpt)[BQ 
     }
 }
 
-template <int BQ, aq_dtype DT>
+template <int BQ, aq_dtype DT, typename Delta>
 AQ_D void dkdv_step_ds(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][4], uint32_t (&dsa)[BQ / 16][4],
-                       const float *row_delta, uint32_t live_bits, bool checked) {
+                       const Delta &row_delta, uint32_t live_bits, bool checked) {
     if (checked) dkdv_step_ds_impl<BQ, DT, true>(st, dpt, dsa, row_delta, live_bits);
     else dkdv_step_ds_impl<BQ, DT, false>(st, dpt, dsa, row_delta, live_bits);
 }
