@@ -53,6 +53,16 @@ AQ_D void next_query_step(int *h, int *q0, int q_begin, int nq) {
     if (*q0 >= nq) *q0 = q_begin, ++*h;
 }
 
+/* dP^T = V dO^T for warpgroup c's 64 keys and the step's 64 queries, as one commit group. */
+template <int D, aq_dtype DT>
+AQ_D void issue_dpt(float (&dpt)[BWD90_Q_STEP / 8][4], const unsigned char *vs, const unsigned char *dot, int c) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+        wgmma_ss<BWD90_Q_STEP, DT, 0>(dpt, k_major_desc(vs, BWD90_KEYS, 64 * c, kk),
+                                      k_major_desc(dot, BWD90_Q_STEP, 0, kk), kk > 0);
+    wgmma_commit();
+}
+
 /* grid (ceil(Nk / 128), Hkv, B), 384 threads. Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v
    (B, Hkv, Nk, D) with boxes of 128 rows. */
 template <int D, aq_dtype DT, bool QUANTIZE_DV>
@@ -151,10 +161,14 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         const unsigned char *qt = qs + s * L::STEP_BYTES, *dot = dos + s * L::STEP_BYTES;
         const float *st_m = stats + s * L::STATS_FLOATS;
 
-        /* S^T and dP^T as two groups: the P part of the step (exp2, and the P^F column quant) runs while the
-           tensor cores compute dP^T, and the dS part while they compute dV. (Issuing the next step's S^T behind
-           dK, to keep the tensor cores busy across steps, puts a wgmma in flight across the loop's back edge, and
-           ptxas then serializes every wgmma: C7515.) */
+        /* Unquantized: S^T and dP^T as two groups, the P part (exp2) runs while the tensor cores compute dP^T,
+           and the dS part while they compute dV. With the P^F column quant the P part is latency-bound (v9 in
+           performance.md), and dP^T's 32 accumulator registers held across it left the compiler too few to
+           interleave its element chains (256 bytes of spills): dP^T is issued after it, just before dV, and the
+           dS part waits for it. Measured on the H200: 1.5-3.5% faster at every benchmark shape, no spills.
+           (Issuing the next step's S^T behind dK, to keep the tensor cores busy across steps, puts a wgmma in
+           flight across the loop's back edge, and ptxas then serializes every wgmma: C7515.) */
+        constexpr bool dp_after_p = QUANTIZE_DV;
         float st[BQ / 8][4], dpt[BQ / 8][4];
         mbar_wait(&step_full[s], (step / BWD90_STAGES) & 1);
         /* the step's row frames and dead-row flag are read before the products are issued: behind S^T and dP^T,
@@ -168,13 +182,14 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         for (int kk = 0; kk < D / 16; kk++)
             wgmma_ss<BQ, DT, 0>(st, k_major_desc(ks, BWD90_KEYS, 64 * c, kk), k_major_desc(qt, BQ, 0, kk), kk > 0);
         wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-            wgmma_ss<BQ, DT, 0>(dpt, k_major_desc(vs, BWD90_KEYS, 64 * c, kk), k_major_desc(dot, BQ, 0, kk), kk > 0);
-        wgmma_commit();
+        if constexpr (!dp_after_p) issue_dpt<D, DT>(dpt, vs, dot, c);
         const bool checked = tile_needs_mask(&lm, q0, k0 + 64 * c, 64) || dead_rows != 0.0f;
-        fence_registers(dpt);
-        wgmma_wait<1>();
+        if constexpr (dp_after_p) {
+            wgmma_wait<0>();
+        } else {
+            fence_registers(dpt);
+            wgmma_wait<1>();
+        }
         fence_registers(st);
 
         uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
@@ -184,6 +199,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         float4 delta4[BQ / 16]; /* before dV is issued, for the same reason */
         dkdv_step_stats<BQ>(delta4, st_m + 2 * BQ);
         wgmma_fence();
+        if constexpr (dp_after_p) issue_dpt<D, DT>(dpt, vs, dot, c);
 #pragma unroll
         for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dv, pa[kb], mn_major_desc(dot, BQ, kb), 1);
         wgmma_commit();
