@@ -20,6 +20,16 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return None
 
 
+def _autocast_fp32(*tensors: torch.Tensor):
+    """Under autocast, float32 operands in the autocast dtype, as autocast casts those of PyTorch's SDPA; the
+    others as they are. Models mix them: transformers' Qwen3 RMSNorm (since 5.2x) returns q and k in float32
+    when its weights are float32, while v comes out of a linear layer in the autocast dtype."""
+    cast = _autocast_dtype(tensors[0].device.type)
+    if cast is None:
+        return tensors
+    return tuple(t.to(cast) if t.dtype == torch.float32 else t for t in tensors)
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
     """Checks (B, H, N, D) operands and returns them in a dtype the kernels take (autocast applied)."""
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -30,11 +40,9 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
     if not (q.device == k.device == v.device):
         raise ValueError(f"attn_qat.{fn}: query, key and value must be on one device; got {q.device}, "
                          f"{k.device}, {v.device}")
+    q, k, v = _autocast_fp32(q, k, v)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"attn_qat.{fn}: query, key and value must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    cast = _autocast_dtype(q.device.type) if q.dtype == torch.float32 else None
-    if cast is not None:
-        q, k, v = q.to(cast), k.to(cast), v.to(cast)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"attn_qat.{fn}: query, key and value must be bfloat16 or float16 (got {q.dtype}); "
                         "cast them or run under torch.autocast")

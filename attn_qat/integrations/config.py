@@ -101,11 +101,11 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         return "query, key and value are on different devices"
     if device.type not in ("cpu", "cuda"):
         return f"device type {device.type!r} is not supported"
-    if not (query.dtype == key.dtype == value.dtype):
+    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    dtypes = {autocast if t.dtype == torch.float32 and autocast is not None else t.dtype for t in tensors}
+    if len(dtypes) != 1:  # float32 ones under autocast count as the autocast dtype (attention._autocast_fp32)
         return "query, key and value have different dtypes"
-    dtype = query.dtype
-    if dtype == torch.float32 and torch.is_autocast_enabled(device.type):
-        dtype = torch.get_autocast_dtype(device.type)
+    dtype = dtypes.pop()
     if dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {dtype} is not supported (bfloat16 or float16, or float32 under autocast)"
     head_dim = query.shape[-1]
