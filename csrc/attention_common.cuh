@@ -802,15 +802,13 @@ AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t 
 
 /* dkdv_step_p with QUANTIZE_DV for a step of 64 queries, the P^F column quant done for the whole step at once
    rather than per A fragment (the wgmma dK/dV kernel; bit for bit the same st, pa and live bits, checked on the
-   H100/H200 over causal, grouped and odd-length shapes; the mma.sync kernel, with 32-query steps at D = 128,
-   keeps the per-fragment form). Per A fragment,
-   fake_quantize_p_columns puts a chain of 3 amax shuffles, a block scale and 8 gather shuffles between a
-   fragment's exponentials and its P^F, and the four chains of a step ran mostly one after another: the kernel
-   waited on latency (ncu: issue slots 37% busy). Here every exponential comes first; then one reduce-scatter
-   of the thread's 16 column amaxes over the 8 lanes of a column set (lane bits 4, 3, 2: 8 + 4 + 2 shuffles)
-   leaves lane (g, t) the amaxes of columns 8g + 2t and 8g + 2t + 1, two block scales a lane instead of four;
-   the lanes trade (s_pf, r) through `scales` (this warp's 32 float4 of shared memory, lane l's pair at [l])
-   with one 16-byte store and 8 broadcast loads instead of 32 shuffles; only then the elements. */
+   H200 over causal, grouped-KV, odd-length and D = 64 shapes; the mma.sync kernel, with 32-query steps at D = 128,
+   keeps the per-fragment form). Every exponential comes first; then one reduce-scatter of the thread's 16 column
+   amaxes over the 8 lanes of a column set (lane bits 4, 3, 2: 8 + 4 + 2 shuffles) leaves lane (g, t) the amaxes
+   of columns 8g + 2t and 8g + 2t + 1, two block scales a lane instead of fake_quantize_p_columns' four; the lanes
+   trade (s_pf, r) through `scales` (this warp's 32 float4 of shared memory, lane l's pair at [l]) with one
+   16-byte store and 8 broadcast loads instead of 32 shuffles; only then the elements. 580 -> 530 instructions a
+   step, 2.4% off the backward (performance.md v9: the per-fragment chains were not what bound it). */
 template <aq_dtype DT, bool CHECKED, typename M, typename InvL>
 AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4], uint32_t (&pa)[4][4],
                                          const M &row_m, const InvL &row_inv_l, int q0, int key_base,
