@@ -737,6 +737,24 @@ AQ_D void dkdv_step_stats(float4 (&v)[BQ / 16], const float *stat) {
     for (int kb = 0; kb < BQ / 16; kb++) v[kb] = dkdv_fragment_stats(stat, kb);
 }
 
+/* P̂ of the step's term (n, e) from its score s (st[n][e]). With CHECKED, *live says whether the term counts (its
+   key is visible and its row has inv_l != 0), which also goes into *live_bits, and a dead term's P̂ is 0. */
+template <bool CHECKED>
+AQ_D float dkdv_term_p_hat(const logit_map *lm, float s, float m, float inv_l, int q0, int key_base, int n, int e,
+                           bool *live, uint32_t *live_bits) {
+    if constexpr (CHECKED) {
+        const int lane = (int)threadIdx.x & 31;
+        float u;
+        *live = masked_logit(lm, s, q0 + 8 * n + frag_c_col(lane, e), key_base + frag_c_row(lane, e), &u) &&
+                inv_l != 0.0f;
+        *live_bits |= (uint32_t)*live << (4 * n + e);
+        return *live ? p_hat(u, lm->exp_scale, m) : 0.0f;
+    } else {
+        *live = true;
+        return p_hat(s, lm->exp_scale, m);
+    }
+}
+
 /* Leaves P^T = P̂ / l in st and the dV operand as A fragments in pa (16 queries each): P^F = fq16(P̂ * 2^11) *
    2^-11 / l with QUANTIZE_DV (the forward's P^F, since M is the forward's final frame; a block with a NaN is NaN
    throughout, its dead terms stay 0), else P. row_m, row_inv_l: step_stat's shared memory or registers. */
@@ -756,19 +774,11 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int col = 2 * h + (e & 1);
-                const float m = float4_at(m4, col), inv_l = float4_at(inv_l4, col);
-                float phat;
-                if constexpr (CHECKED) {
-                    const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
-                    float u;
-                    const bool live = masked_logit(lm, st[n][e], q0 + qi, kj, &u) && inv_l != 0.0f;
-                    phat = live ? p_hat(u, lm->exp_scale, m) : 0.0f;
-                    st[n][e] = live ? phat * inv_l : 0.0f;
-                    live_bits |= (uint32_t)live << (4 * n + e);
-                } else {
-                    phat = p_hat(st[n][e], lm->exp_scale, m);
-                    st[n][e] = phat * inv_l;
-                }
+                const float inv_l = float4_at(inv_l4, col);
+                bool live;
+                const float phat = dkdv_term_p_hat<CHECKED>(lm, st[n][e], float4_at(m4, col), inv_l, q0, key_base, n,
+                                                            e, &live, &live_bits);
+                st[n][e] = live ? phat * inv_l : 0.0f;
                 xq[col][e >> 1] = phat;
             }
         }
@@ -827,15 +837,9 @@ AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4],
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int col = 2 * h + (e & 1);
-                if constexpr (CHECKED) {
-                    const int qi = 8 * n + frag_c_col(lane, e), kj = key_base + frag_c_row(lane, e);
-                    float u;
-                    const bool live = masked_logit(lm, st[n][e], q0 + qi, kj, &u) && float4_at(inv_l4, col) != 0.0f;
-                    st[n][e] = live ? p_hat(u, lm->exp_scale, float4_at(m4, col)) : 0.0f;
-                    live_bits |= (uint32_t)live << (4 * n + e);
-                } else {
-                    st[n][e] = p_hat(st[n][e], lm->exp_scale, float4_at(m4, col));
-                }
+                bool live;
+                st[n][e] = dkdv_term_p_hat<CHECKED>(lm, st[n][e], float4_at(m4, col), float4_at(inv_l4, col), q0,
+                                                    key_base, n, e, &live, &live_bits);
             }
         }
     }
