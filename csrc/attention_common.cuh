@@ -762,7 +762,6 @@ template <int BQ, bool QUANTIZE_DV, aq_dtype DT, bool CHECKED, typename M, typen
 AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
                                const M &row_m, const InvL &row_inv_l, int q0, int key_base) {
     static_assert(BQ <= 64 && BQ % 16 == 0, "one live bit per term of the step, whole A fragments");
-    const int lane = (int)threadIdx.x & 31;
     uint32_t live_bits = CHECKED ? 0u : ~0u;
 #pragma unroll
     for (int kb = 0; kb < BQ / 16; kb++) { /* 16 queries at a time, so only their P̂ is kept aside */
