@@ -20,14 +20,13 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return None
 
 
-def _autocast_fp32(*tensors: torch.Tensor):
-    """Under autocast, float32 operands in the autocast dtype, as autocast casts those of PyTorch's SDPA; the
-    others as they are. Models mix them: transformers' Qwen3 RMSNorm (since 5.2x) returns q and k in float32
-    when its weights are float32, while v comes out of a linear layer in the autocast dtype."""
-    cast = _autocast_dtype(tensors[0].device.type)
-    if cast is None:
-        return tensors
-    return tuple(t.to(cast) if t.dtype == torch.float32 else t for t in tensors)
+def run_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype an operand is run in: under autocast a float32 one takes the autocast dtype, as autocast casts
+    the operands of PyTorch's SDPA; any other stays as it is. Models mix them: transformers 5.24's Qwen3 RMSNorm
+    returns q and k in float32 when its weights are float32, while v comes out of a linear layer in the
+    autocast dtype. (The integrations' unsupported_reason applies the same rule.)"""
+    cast = _autocast_dtype(t.device.type) if t.dtype == torch.float32 else None
+    return t.dtype if cast is None else cast
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
@@ -40,7 +39,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
     if not (q.device == k.device == v.device):
         raise ValueError(f"attn_qat.{fn}: query, key and value must be on one device; got {q.device}, "
                          f"{k.device}, {v.device}")
-    q, k, v = _autocast_fp32(q, k, v)
+    q, k, v = (t.to(run_dtype(t)) for t in (q, k, v))
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"attn_qat.{fn}: query, key and value must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in (torch.bfloat16, torch.float16):

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Set
 
 import torch
 
-from ..attention import SUPPORTED_HEAD_DIMS, scaled_dot_product_attention
+from ..attention import SUPPORTED_HEAD_DIMS, run_dtype, scaled_dot_product_attention
 from ..ops import MODES
 
 # The attribute under which `prepare` hangs an `AttentionState` on each attention module it handles.
@@ -101,9 +101,8 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         return "query, key and value are on different devices"
     if device.type not in ("cpu", "cuda"):
         return f"device type {device.type!r} is not supported"
-    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    dtypes = {autocast if t.dtype == torch.float32 and autocast is not None else t.dtype for t in tensors}
-    if len(dtypes) != 1:  # float32 ones under autocast count as the autocast dtype (attention._autocast_fp32)
+    dtypes = {run_dtype(t) for t in tensors}
+    if len(dtypes) != 1:
         return "query, key and value have different dtypes"
     dtype = dtypes.pop()
     if dtype not in (torch.bfloat16, torch.float16):
