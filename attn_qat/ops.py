@@ -79,7 +79,7 @@ def _(q, k, v, mask, scale, causal, mode, need_out_prime):
 
 
 @torch.library.register_fake("attn_qat::attention_backward")
-def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode):
+def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode, deterministic):
     return (_empty_like_layout(q, *q.shape), _empty_like_layout(k, *k.shape), _empty_like_layout(v, *v.shape))
 
 
@@ -121,8 +121,10 @@ def _attention_backward(ctx, grad_out, grad_out_prime, grad_frame, grad_row_sum)
     q, k, v, out, out_prime, frame, row_sum, mask = ctx.saved_tensors
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
+    # Like PyTorch's own attention backward: dQ summed by atomics (fast) unless deterministic algorithms are
+    # asked for (torch.use_deterministic_algorithms), then bit-identical run to run (csrc/attn_qat.h).
     dq, dk, dv = ops.attention_backward(grad_out.to(q.dtype), q, k, v, out, out_prime, mask, frame, row_sum,
-                                        ctx.scale, ctx.causal, ctx.mode)
+                                        ctx.scale, ctx.causal, ctx.mode, torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, None, None, None, None, None
 
 

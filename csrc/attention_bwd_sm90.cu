@@ -20,16 +20,30 @@
 #define BWD90_ROWS 128    /* dQ: query rows per CTA */
 #define BWD90_K_STEP 64   /* dQ: keys per step */
 #define PING_PONG_BARRIER 1 /* named barriers 1 and 2: consumer warpgroup c waits on 1 + c for its turn */
+#define DS_BARRIER 3        /* fused dQ: both consumer warpgroups have written their dS^T of the step */
 
-template <int D>
+/* The fused dQ's fp32 sums (dq_accum): per (batch, query head, 64-query step, half of the head dim) a chunk of
+   64 x D/2 floats in the order of a wgmma accumulator, thread t of the warpgroup's fragment float4 n at
+   4 (128 n + t), so that each of the dK/dV kernel's reductions is a coalesced 16-byte red per lane. */
+__host__ __device__ inline int64_t dq_accum_chunk(int64_t b, int64_t h, int64_t heads_q, int64_t seqlen_q, int64_t q_step, int half,
+                                int head_dim) {
+    const int64_t q_steps = (seqlen_q + BWD90_Q_STEP - 1) / BWD90_Q_STEP;
+    return (((b * heads_q + h) * q_steps + q_step) * 2 + half) * (BWD90_Q_STEP * head_dim / 2);
+}
+
+template <int D, bool FUSED_DQ>
 struct DkdvLayout {
     static constexpr int KV_BYTES = BWD90_KEYS * D * 2, STEP_BYTES = BWD90_Q_STEP * D * 2;
     static constexpr int K_OFFSET = 0, V_OFFSET = KV_BYTES, Q_OFFSET = 2 * KV_BYTES;
     static constexpr int DO_OFFSET = Q_OFFSET + BWD90_STAGES * STEP_BYTES;
+    /* fused dQ: the step's dS^T (128 keys x 64 queries, one swizzled panel), double-buffered so that a warpgroup
+       may write the next step's while the other still reads this one (DS_BARRIER keeps them a step apart) */
+    static constexpr int DS_TILE_BYTES = BWD90_KEYS * BWD90_Q_STEP * 2;
+    static constexpr int DS_OFFSET = DO_OFFSET + BWD90_STAGES * STEP_BYTES;
     /* per stage: m, inv_l, delta of the step's 64 queries (dkdv_stat_slot's order), then whether one of them is a dead
        row (as a float) */
     static constexpr int STATS_FLOATS = 3 * BWD90_Q_STEP + 4;
-    static constexpr int STATS_OFFSET = DO_OFFSET + BWD90_STAGES * STEP_BYTES;
+    static constexpr int STATS_OFFSET = DS_OFFSET + (FUSED_DQ ? 2 * DS_TILE_BYTES : 0);
     /* each consumer warp's 32 float4 through which dkdv_step_p_quantized's lanes trade block scales */
     static constexpr int SCALES_OFFSET = STATS_OFFSET + BWD90_STAGES * STATS_FLOATS * 4;
     static constexpr int BAR_OFFSET = SCALES_OFFSET + 8 * 32 * 16;
@@ -53,6 +67,17 @@ AQ_D void next_query_step(int *h, int *q0, int q_begin, int nq) {
     if (*q0 >= nq) *q0 = q_begin, ++*h;
 }
 
+/* The warp's dS^T rows (keys key0 .. key0 + 15, dkdv_step_ds's A fragments) into the step's dS^T tile (128 keys x
+   BQ queries, one 128-byte swizzled panel as TMA would write it): one stmatrix per 16 queries. */
+template <int BQ>
+AQ_D void store_ds_transposed(unsigned char *tile, const uint32_t (&dsa)[BQ / 16][4], int key0) {
+    static_assert(BQ == SM90_PANEL, "a dS^T row is one 128-byte panel row");
+    const int lane = (int)threadIdx.x & 31, mat = lane / 8, row = key0 + (mat & 1) * 8 + (lane & 7);
+#pragma unroll
+    for (int kb = 0; kb < BQ / 16; kb++)
+        stmatrix_x4(tile + row * 128 + (((2 * kb + (mat >> 1)) ^ (row & 7)) << 4), dsa[kb]);
+}
+
 /* dP^T = V dO^T for warpgroup c's 64 keys and the step's 64 queries, as one commit group. */
 template <int D, aq_dtype DT>
 AQ_D void issue_dpt(float (&dpt)[BWD90_Q_STEP / 8][4], const unsigned char *vs, const unsigned char *dot, int c) {
@@ -65,24 +90,24 @@ AQ_D void issue_dpt(float (&dpt)[BWD90_Q_STEP / 8][4], const unsigned char *vs, 
 
 /* grid (ceil(Nk / 128), Hkv, B), 384 threads. Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v
    (B, Hkv, Nk, D) with boxes of 128 rows. */
-template <int D, aq_dtype DT, bool QUANTIZE_DV>
+template <int D, aq_dtype DT, bool QUANTIZE_DV, bool FUSED_DQ>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                                    const aq_attention_bwd_params p, const int *skip_if) {
 #if AQ_SM90_ENABLED
-    using L = DkdvLayout<D>;
+    using L = DkdvLayout<D, FUSED_DQ>;
     /* Ping-pong (unquantized only): the two consumer warpgroups take turns at the P part, so that one runs its
        FP32 work while the other's products keep the tensor cores busy. Measured on the H100 at the Wan 14B shape:
        bf16 mode dK/dV 74.4 -> 71.1 ms; with the P^F column quant, whose P part is three times as long, the turns
        cost more than they gain (102.9 -> 119.0 ms). */
-    constexpr bool ping_pong = !QUANTIZE_DV;
+    constexpr bool ping_pong = !QUANTIZE_DV && !FUSED_DQ;
     constexpr int BQ = BWD90_Q_STEP;
     if (skip_if != NULL && *skip_if) return;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = align1024(smem_raw);
     unsigned char *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET, *qs = smem + L::Q_OFFSET,
-                  *dos = smem + L::DO_OFFSET;
+                  *dos = smem + L::DO_OFFSET, *ds_tiles = smem + L::DS_OFFSET;
     float *stats = (float *)(smem + L::STATS_OFFSET);
     uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
     uint64_t *kv_full = bars, *step_full = bars + 1, *step_empty = step_full + BWD90_STAGES;
@@ -213,7 +238,31 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 #pragma unroll
         for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dk, dsa[kb], mn_major_desc(qt, BQ, kb), 1);
         wgmma_commit();
-        wgmma_wait<0>();
+        if constexpr (FUSED_DQ) {
+            /* dQ of the step's 64 queries, columns c D/2 .. +D/2, = dS (both warpgroups' keys) K: dS^T goes to
+               shared memory (stmatrix), and the products read it and K as MN-major operands */
+            unsigned char *ds_tile = ds_tiles + (step & 1) * L::DS_TILE_BYTES;
+            store_ds_transposed<BQ>(ds_tile, dsa, key0);
+            fence_proxy_async_shared();
+            named_barrier_sync(DS_BARRIER, 256);
+            constexpr int DH = D / 2;
+            const unsigned char *k_half = ks + (c * DH / SM90_PANEL) * BWD90_KEYS * 128 + (c * DH % SM90_PANEL) * 2;
+            float dq[DH / 8][4];
+            wgmma_fence();
+#pragma unroll
+            for (int kb = 0; kb < BWD90_KEYS / 16; kb++)
+                wgmma_ss<DH, DT, 1, 1>(dq, mn_major_desc(ds_tile, BWD90_KEYS, kb), mn_major_desc(k_half, BWD90_KEYS, kb),
+                                       kb > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers(dq);
+            float *acc = p.dq_accum + dq_accum_chunk(b, h, p.heads_q, nq, q0 / BQ, c, D) +
+                         4 * ((int)threadIdx.x - 128 * warpgroup);
+#pragma unroll
+            for (int n = 0; n < DH / 8; n++) red_add_f32x4(acc + 4 * 128 * n, dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+        } else {
+            wgmma_wait<0>();
+        }
         fence_registers(dv);
         fence_registers(dk);
         if (lane == 0) mbar_arrive(&step_empty[s]);
@@ -340,17 +389,51 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 #endif
 }
 
+/* dQ = scale * the fused dK/dV kernel's sums (dq_accum_chunk's layout), in dtype. grid (ceil(Nq / 64), Hq, B),
+   256 threads: warpgroup c converts columns c D/2 .. +D/2 of the step's 64 queries. */
+template <int D, aq_dtype DT>
+__global__ void __launch_bounds__(256)
+    attention_bwd_dq_convert_kernel(const aq_attention_bwd_params p, const int *skip_if) {
+    if (skip_if != NULL && *skip_if) return;
+    constexpr int DH = D / 2;
+    const int c = (int)threadIdx.x / 128, t = (int)threadIdx.x % 128, row0 = 16 * (t / 32);
+    const int q0 = (int)blockIdx.x * BWD90_Q_STEP, h = (int)blockIdx.y, b = (int)blockIdx.z;
+    const float4 *src =
+        (const float4 *)(p.dq_accum + dq_accum_chunk(b, h, p.heads_q, p.seqlen_q, blockIdx.x, c, D)) + t;
+    float dq[DH / 8][4];
+#pragma unroll
+    for (int n = 0; n < DH / 8; n++) {
+        const float4 v = src[128 * n];
+        dq[n][0] = v.x * p.softmax_scale, dq[n][1] = v.y * p.softmax_scale;
+        dq[n][2] = v.z * p.softmax_scale, dq[n][3] = v.w * p.softmax_scale;
+    }
+    store_fragment_rows<DH, DT>(dq, (uint16_t *)p.dq + b * p.dq_stride[0] + h * p.dq_stride[1] +
+                                        (q0 + row0) * p.dq_stride[2] + c * DH,
+                                p.dq_stride[2], (int)p.seqlen_q - q0 - row0);
+}
+
 /* ------------------------------------------------------------------------------------------------
    Launcher */
+
+typedef void (*bwd90_kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
+                             const aq_attention_bwd_params, const int *);
+
+template <int D, aq_dtype DT>
+static bwd90_kernel dkdv_sm90_kernel(bool quantize_p_for_dv, bool fused_dq) {
+    if (fused_dq)
+        return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, true>
+                                 : attention_bwd_dkdv_sm90_kernel<D, DT, false, true>;
+    return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, false>
+                             : attention_bwd_dkdv_sm90_kernel<D, DT, false, false>;
+}
 
 template <int D, aq_dtype DT>
 static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_t stream, bool *taken,
                                    const int **fallback_flag) {
-    void (*dkdv)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
-                 const aq_attention_bwd_params, const int *) =
-        p->quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true> : attention_bwd_dkdv_sm90_kernel<D, DT, false>;
-    void (*dq)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
-               const aq_attention_bwd_params, const int *) = attention_bwd_dq_sm90_kernel<D, DT>;
+    const bool fused_dq = p->dq_accum != NULL;
+    const bwd90_kernel dkdv = dkdv_sm90_kernel<D, DT>(p->quantize_p_for_dv, fused_dq);
+    const bwd90_kernel dq = attention_bwd_dq_sm90_kernel<D, DT>;
+    const int dkdv_smem = fused_dq ? DkdvLayout<D, true>::ALLOC : DkdvLayout<D, false>::ALLOC;
     if (!sm90_available((const void *)dkdv)) return NULL;
     if (!fragment_store_ok(p->dq, p->dq_stride) || !fragment_store_ok(p->dk, p->dk_stride) ||
         !fragment_store_ok(p->dv, p->dv_stride))
@@ -369,7 +452,7 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
         !make_tensor_map(&v64, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BWD90_K_STEP))
         return NULL;
 
-    cudaError_t err = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, DkdvLayout<D>::ALLOC);
+    cudaError_t err = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);
     if (err == cudaSuccess)
         err = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, DqLayout<D>::ALLOC);
     if (err != cudaSuccess) return cudaGetErrorString(err);
@@ -389,12 +472,22 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
     }
     const int *skip_if = hidden_terms ? p->scratch : NULL;
     *taken = true;
+    if (fused_dq && p->seqlen_q > 0) {
+        err = cudaMemsetAsync(p->dq_accum, 0, aq_attention_bwd_dq_accum_floats(p) * sizeof(float), stream);
+        if (err != cudaSuccess) return cudaGetErrorString(err);
+    }
     if (p->seqlen_k > 0) {
         const dim3 grid((unsigned)((p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS), (unsigned)p->heads_kv,
                         (unsigned)p->batch);
-        dkdv<<<grid, BWD90_THREADS, DkdvLayout<D>::ALLOC, stream>>>(q64, do64, k128, v128, *p, skip_if);
+        dkdv<<<grid, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, *p, skip_if);
         const char *msg = launch_status();
         if (msg) return msg;
+    }
+    if (p->seqlen_q > 0 && fused_dq) {
+        const dim3 grid((unsigned)((p->seqlen_q + BWD90_Q_STEP - 1) / BWD90_Q_STEP), (unsigned)p->heads_q,
+                        (unsigned)p->batch);
+        attention_bwd_dq_convert_kernel<D, DT><<<grid, 256, 0, stream>>>(*p, skip_if);
+        return launch_status();
     }
     if (p->seqlen_q > 0) {
         const dim3 grid((unsigned)((p->seqlen_q + BWD90_ROWS - 1) / BWD90_ROWS), (unsigned)p->heads_q,
@@ -403,6 +496,13 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
         return launch_status();
     }
     return NULL;
+}
+
+int64_t aq_attention_bwd_dq_accum_floats(const aq_attention_bwd_params *p) {
+    if ((p->head_dim != 64 && p->head_dim != 128) || p->seqlen_q == 0 ||
+        !sm90_available((const void *)attention_bwd_dkdv_sm90_kernel<128, AQ_BFLOAT16, true, true>))
+        return 0;
+    return dq_accum_chunk(p->batch, 0, p->heads_q, p->seqlen_q, 0, 0, (int)p->head_dim);
 }
 
 const char *aq_attention_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_t stream, bool *taken,

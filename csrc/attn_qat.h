@@ -75,7 +75,10 @@ typedef struct {
      dQ_i = scale sum_j dS_ij k_j;  dK_j = scale sum_i dS_ij q_i   (dK summed over the group too)
    Rows with row_sum == 0 (no visible key) contribute nothing. dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D)
    are written (not accumulated) in dtype, with the given strides. delta is (B, Hq, Nq) fp32 scratch
-   that the launcher fills. The result is deterministic: bit-identical run to run. */
+   that the launcher fills. With dq_accum NULL the result is deterministic, bit-identical run to run; with
+   dq_accum (aq_attention_bwd_dq_accum_floats fp32 scratch) the Hopper kernels add the dQ of each key tile into
+   it in whatever order the tiles finish (5 products instead of 7, FlashAttention-3's way), so dQ may differ
+   in its last bits between runs; dK and dV stay deterministic. */
 typedef struct {
     const void *q, *k, *v, *dout, *out_for_delta;
     int64_t q_stride[3], k_stride[3], v_stride[3], dout_stride[3], out_for_delta_stride[3];
@@ -92,6 +95,7 @@ typedef struct {
     int quantize_p_for_dv;
     aq_dtype dtype;
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_bwd_sm90.cu) */
+    float *dq_accum;         /* CUDA: NULL, or aq_attention_bwd_dq_accum_floats floats (see above) */
 } aq_attention_bwd_params;
 
 /* CPU kernels (C) */
@@ -105,6 +109,8 @@ const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream);
 const char *aq_dequantize_cuda(const aq_dequantize_params *p, void *stream);
 const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, void *stream);
 const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, void *stream);
+/* The size of dq_accum for the current device and these sizes, or 0 where the backward cannot use one. */
+int64_t aq_attention_bwd_dq_accum_floats(const aq_attention_bwd_params *p);
 
 /* ---------------------------------------------------------------------------------------------
    Decode on an NVFP4 KV cache (attn_qat/kv_cache.py): numerics.md §3 without O' on Q^F, K^F and a V whose

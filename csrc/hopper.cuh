@@ -100,6 +100,25 @@ AQ_D void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+/* Four 8x8 16-bit matrices from the registers of a warp (each lane holds row lane / 4, columns 2 (lane % 4) and +1
+   of matrix i in r[i], the mma.sync fragment layout) to shared memory: lane l gives the address of row l % 8 of
+   matrix l / 8. */
+AQ_D void stmatrix_x4(const void *row, const uint32_t r[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr(row)), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
+/* Orders this thread's earlier shared-memory writes before later reads by the async proxy (wgmma operands, TMA
+   stores); a barrier then extends the order to the threads that issue those. */
+AQ_D void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+/* g[0..3] += v[0..3] in global memory, one 16-byte reduction without a result (sm_90). */
+AQ_D void red_add_f32x4(float *g, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(g), "f"(a), "f"(b), "f"(c), "f"(d)
+                 : "memory");
+}
+
 /* ------------------------------------------------------------------------------------------------
    wgmma shared-memory operands. Every tile here is stored the way TMA writes it with 128-byte swizzling: panels
    of 64 16-bit columns, each panel [rows][64] with row r at byte 128 r and its eight 16-byte chunks permuted by
@@ -176,17 +195,33 @@ AQ_D void fence_registers(uint32_t (&a)[R][4]) {
         for (int e = 0; e < 4; e++) asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
-/* d (64 x 64, fp32) = (accumulate ? d : 0) + A (64 x 16, shared, K-major) * B (16 x 64, shared; K-major, or
-   MN-major when TRANS_B) */
-template <aq_dtype DT, int TRANS_B>
+/* d (64 x 32, fp32) = (accumulate ? d : 0) + A (64 x 16, shared; K-major, or MN-major when TRANS_A) * B (16 x 32,
+   shared; K-major, or MN-major when TRANS_B) */
+template <aq_dtype DT, int TRANS_B, int TRANS_A = 0>
+AQ_D void wgmma_m64n32k16_ss(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#define AQ_WGMMA_SS(TYPE)                                                                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                            \
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                  \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                                                                     \
+                 "%16, %17, p, 1, 1, %20, %19;\n}\n"                                                      \
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]) \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B), "n"(TRANS_A))
+    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_SS("bf16");
+    else AQ_WGMMA_SS("f16");
+#undef AQ_WGMMA_SS
+}
+
+/* d (64 x 64, fp32) = (accumulate ? d : 0) + A (64 x 16, shared; K-major, or MN-major when
+   TRANS_A) * B (16 x 64, shared; K-major, or MN-major when TRANS_B) */
+template <aq_dtype DT, int TRANS_B, int TRANS_A = 0>
 AQ_D void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #define AQ_WGMMA_SS(TYPE)                                                                                       \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                            \
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                  \
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "    \
-                 "%32, %33, p, 1, 1, 0, %35;\n}\n"                                                      \
+                 "%32, %33, p, 1, 1, %36, %35;\n}\n"                                                      \
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B), "n"(TRANS_A))
     if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_SS("bf16");
     else AQ_WGMMA_SS("f16");
 #undef AQ_WGMMA_SS
@@ -208,17 +243,17 @@ AQ_D void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t a[4], uint64_t des
 #undef AQ_WGMMA_RS
 }
 
-/* d (64 x 128, fp32) = (accumulate ? d : 0) + A (64 x 16, shared, K-major) * B (16 x 128, shared; K-major, or
-   MN-major when TRANS_B) */
-template <aq_dtype DT, int TRANS_B>
+/* d (64 x 128, fp32) = (accumulate ? d : 0) + A (64 x 16, shared; K-major, or MN-major when
+   TRANS_A) * B (16 x 128, shared; K-major, or MN-major when TRANS_B) */
+template <aq_dtype DT, int TRANS_B, int TRANS_A = 0>
 AQ_D void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #define AQ_WGMMA_SS(TYPE)                                                                                       \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                            \
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                  \
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "    \
-                 "%64, %65, p, 1, 1, 0, %67;\n}\n"                                                      \
+                 "%64, %65, p, 1, 1, %68, %67;\n}\n"                                                      \
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B), "n"(TRANS_A))
     if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_SS("bf16");
     else AQ_WGMMA_SS("f16");
 #undef AQ_WGMMA_SS
@@ -240,12 +275,13 @@ AQ_D void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t a[4], uint64_t d
 #undef AQ_WGMMA_RS
 }
 
-/* The two shapes above by N. */
-template <int N, aq_dtype DT, int TRANS_B>
+/* The shapes above by N. */
+template <int N, aq_dtype DT, int TRANS_B, int TRANS_A = 0>
 AQ_D void wgmma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
-    if constexpr (N == 64) wgmma_m64n64k16_ss<DT, TRANS_B>(d, desc_a, desc_b, accumulate);
-    else wgmma_m64n128k16_ss<DT, TRANS_B>(d, desc_a, desc_b, accumulate);
+    static_assert(N == 32 || N == 64 || N == 128, "wgmma_ss N: 32, 64 or 128");
+    if constexpr (N == 32) wgmma_m64n32k16_ss<DT, TRANS_B, TRANS_A>(d, desc_a, desc_b, accumulate);
+    else if constexpr (N == 64) wgmma_m64n64k16_ss<DT, TRANS_B, TRANS_A>(d, desc_a, desc_b, accumulate);
+    else wgmma_m64n128k16_ss<DT, TRANS_B, TRANS_A>(d, desc_a, desc_b, accumulate);
 }
 
 template <int N, aq_dtype DT, int TRANS_B>

@@ -339,7 +339,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_forward(Tensor q, Tensor k,
 // Gradients w.r.t. the original q, k, v (straight-through), for each mode of numerics.md §5.
 std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                                       Tensor out_prime, std::optional<Tensor> mask, Tensor frame,
-                                                      Tensor row_sum, double scale, int64_t causal, int64_t mode) {
+                                                      Tensor row_sum, double scale, int64_t causal, int64_t mode,
+                                                      bool deterministic) {
     check_mode(mode);
     check_scale(scale);
     const AttentionShape s = check_attention_inputs(q, k, v);
@@ -409,6 +410,20 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
         nonfinite_flag = torch::stable::new_empty(q, {1}, ScalarType::Int);
         p.scratch = static_cast<int *>(nonfinite_flag.data_ptr());
     }
+    Tensor dq_accum; // the fused dQ's fp32 sums (attn_qat.h): 5 products instead of 7, dQ not bit-reproducible
+#ifdef AQ_WITH_CUDA
+    if (!q.is_cpu() && !deterministic) {
+        int64_t floats = 0;
+        {
+            torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+            floats = aq_attention_bwd_dq_accum_floats(&p);
+        }
+        if (floats > 0) {
+            dq_accum = torch::stable::new_empty(q, {floats}, ScalarType::Float);
+            p.dq_accum = static_cast<float *>(dq_accum.data_ptr());
+        }
+    }
+#endif
     launch(q, p, aq_attention_bwd_cpu, aq_attention_bwd_cuda);
     return {dq, dk, dv};
 }
@@ -515,7 +530,7 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
     m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal, int mode, "
           "bool need_out_prime) -> (Tensor out, Tensor out_prime, Tensor frame, Tensor row_sum)");
     m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor out_prime, "
-          "Tensor? mask, Tensor frame, Tensor row_sum, float scale, int causal, int mode) "
+          "Tensor? mask, Tensor frame, Tensor row_sum, float scale, int causal, int mode, bool deterministic) "
           "-> (Tensor dq, Tensor dk, Tensor dv)");
     m.def("attention_forward_prequantized(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal) "
           "-> (Tensor out, Tensor frame, Tensor row_sum)");
