@@ -24,7 +24,8 @@
 
 /* The fused dQ's fp32 sums (dq_accum): per (batch, query head, 64-query step, half of the head dim) a chunk of
    64 x D/2 floats in the order of a wgmma accumulator, thread t of the warpgroup's fragment float4 n at
-   4 (128 n + t), so that each of the dK/dV kernel's reductions is a coalesced 16-byte red per lane. */
+   4 (128 n + t): the consumers stage it in shared memory with conflict-free 16-byte stores, and the bulk copy
+   engine adds the whole chunk into global memory at once. */
 __host__ __device__ inline int64_t dq_accum_chunk(int64_t b, int64_t h, int64_t heads_q, int64_t seqlen_q, int64_t q_step, int half,
                                 int head_dim) {
     const int64_t q_steps = (seqlen_q + BWD90_Q_STEP - 1) / BWD90_Q_STEP;
@@ -33,21 +34,27 @@ __host__ __device__ inline int64_t dq_accum_chunk(int64_t b, int64_t h, int64_t 
 
 template <int D, bool FUSED_DQ>
 struct DkdvLayout {
+    /* at D = 128 the fused kernel's dS^T and dQ staging take the third slot of the Q / dO ring (227 KB in all) */
+    static constexpr int STAGES = FUSED_DQ && D > 64 ? 2 : BWD90_STAGES;
     static constexpr int KV_BYTES = BWD90_KEYS * D * 2, STEP_BYTES = BWD90_Q_STEP * D * 2;
     static constexpr int K_OFFSET = 0, V_OFFSET = KV_BYTES, Q_OFFSET = 2 * KV_BYTES;
-    static constexpr int DO_OFFSET = Q_OFFSET + BWD90_STAGES * STEP_BYTES;
+    static constexpr int DO_OFFSET = Q_OFFSET + STAGES * STEP_BYTES;
     /* fused dQ: the step's dS^T (128 keys x 64 queries, one swizzled panel), double-buffered so that a warpgroup
        may write the next step's while the other still reads this one (DS_BARRIER keeps them a step apart) */
     static constexpr int DS_TILE_BYTES = BWD90_KEYS * BWD90_Q_STEP * 2;
-    static constexpr int DS_OFFSET = DO_OFFSET + BWD90_STAGES * STEP_BYTES;
+    static constexpr int DS_OFFSET = DO_OFFSET + STAGES * STEP_BYTES;
+    /* fused dQ: each consumer warpgroup's dQ partial of the step (dq_accum_chunk's order) for the bulk reduction */
+    static constexpr int DQ_CHUNK_BYTES = BWD90_Q_STEP * D / 2 * 4;
+    static constexpr int DQ_OFFSET = DS_OFFSET + (FUSED_DQ ? 2 * DS_TILE_BYTES : 0);
     /* per stage: m, inv_l, delta of the step's 64 queries (dkdv_stat_slot's order), then whether one of them is a dead
        row (as a float) */
     static constexpr int STATS_FLOATS = 3 * BWD90_Q_STEP + 4;
-    static constexpr int STATS_OFFSET = DS_OFFSET + (FUSED_DQ ? 2 * DS_TILE_BYTES : 0);
+    static constexpr int STATS_OFFSET = DQ_OFFSET + (FUSED_DQ ? 2 * DQ_CHUNK_BYTES : 0);
     /* each consumer warp's 32 float4 through which dkdv_step_p_quantized's lanes trade block scales */
-    static constexpr int SCALES_OFFSET = STATS_OFFSET + BWD90_STAGES * STATS_FLOATS * 4;
+    static constexpr int SCALES_OFFSET = STATS_OFFSET + STAGES * STATS_FLOATS * 4;
     static constexpr int BAR_OFFSET = SCALES_OFFSET + 8 * 32 * 16;
-    static constexpr int ALLOC = BAR_OFFSET + 8 * (1 + 2 * BWD90_STAGES) + 1024;
+    /* kv_full, step_full[STAGES], step_empty[STAGES], dq_full[2], dq_empty[2] */
+    static constexpr int ALLOC = BAR_OFFSET + 8 * (1 + 2 * STAGES + 4) + 1024;
 };
 
 template <int D>
@@ -110,7 +117,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
                   *dos = smem + L::DO_OFFSET, *ds_tiles = smem + L::DS_OFFSET;
     float *stats = (float *)(smem + L::STATS_OFFSET);
     uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
-    uint64_t *kv_full = bars, *step_full = bars + 1, *step_empty = step_full + BWD90_STAGES;
+    uint64_t *kv_full = bars, *step_full = bars + 1, *step_empty = step_full + L::STAGES;
+    uint64_t *dq_full = step_empty + L::STAGES, *dq_empty = dq_full + 2;
 
     const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int k0 = (int)blockIdx.x * BWD90_KEYS, hk = (int)blockIdx.y, b = (int)blockIdx.z;
@@ -122,9 +130,13 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 
     if (threadIdx.x == 0) {
         mbar_init(kv_full, 1);
-        for (int s = 0; s < BWD90_STAGES; s++) {
+        for (int s = 0; s < L::STAGES; s++) {
             mbar_init(&step_full[s], 32); /* the producer warp's lanes, after writing the statistics */
             mbar_init(&step_empty[s], 8); /* lane 0 of each consumer warp */
+        }
+        for (int c = 0; c < 2; c++) {
+            mbar_init(&dq_full[c], 128); /* every thread of consumer warpgroup c, after staging its dQ */
+            mbar_init(&dq_empty[c], 1);  /* the dQ warp, once the bulk reduction has read the staging */
         }
         mbar_init_fence();
     }
@@ -132,6 +144,24 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 
     if (warpgroup == 0) { /* producer */
         setmaxnreg_dec<24>();
+        if (FUSED_DQ && warp == 1) { /* the dQ warp: adds each step's staged partials into dq_accum */
+            if (lane == 0) {
+                for (int step = 0, h = hk * group, q0 = q_begin; step < n_steps;
+                     step++, next_query_step(&h, &q0, q_begin, nq)) {
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        mbar_wait(&dq_full[c], step & 1);
+                        bulk_reduce_add_f32(p.dq_accum + dq_accum_chunk(b, h, p.heads_q, nq, q0 / BQ, c, D),
+                                            smem + L::DQ_OFFSET + c * L::DQ_CHUNK_BYTES, L::DQ_CHUNK_BYTES);
+                        bulk_commit();
+                        bulk_wait_read<0>();
+                        mbar_arrive(&dq_empty[c]);
+                    }
+                }
+                bulk_wait_all<0>();
+            }
+            return;
+        }
         if (warp != 0) return;
         if (lane == 0) {
             mbar_arrive_expect_tx(kv_full, 2 * L::KV_BYTES);
@@ -139,7 +169,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             tma_load_rows<D>(vs, &tm_v, kv_full, BWD90_KEYS, k0, hk, b);
         }
         for (int step = 0, h = hk * group, q0 = q_begin; step < n_steps; step++, next_query_step(&h, &q0, q_begin, nq)) {
-            const int s = step % BWD90_STAGES;
+            const int s = step % L::STAGES;
             /* the statistics first, into registers: their global-load latency then overlaps the wait for the
                slot instead of delaying the step's TMA (consumers waited on it: 6-9% of their stall samples) */
             const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
@@ -149,7 +179,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             for (int k = 0; k < BQ / 32; k++)
                 dead |= load_row_stats(&p, stat0, q0 + lane + 32 * k, &m[k], &inv_l[k], &delta[k]);
             dead = __any_sync(AQ_FULL_MASK, dead);
-            mbar_wait(&step_empty[s], ((step / BWD90_STAGES) & 1) ^ 1);
+            mbar_wait(&step_empty[s], ((step / L::STAGES) & 1) ^ 1);
             if (lane == 0) {
                 mbar_expect_tx(&step_full[s], 2 * L::STEP_BYTES);
                 tma_load_rows<D>(qs + s * L::STEP_BYTES, &tm_q, &step_full[s], BQ, q0, h, b);
@@ -180,7 +210,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     if (ping_pong && c == 1) named_barrier_arrive(PING_PONG_BARRIER, 256); /* warpgroup 0 takes the first turn */
     mbar_wait(kv_full, 0);
     for (int step = 0, h = hk * group, q0 = q_begin; step < n_steps; step++, next_query_step(&h, &q0, q_begin, nq)) {
-        const int s = step % BWD90_STAGES;
+        const int s = step % L::STAGES;
         const logit_map lm =
             make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
         const unsigned char *qt = qs + s * L::STEP_BYTES, *dot = dos + s * L::STEP_BYTES;
@@ -195,7 +225,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
            flight across the loop's back edge, and ptxas then serializes every wgmma: C7515.) */
         constexpr bool dp_after_p = QUANTIZE_DV;
         float st[BQ / 8][4], dpt[BQ / 8][4];
-        mbar_wait(&step_full[s], (step / BWD90_STAGES) & 1);
+        mbar_wait(&step_full[s], (step / L::STAGES) & 1);
         /* the step's row frames and dead-row flag are read before the products are issued: behind S^T and dP^T,
            which saturate the shared-memory pipe, these loads waited hundreds of cycles (step_stat). 1/l is read
            where used: 16 more registers held across the products cost more (spills) than its loads' wait. */
@@ -256,10 +286,14 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers(dq);
-            float *acc = p.dq_accum + dq_accum_chunk(b, h, p.heads_q, nq, q0 / BQ, c, D) +
-                         4 * ((int)threadIdx.x - 128 * warpgroup);
+            /* staged for the dQ warp's bulk reduction (per-thread red.global.add of the same data from here cost
+               ~18 ms of the Wan 14B backward's 125: v10 in performance.md) */
+            mbar_wait(&dq_empty[c], (step & 1) ^ 1);
+            float4 *stage = (float4 *)(smem + L::DQ_OFFSET + c * L::DQ_CHUNK_BYTES) + ((int)threadIdx.x - 128 * warpgroup);
 #pragma unroll
-            for (int n = 0; n < DH / 8; n++) red_add_f32x4(acc + 4 * 128 * n, dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+            for (int n = 0; n < DH / 8; n++) stage[128 * n] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+            fence_proxy_async_shared();
+            mbar_arrive(&dq_full[c]);
         } else {
             wgmma_wait<0>();
         }

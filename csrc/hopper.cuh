@@ -113,10 +113,22 @@ AQ_D void stmatrix_x4(const void *row, const uint32_t r[4]) {
    stores); a barrier then extends the order to the threads that issue those. */
 AQ_D void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-/* g[0..3] += v[0..3] in global memory, one 16-byte reduction without a result (sm_90). */
-AQ_D void red_add_f32x4(float *g, float a, float b, float c, float d) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(g), "f"(a), "f"(b), "f"(c), "f"(d)
+/* Bulk copy engine (the TMA unit, without a tensor map): g[0 .. bytes/4) += the floats at s in shared memory, as one
+   asynchronous reduction (bytes and both addresses multiples of 16). commit closes a group of them; wait_read<N>
+   returns when at most N groups still read shared memory, wait_all<N> when at most N are still in flight. */
+AQ_D void bulk_reduce_add_f32(float *g, const void *s, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(g),
+                 "r"(smem_addr(s)), "r"(bytes)
                  : "memory");
+}
+AQ_D void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+AQ_D void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+AQ_D void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 /* ------------------------------------------------------------------------------------------------
