@@ -105,7 +105,12 @@ def _kernel_mask(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> t
 def _run(q, k, v, mask, scale, causal, mode):
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     q, scale = positive_scale(q, scale)
-    return ops.attention_forward(q, k, v, mask, scale, causal, mode_code(mode), need_grad)
+    # For training, Q^F, K^F, V^F come from their own op (the identity to autograd, numerics.md §4), so that the
+    # attention op saves them and its backward does not quantize Q, K and V a second time.
+    prequantize = need_grad and mode in ("attn_qat", "high_precision_p", "low_precision_o")
+    if prequantize:
+        q, k, v = ops.fake_quantize_qkv(q, k, v)
+    return ops.attention_forward(q, k, v, mask, scale, causal, mode_code(mode), need_grad, prequantize)
 
 
 def scaled_dot_product_attention(

@@ -69,7 +69,7 @@ def _(q, k, v):
 
 
 @torch.library.register_fake("attn_qat::attention_forward")
-def _(q, k, v, mask, scale, causal, mode, need_out_prime):
+def _(q, k, v, mask, scale, causal, mode, need_out_prime, operands_quantized=False):
     b, h, n, d = q.shape
     out = _empty_like_layout(q, b, h, n, d)
     with_prime = need_out_prime and MODES[mode] in ("attn_qat", "high_precision_p")
@@ -79,7 +79,8 @@ def _(q, k, v, mask, scale, causal, mode, need_out_prime):
 
 
 @torch.library.register_fake("attn_qat::attention_backward")
-def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode, deterministic):
+def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode, deterministic,
+      operands_quantized=False):
     return (_empty_like_layout(q, *q.shape), _empty_like_layout(k, *k.shape), _empty_like_layout(v, *v.shape))
 
 
@@ -111,10 +112,11 @@ torch.library.register_autograd("attn_qat::fake_quantize_qkv", _qkv_backward)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, mode, need_out_prime = inputs
+    q, k, v, mask, scale, causal, mode, need_out_prime, *quantized = inputs
     out, out_prime, frame, row_sum = output
     ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask)
     ctx.scale, ctx.causal, ctx.mode = scale, causal, mode
+    ctx.operands_quantized, ctx.n_inputs = bool(quantized and quantized[0]), len(inputs)
 
 
 def _attention_backward(ctx, grad_out, grad_out_prime, grad_frame, grad_row_sum):
@@ -124,8 +126,9 @@ def _attention_backward(ctx, grad_out, grad_out_prime, grad_frame, grad_row_sum)
     # Like PyTorch's own attention backward: dQ summed by atomics (fast) unless deterministic algorithms are
     # asked for (torch.use_deterministic_algorithms), then bit-identical run to run (csrc/attn_qat.h).
     dq, dk, dv = ops.attention_backward(grad_out.to(q.dtype), q, k, v, out, out_prime, mask, frame, row_sum,
-                                        ctx.scale, ctx.causal, ctx.mode, torch.are_deterministic_algorithms_enabled())
-    return dq, dk, dv, None, None, None, None, None
+                                        ctx.scale, ctx.causal, ctx.mode, torch.are_deterministic_algorithms_enabled(),
+                                        ctx.operands_quantized)
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 torch.library.register_autograd("attn_qat::attention_forward", _attention_backward,

@@ -316,16 +316,17 @@ void check_mode(int64_t mode) {
 }
 
 // Returns (out, out_prime, frame, row_sum); out_prime is empty unless need_out_prime and the mode's
-// backward uses it (attn_qat, high_precision_p).
+// backward uses it (attn_qat, high_precision_p). operands_quantized: q, k, v are already Q^F, K^F, V^F (the
+// caller ran fake_quantize_qkv, so that autograd saves them and the backward need not quantize again).
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask,
                                                              double scale, int64_t causal, int64_t mode,
-                                                             bool need_out_prime) {
+                                                             bool need_out_prime, bool operands_quantized) {
     check_mode(mode);
     const AttentionShape s = check_attention_inputs(q, k, v);
-    const bool quantize = mode != MODE_BF16;
-    Tensor qf = quantize ? fake_quantize_operand(q, false) : q;
-    Tensor kf = quantize ? fake_quantize_operand(k, false) : k;
-    Tensor vf = quantize ? fake_quantize_operand(v, true) : v;
+    const bool quantize = mode != MODE_BF16, quantize_operands = quantize && !operands_quantized;
+    Tensor qf = quantize_operands ? fake_quantize_operand(q, false) : q;
+    Tensor kf = quantize_operands ? fake_quantize_operand(k, false) : k;
+    Tensor vf = quantize_operands ? fake_quantize_operand(v, true) : v;
     Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
     const bool with_prime = need_out_prime && (mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P);
     Tensor out_prime = with_prime ? empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim)
@@ -340,7 +341,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_forward(Tensor q, Tensor k,
 std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                                       Tensor out_prime, std::optional<Tensor> mask, Tensor frame,
                                                       Tensor row_sum, double scale, int64_t causal, int64_t mode,
-                                                      bool deterministic) {
+                                                      bool deterministic, bool operands_quantized) {
     check_mode(mode);
     check_scale(scale);
     const AttentionShape s = check_attention_inputs(q, k, v);
@@ -348,7 +349,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                         dout.size(2) == s.seqlen_q && dout.size(3) == s.head_dim && dout.stride(3) == 1,
                     "attn_qat: grad_output must match the output's shape with a contiguous last dimension");
     STD_TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "attn_qat: grad_output must have the query's dtype");
-    const bool quantized_operands = mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P || mode == MODE_LOW_PRECISION_O;
+    STD_TORCH_CHECK(!operands_quantized || mode != MODE_DROP_IN,
+                    "attn_qat: drop_in's backward needs the unquantized operands");
+    const bool quantized_operands =
+        !operands_quantized && (mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P || mode == MODE_LOW_PRECISION_O);
     const bool delta_from_prime = mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P;
     STD_TORCH_CHECK(!delta_from_prime || out_prime.numel() == out.numel(),
                     "attn_qat: this mode's backward needs O' from the forward (need_out_prime=True)");
@@ -528,9 +532,11 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
     m.def("nvfp4_dequantize(Tensor codes, Tensor scales, int axis, int axis_len, ScalarType dtype) -> Tensor");
     m.def("fake_quantize_qkv(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor, Tensor)");
     m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal, int mode, "
-          "bool need_out_prime) -> (Tensor out, Tensor out_prime, Tensor frame, Tensor row_sum)");
+          "bool need_out_prime, bool operands_quantized=False) -> (Tensor out, Tensor out_prime, Tensor frame, "
+          "Tensor row_sum)");
     m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor out_prime, "
-          "Tensor? mask, Tensor frame, Tensor row_sum, float scale, int causal, int mode, bool deterministic) "
+          "Tensor? mask, Tensor frame, Tensor row_sum, float scale, int causal, int mode, bool deterministic, "
+          "bool operands_quantized=False) "
           "-> (Tensor dq, Tensor dk, Tensor dv)");
     m.def("attention_forward_prequantized(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal) "
           "-> (Tensor out, Tensor frame, Tensor row_sum)");
