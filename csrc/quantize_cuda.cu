@@ -20,6 +20,16 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
+// An element's bits in the low bits of a 32-bit word, and back.
+template <typename T> __device__ __forceinline__ T from_bits(uint32_t w);
+template <> __device__ __forceinline__ float from_bits<float>(uint32_t w) { return __uint_as_float(w); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(uint32_t w) { return __ushort_as_bfloat16((unsigned short)w); }
+template <> __device__ __forceinline__ __half from_bits<__half>(uint32_t w) { return __ushort_as_half((unsigned short)w); }
+template <typename T> __device__ __forceinline__ uint32_t to_bits(T x);
+template <> __device__ __forceinline__ uint32_t to_bits<float>(float x) { return __float_as_uint(x); }
+template <> __device__ __forceinline__ uint32_t to_bits<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+template <> __device__ __forceinline__ uint32_t to_bits<__half>(__half x) { return __half_as_ushort(x); }
+
 // Raw storage of N bytes, for vector loads and stores.
 template <int N> struct Bytes;
 template <> struct Bytes<2> { using type = unsigned short; };
@@ -81,56 +91,65 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p
     }
 }
 
-// Blocked axis not innermost, inner axis contiguous (V along tokens): a CTA takes one 16-row block of
-// TILE_COLS inner columns. It loads the tile with coalesced 16-byte loads into shared memory, each thread
-// quantizes one column there, and the fake values leave the same way; without the staging a thread would
-// read its column 2 bytes at a time. Needs stride_inner == 1, inner and the other strides multiples of 16
-// bytes, aligned pointers. Grid: (outer * nblocks, ceil(inner / TILE_COLS)).
-constexpr int TILE_COLS = 256;
-
-template <typename T>
-__global__ void __launch_bounds__(TILE_COLS) quantize_tokens_kernel(aq_quantize_params p) {
-    constexpr int per_vec = 16 / sizeof(T), chunks_per_row = TILE_COLS / per_vec;
-    __shared__ __align__(16) T tile[AQ_BLOCK][TILE_COLS];
-    const int64_t nblocks = (p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK, packed_len = (p.axis_len + 1) / 2;
-    const int64_t blk = blockIdx.x % nblocks, o = blockIdx.x / nblocks, a0 = blk * AQ_BLOCK;
-    const int64_t col0 = (int64_t)blockIdx.y * TILE_COLS;
-    const int n = (int)min((int64_t)AQ_BLOCK, p.axis_len - a0);
-    const int cols = (int)min((int64_t)TILE_COLS, p.inner - col0);
-    const T *src = (const T *)p.x + outer_offset(p, (uint32_t)o) + a0 * p.stride_axis + col0;
-    for (int c = threadIdx.x; c < AQ_BLOCK * chunks_per_row; c += TILE_COLS) {
-        const int row = c / chunks_per_row, col = (c % chunks_per_row) * per_vec;
-        if (row < n && col < cols) *(uint4 *)&tile[row][col] = __ldg((const uint4 *)(src + row * p.stride_axis + col));
+// Blocked axis not innermost, inner axis contiguous (V along tokens): a thread takes one 16-row block of
+// 4 bytes of inner columns (two 16-bit ones), reads its rows with 16 independent loads (a warp's loads of
+// one row are contiguous), quantizes each column in registers and writes the rows back the same way. (The
+// earlier form staged a 16 x 256-column tile through shared memory per CTA: 1.2 TB/s on the H200 at D = 128,
+// where only 128 of its 256 threads had a column; 16 bytes of columns a thread took 146 registers.) Needs
+// inner and the strides multiples of 4 bytes, aligned pointers. Grid: ceil(outer * nblocks * inner / per_vec
+// / 256).
+// One column (bits `shift` up of each 32-bit word) of a 16-row block of which the first n rows are real (N: n
+// when known at compile time, else 0): quantized in registers, its scale and codes stored, raw updated in
+// place with the fake-quantized values.
+template <typename T, int N>
+__device__ __forceinline__ void quantize_token_column(const aq_quantize_params &p, uint32_t (&raw)[AQ_BLOCK], int n,
+                                                      int shift, int64_t scale_at, int64_t codes_at) {
+    if (N) n = N;
+    float v[AQ_BLOCK];
+#pragma unroll
+    for (int i = 0; i < AQ_BLOCK; i++) v[i] = to_float<T>(from_bits<T>(raw[i] >> shift)); // rows >= n are 0
+    const float s = aq_block_scale(v, n);
+    if (p.scales) p.scales[scale_at] = aq_e4m3_encode(s);
+    if (p.codes) {
+        uint8_t codes[AQ_BLOCK];
+        aq_block_codes(v, n, s, codes);
+#pragma unroll
+        for (int i = 0; i < AQ_BLOCK; i += 2)
+            if (i < n) p.codes[codes_at + i / 2 * p.inner] = (uint8_t)(codes[i] | (codes[i + 1] << 4));
     }
-    __syncthreads();
-    const int col = threadIdx.x;
-    if (col < cols) {
-        float v[AQ_BLOCK];
+    if (p.fake) {
+        aq_block_fake_quantize(v, n, s);
+        const uint32_t keep = sizeof(T) == 4 ? 0u : ~(0xFFFFu << shift);
 #pragma unroll
-        for (int i = 0; i < AQ_BLOCK; i++) v[i] = i < n ? to_float<T>(tile[i][col]) : 0.0f;
-        const float s = aq_block_scale(v, n);
-        const int64_t in = col0 + col;
-        if (p.scales) p.scales[(o * nblocks + blk) * p.inner + in] = aq_e4m3_encode(s);
-        if (p.codes) {
-            uint8_t codes[AQ_BLOCK];
-            aq_block_codes(v, n, s, codes);
+        for (int i = 0; i < AQ_BLOCK; i++) raw[i] = (raw[i] & keep) | (to_bits<T>(from_float<T>(v[i])) << shift);
+    }
+}
+
+template <typename T, typename I>
+__global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params p) {
+    constexpr int per_vec = 4 / sizeof(T);
+    const I chunks = (I)(p.inner / per_vec), nblocks = (I)((p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK);
+    const I idx = blockIdx.x * (I)blockDim.x + threadIdx.x;
+    if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * nblocks * chunks) return;
+    const I chunk = idx % chunks, ob = idx / chunks, blk = ob % nblocks, o = ob / nblocks;
+    const int64_t packed_len = (p.axis_len + 1) / 2, a0 = (int64_t)blk * AQ_BLOCK, in0 = (int64_t)chunk * per_vec;
+    const int n = (int)min((int64_t)AQ_BLOCK, p.axis_len - a0);
+    const T *src = (const T *)p.x + outer_offset(p, o) + a0 * p.stride_axis + in0;
+    uint32_t raw[AQ_BLOCK];
 #pragma unroll
-            for (int i = 0; i < AQ_BLOCK; i += 2)
-                if (i < n) p.codes[(o * packed_len + (a0 + i) / 2) * p.inner + in] = (uint8_t)(codes[i] | (codes[i + 1] << 4));
-        }
-        if (p.fake) {
-            aq_block_fake_quantize(v, n, s);
-#pragma unroll
-            for (int i = 0; i < AQ_BLOCK; i++) tile[i][col] = from_float<T>(v[i]);
-        }
+    for (int i = 0; i < AQ_BLOCK; i++) raw[i] = i < n ? __ldg((const uint32_t *)(src + i * p.stride_axis)) : 0u;
+#pragma unroll 1 /* one column at a time (two at once took 124 registers), picked out by shifts, not indexing */
+    for (int c = 0; c < per_vec; c++) {
+        const int64_t scale_at = ((int64_t)o * nblocks + blk) * p.inner + in0 + c;
+        const int64_t codes_at = ((int64_t)o * packed_len + a0 / 2) * p.inner + in0 + c;
+        if (n == AQ_BLOCK) quantize_token_column<T, AQ_BLOCK>(p, raw, n, 8 * (int)sizeof(T) * c, scale_at, codes_at);
+        else quantize_token_column<T, 0>(p, raw, n, 8 * (int)sizeof(T) * c, scale_at, codes_at);
     }
     if (!p.fake) return;
-    __syncthreads();
-    T *dst = (T *)p.fake + (o * p.axis_len + a0) * p.inner + col0;
-    for (int c = threadIdx.x; c < AQ_BLOCK * chunks_per_row; c += TILE_COLS) {
-        const int row = c / chunks_per_row, col = (c % chunks_per_row) * per_vec;
-        if (row < n && col < cols) *(uint4 *)(dst + row * p.inner + col) = *(const uint4 *)&tile[row][col];
-    }
+    T *dst = (T *)p.fake + ((int64_t)o * p.axis_len + a0) * p.inner + in0;
+#pragma unroll
+    for (int i = 0; i < AQ_BLOCK; i++)
+        if (i < n) *(uint32_t *)(dst + i * p.inner) = raw[i];
 }
 
 // Any other layout: one thread per (outer, block, inner column), inner fastest.
@@ -196,15 +215,16 @@ static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
                       (uintptr_t)p->x % 16 == 0 && (uintptr_t)p->codes % 8 == 0 && (uintptr_t)p->fake % 16 == 0;
     constexpr int per_vec = 16 / sizeof(T);
     const bool tokens = p->stride_inner == 1 && p->inner % per_vec == 0 && p->stride_axis % per_vec == 0 &&
-                        aligned_outer && (uintptr_t)p->x % 16 == 0 && (uintptr_t)p->fake % 16 == 0 &&
-                        outer * nblocks < ((int64_t)1 << 31) && outer < ((int64_t)1 << 32);
+                        aligned_outer && (uintptr_t)p->x % 16 == 0 && (uintptr_t)p->fake % 16 == 0;
     if (rows) {
         const unsigned grid = grid_for(outer * nblocks, threads);
         if (grid * (int64_t)threads < ((int64_t)1 << 32)) quantize_rows_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
         else quantize_rows_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
     } else if (tokens) {
-        const dim3 grid((unsigned)(outer * nblocks), (unsigned)((p->inner + TILE_COLS - 1) / TILE_COLS));
-        quantize_tokens_kernel<T><<<grid, TILE_COLS, 0, stream>>>(*p);
+        const int64_t work = outer * nblocks * (p->inner / (4 / (int)sizeof(T)));
+        const unsigned grid = grid_for(work, threads);
+        if (grid * (int64_t)threads < ((int64_t)1 << 32)) quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
+        else quantize_tokens_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
     } else {
         const unsigned grid = grid_for(outer * nblocks * p->inner, threads);
         if (grid * (int64_t)threads < ((int64_t)1 << 32)) quantize_strided_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
