@@ -1,11 +1,15 @@
 /* Attention backward on Hopper (numerics.md §4): attention_bwd.cu's dK/dV and dQ kernels on wgmma fed by TMA, with
-   a producer warp and two consumer warpgroups, and the same elementwise code (attention_common.cuh). Deterministic
-   and without atomics like them: dK/dV per key tile (looping over the query heads of its KV group), dQ per query
-   tile. The delta kernel of attention_bwd.cu runs first.
+   a producer warp and two consumer warpgroups, and the same elementwise code (attention_common.cuh). dK/dV per key
+   tile (looping over the query heads of its KV group); the delta kernel of attention_bwd.cu runs first. dQ two ways:
+   - fused (params.dq_accum set, the default): the dK/dV kernel also makes dQ = dS K from its own dS and adds it
+     into dq_accum (5 products instead of 7; the order of the fp32 adds varies run to run), then a small kernel
+     converts dq_accum into dQ;
+   - deterministic (dq_accum NULL): a dQ kernel per query tile recomputes S and dP, without atomics.
 
    dK/dV: CTA = 128 keys (64 per consumer warpgroup), K and V loaded once; Q, dO and the row statistics of 64
-     queries stream through a ring of 3 slots. Per step: S^T = K Q^T and dP^T = V dO^T (64 x 64), the elementwise
-     step, dV += (P^F or P)^T dO and dK += dS^T Q (P^T and dS^T from registers, dO and Q as MN-major operands).
+     queries stream through a ring of 3 slots (2 when fused at D = 128). Per step: S^T = K Q^T and dP^T = V dO^T
+     (64 x 64), the elementwise step, dV += (P^F or P)^T dO and dK += dS^T Q (P^T and dS^T from registers, dO and Q
+     as MN-major operands); fused, dS^T to shared memory and dQ[:, half c] = dS K (see the loop).
    dQ: CTA = 128 query rows (64 per consumer warpgroup), Q and dO loaded once; K and V tiles of 64 keys stream.
      Per step: S = Q K^T and dP = dO V^T, dS = P (dP - delta), dQ += dS K.
    Left to the mma.sync kernels by the launcher: operands TMA cannot take, and hidden terms over non-finite Q, dO
