@@ -36,6 +36,11 @@ __host__ __device__ inline int64_t dq_accum_chunk(int64_t b, int64_t h, int64_t 
     return (((b * heads_q + h) * q_steps + q_step) * 2 + half) * (BWD90_Q_STEP * head_dim / 2);
 }
 
+/* dq_accum's size in floats: where the chunk one past the last (batch, head, step, half) would start. */
+static int64_t dq_accum_floats(const aq_attention_bwd_params *p) {
+    return dq_accum_chunk(p->batch, 0, p->heads_q, p->seqlen_q, 0, 0, (int)p->head_dim);
+}
+
 template <int D, bool FUSED_DQ>
 struct DkdvLayout {
     /* at D = 128 the fused kernel's dS^T and dQ staging take the third slot of the Q / dO ring (227 KB in all) */
@@ -511,7 +516,7 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
     const int *skip_if = hidden_terms ? p->scratch : NULL;
     *taken = true;
     if (fused_dq && p->seqlen_q > 0) {
-        err = cudaMemsetAsync(p->dq_accum, 0, aq_attention_bwd_dq_accum_floats(p) * sizeof(float), stream);
+        err = cudaMemsetAsync(p->dq_accum, 0, dq_accum_floats(p) * sizeof(float), stream);
         if (err != cudaSuccess) return cudaGetErrorString(err);
     }
     if (p->seqlen_k > 0) {
@@ -540,7 +545,7 @@ int64_t aq_attention_bwd_dq_accum_floats(const aq_attention_bwd_params *p) {
     if ((p->head_dim != 64 && p->head_dim != 128) || p->seqlen_q == 0 ||
         !sm90_available((const void *)attention_bwd_dkdv_sm90_kernel<128, AQ_BFLOAT16, true, true>))
         return 0;
-    return dq_accum_chunk(p->batch, 0, p->heads_q, p->seqlen_q, 0, 0, (int)p->head_dim);
+    return dq_accum_floats(p);
 }
 
 const char *aq_attention_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_t stream, bool *taken,

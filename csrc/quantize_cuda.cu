@@ -91,13 +91,6 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p
     }
 }
 
-// Blocked axis not innermost, inner axis contiguous (V along tokens): a thread takes one 16-row block of
-// 4 bytes of inner columns (two 16-bit ones), reads its rows with 16 independent loads (a warp's loads of
-// one row are contiguous), quantizes each column in registers and writes the rows back the same way. (The
-// earlier form staged a 16 x 256-column tile through shared memory per CTA: 1.2 TB/s on the H200 at D = 128,
-// where only 128 of its 256 threads had a column; 16 bytes of columns a thread took 146 registers.) Needs
-// inner and the strides multiples of 4 bytes, aligned pointers. Grid: ceil(outer * nblocks * inner / per_vec
-// / 256).
 // One column (bits `shift` up of each 32-bit word) of a 16-row block of which the first n rows are real (N: n
 // when known at compile time, else 0): quantized in registers, its scale and codes stored, raw updated in
 // place with the fake-quantized values.
@@ -125,6 +118,13 @@ __device__ __forceinline__ void quantize_token_column(const aq_quantize_params &
     }
 }
 
+// Blocked axis not innermost, inner axis contiguous (V along tokens): a thread takes one 16-row block of
+// 4 bytes of inner columns (two 16-bit ones), reads its rows with 16 independent loads (a warp's loads of
+// one row are contiguous), quantizes each column in registers and writes the rows back the same way. (The
+// earlier form staged a 16 x 256-column tile through shared memory per CTA: 1.2 TB/s on the H200 at D = 128,
+// where only 128 of its 256 threads had a column; 16 bytes of columns a thread took 146 registers.) Needs
+// inner and the strides multiples of 4 bytes, aligned pointers. Grid: ceil(outer * nblocks * inner / per_vec
+// / 256).
 template <typename T, typename I>
 __global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params p) {
     constexpr int per_vec = 4 / sizeof(T);
