@@ -115,6 +115,9 @@ def _attention_setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, mode, need_out_prime, *quantized = inputs
     out, out_prime, frame, row_sum = output
     ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask)
+    # only out carries a gradient: autograd then passes None for the others instead of zero-filling an O'-sized
+    # tensor every backward
+    ctx.mark_non_differentiable(out_prime, frame, row_sum)
     ctx.scale, ctx.causal, ctx.mode = scale, causal, mode
     ctx.operands_quantized, ctx.n_inputs = bool(quantized and quantized[0]), len(inputs)
 

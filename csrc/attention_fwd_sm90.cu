@@ -19,63 +19,105 @@
 #include "attention_sm90.h"
 #include "hopper.cuh"
 
-#define SM90_BM 128         /* query rows per CTA: 64 per consumer warpgroup */
-#define SM90_THREADS 384    /* producer warpgroup + 2 consumer warpgroups */
 #define SM90_STAGES 2       /* K/V ring slots */
 
+/* Consumer warpgroups (64 query rows each). Three in bf16 mode at D = 128: a third warpgroup's softmax hides
+   more of the others' waits (Wan 1.3B 12.3 -> 11.9 ms, 16k 8.3 -> 7.9), and its 160 registers suffice at 64
+   keys a tile. Two for the quantized kernels, whose P fake-quant needs the registers (three, at 64 keys a tile:
+   no faster), and at D = 64 (three measured slower there). */
+static constexpr __host__ __device__ int sm90_consumer_warpgroups(int d, bool quantize_p) {
+    return !quantize_p && d == 128 ? 3 : 2;
+}
+
 /* Keys per tile. 128 fills the wgmma N for S; with the second accumulator O' and the two P̂ register sets of the
-   pipeline, 64 keeps the consumer within its 240 registers (at D=64 too: 128 spills and serializes the wgmma). */
-static constexpr __host__ __device__ int sm90_keys_per_tile(int d, bool with_o_prime) {
-    return with_o_prime ? 64 : 128;
+   pipeline, 64 keeps the consumer within its 240 registers (at D=64 too: 128 spills and serializes the wgmma);
+   64 with three consumer warpgroups (160 registers each). */
+static constexpr __host__ __device__ int sm90_keys_per_tile(int d, bool with_o_prime, int nwg) {
+    return with_o_prime || nwg == 3 ? 64 : 128;
 }
 
 /* Shared memory: Q (BM x D), then STAGES K tiles and STAGES V tiles (BN x D), each as D / 64 swizzled panels,
    then the mbarriers. */
-template <int D, int BN>
+template <int D, int BN, int BM>
 struct Sm90Layout {
-    static constexpr int Q_BYTES = SM90_BM * D * 2, TILE_BYTES = BN * D * 2;
+    static constexpr int Q_BYTES = BM * D * 2, TILE_BYTES = BN * D * 2;
     static constexpr int K_OFFSET = Q_BYTES, V_OFFSET = K_OFFSET + SM90_STAGES * TILE_BYTES;
     static constexpr int BAR_OFFSET = V_OFFSET + SM90_STAGES * TILE_BYTES;
-    static constexpr int BYTES = BAR_OFFSET + 8 * (1 + 4 * SM90_STAGES);
+    static constexpr int BYTES = BAR_OFFSET + 8 * (2 + 4 * SM90_STAGES);
     static constexpr int ALLOC = BYTES + 1024; /* the panels need 1024-byte alignment */
 };
 
-/* grid (ceil(Nq / 128), Hq, B), 384 threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of
-   64 columns x 128 (Q) or BN (K, V) tokens. skip_if: NULL, or a device flag that makes the whole CTA exit. */
-template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
-__global__ void __launch_bounds__(SM90_THREADS, 1)
+/* A CTA per work item (a query tile of one head), or PERSISTENT: a CTA an SM, each taking every gridDim.x-th
+   item, so that the producer loads the next item's Q while the consumers store the last one's outputs and the
+   K/V ring runs on across items (bf16 mode: Wan cross-attention 1.00 -> 0.78 ms, D = 64 at 4k 1.59 -> 1.43).
+   128 (NWG + 1) threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of 64
+   columns x 64 NWG (Q) or BN (K, V) tokens. skip_if: NULL, or a device flag that makes the whole CTA exit. */
+template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME, int NWG, bool PERSISTENT>
+__global__ void __launch_bounds__(128 * (NWG + 1), 1)
     attention_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                               const __grid_constant__ CUtensorMap tm_v, const aq_attention_fwd_params p,
                               const int *skip_if) {
 #if AQ_SM90_ENABLED
     static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
-    constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME);
-    using L = Sm90Layout<D, BN>;
+    constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG;
+    using L = Sm90Layout<D, BN, SM90_BM>;
     if (skip_if != NULL && *skip_if) return;
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = align1024(smem_raw);
     unsigned char *qs = smem, *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET;
     uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
-    uint64_t *q_full = bars, *k_full = bars + 1, *v_full = k_full + SM90_STAGES, *k_empty = v_full + SM90_STAGES,
-             *v_empty = k_empty + SM90_STAGES;
+    uint64_t *q_full = bars, *q_empty = bars + 1, *k_full = bars + 2, *v_full = k_full + SM90_STAGES,
+             *k_empty = v_full + SM90_STAGES, *v_empty = k_empty + SM90_STAGES;
 
     const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-    const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
-    const int nq = (int)p.seqlen_q, q0 = qtile * SM90_BM;
-    const logit_map lm =
-        make_logit_map(p.mask, p.mask_stride, b, h, nq, p.seqlen_k, p.causal, p.causal_offset, p.softmax_scale);
-    const int key_end = causal_key_end(&lm, min(q0 + SM90_BM, nq) - 1);
-    const int n_tiles = (key_end + BN - 1) / BN;
+    const int nq = (int)p.seqlen_q, heads = (int)p.heads_q, group = (int)(p.heads_q / p.heads_kv);
+    const int n_qtiles = (nq + SM90_BM - 1) / SM90_BM, n_work = n_qtiles * heads * (int)p.batch;
+    /* Work item t: a query tile of one head, the longest first when causal. Persistent: causal items in
+       descending order over the whole grid (the heads inside), so that the CTAs' static shares stay balanced;
+       else the query tiles of one head next to each other, which then read the same K and V from L2. */
+    struct fwd_tile {
+        int q0, h, b, n_tiles;
+        logit_map lm;
+    };
+    auto tile_at = [&](int t) {
+        fwd_tile w;
+        int qtile;
+        if constexpr (!PERSISTENT) { /* grid (query tiles, heads, batch), t = blockIdx.x */
+            qtile = p.causal ? (int)gridDim.x - 1 - t : t;
+            w.h = (int)blockIdx.y, w.b = (int)blockIdx.z;
+        } else {
+            int hb;
+            if (p.causal) qtile = n_qtiles - 1 - t / (heads * (int)p.batch), hb = t % (heads * (int)p.batch);
+            else qtile = t % n_qtiles, hb = t / n_qtiles;
+            w.h = hb % heads, w.b = hb / heads;
+        }
+        w.q0 = qtile * SM90_BM;
+        w.lm = make_logit_map(p.mask, p.mask_stride, w.b, w.h, nq, p.seqlen_k, p.causal, p.causal_offset,
+                              p.softmax_scale);
+        w.n_tiles = (causal_key_end(&w.lm, min(w.q0 + SM90_BM, nq) - 1) + BN - 1) / BN;
+        return w;
+    };
+    /* fn(t, first K/V slot, item count) for each of the CTA's items; one item (t = blockIdx.x) unless
+       PERSISTENT, which the quantized kernels are not: the loop's state cost them registers and 3-6% */
+    auto for_each_item = [&](auto &&fn) {
+        if constexpr (PERSISTENT) {
+            unsigned ring = 0;
+            int it = 0;
+            for (int t = (int)blockIdx.x; t < n_work; t += (int)gridDim.x, it++) ring += fn(t, ring, it);
+        } else {
+            fn((int)blockIdx.x, 0u, 0);
+        }
+    };
 
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);
+        mbar_init(q_empty, 4 * NWG);
         for (int s = 0; s < SM90_STAGES; s++) {
             mbar_init(&k_full[s], 1);
             mbar_init(&v_full[s], 1);
-            mbar_init(&k_empty[s], 8); /* lane 0 of each consumer warp */
-            mbar_init(&v_empty[s], 8);
+            mbar_init(&k_empty[s], 4 * NWG); /* lane 0 of each consumer warp */
+            mbar_init(&v_empty[s], 4 * NWG);
         }
         mbar_init_fence();
     }
@@ -87,184 +129,208 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
             tma_prefetch_descriptor(&tm_q);
             tma_prefetch_descriptor(&tm_k);
             tma_prefetch_descriptor(&tm_v);
-            mbar_arrive_expect_tx(q_full, L::Q_BYTES);
-            tma_load_rows<D>(qs, &tm_q, q_full, SM90_BM, q0, h, b);
-            for (int j = 0; j < n_tiles; j++) {
-                const int s = j % SM90_STAGES;
-                /* K and V slots free up separately: K(j) once S(j) is done, V(j) once P(j) V is */
-                mbar_wait(&k_empty[s], ((j / SM90_STAGES) & 1) ^ 1);
-                mbar_arrive_expect_tx(&k_full[s], L::TILE_BYTES);
-                tma_load_rows<D>(ks + s * L::TILE_BYTES, &tm_k, &k_full[s], BN, j * BN, hk, b);
-                mbar_wait(&v_empty[s], ((j / SM90_STAGES) & 1) ^ 1);
-                mbar_arrive_expect_tx(&v_full[s], L::TILE_BYTES);
-                tma_load_rows<D>(vs + s * L::TILE_BYTES, &tm_v, &v_full[s], BN, j * BN, hk, b);
-            }
+            /* work item t, its K/V slots from ring on, the CTA's it-th item; returns its key tiles */
+            auto produce = [&](int t, unsigned ring, int it) {
+                const fwd_tile w = tile_at(t);
+                const int hk = w.h / group;
+                /* the next Q once every consumer warp is done with the last S of the previous item */
+                if (PERSISTENT) mbar_wait(q_empty, (it & 1) ^ 1);
+                mbar_arrive_expect_tx(q_full, L::Q_BYTES);
+                tma_load_rows<D>(qs, &tm_q, q_full, SM90_BM, w.q0, w.h, w.b);
+                for (int j = 0; j < w.n_tiles; j++, ring++) {
+                    const int s = ring % SM90_STAGES;
+                    const unsigned phase = ((ring / SM90_STAGES) & 1) ^ 1;
+                    /* K and V slots free up separately: K(j) once S(j) is done, V(j) once P(j) V is */
+                    mbar_wait(&k_empty[s], phase);
+                    mbar_arrive_expect_tx(&k_full[s], L::TILE_BYTES);
+                    tma_load_rows<D>(ks + s * L::TILE_BYTES, &tm_k, &k_full[s], BN, j * BN, hk, w.b);
+                    mbar_wait(&v_empty[s], phase);
+                    mbar_arrive_expect_tx(&v_full[s], L::TILE_BYTES);
+                    tma_load_rows<D>(vs + s * L::TILE_BYTES, &tm_v, &v_full[s], BN, j * BN, hk, w.b);
+                }
+                return w.n_tiles;
+            };
+            for_each_item(produce);
         }
         return;
     }
 
     /* consumers: warpgroup c owns CTA rows 64c .. 64c+63, its warp w rows 64c + 16w .. +15 */
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<NWG == 3 ? 160 : 240>(); /* 128 x 24 + 128 NWG x this <= 64K registers */
     const int c = warpgroup - 1, wrow = 64 * c, row0 = wrow + 16 * (warp % 4);
+    auto consume = [&](int t, unsigned ring, int it) { /* as produce */
+        const fwd_tile w = tile_at(t);
+        const int q0 = w.q0, h = w.h, b = w.b, n_tiles = w.n_tiles;
+        const logit_map lm = w.lm;
+        float o[D / 8][4], o2[D / 8][4]; /* o2: O', unused (and optimised away) without WITH_O_PRIME */
+    #pragma unroll
+        for (int n = 0; n < D / 8; n++)
+    #pragma unroll
+            for (int e = 0; e < 4; e++) o[n][e] = o2[n][e] = 0.0f;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        bool seen[2] = {false, false};
 
-    float o[D / 8][4], o2[D / 8][4]; /* o2: O', unused (and optimised away) without WITH_O_PRIME */
-#pragma unroll
-    for (int n = 0; n < D / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) o[n][e] = o2[n][e] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    bool seen[2] = {false, false};
-
-    /* Software pipeline over key tiles: S(j+1) is issued before P(j) V, and the softmax and P fake-quant of
-       tile j+1 run on the FP32 pipe while the tensor cores compute P(j) V. The accumulators are rescaled by the
-       frame step of tile j+1 only once P(j) V has landed in them. */
-    float sc[BN / 8][4];
-    /* P of the tile whose P V is next: P^F (or P̂ in bf16 mode) in a_o, and for O' P̂ in a_hat or a_hat2, by
-       turns, so that P̂(j+1) is packed while P(j) V still reads P̂(j) with no register copy between them (ptxas
-       merges such a copy's registers, then serializes every wgmma: warning C7513) */
-    using hat_regs = uint32_t[WITH_O_PRIME ? BN / 16 : 1][4];
-    uint32_t a_o[BN / 16][4];
-    hat_regs a_hat, a_hat2;
-    auto issue_scores = [&](int j) { /* S = Q K^T of tile j into sc, one commit group */
-        const int s = j % SM90_STAGES;
-        mbar_wait(&k_full[s], (j / SM90_STAGES) & 1);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-            wgmma_ss<BN, DT, 0>(sc, k_major_desc(qs, SM90_BM, wrow, kk),
-                                k_major_desc(ks + s * L::TILE_BYTES, BN, 0, kk), kk > 0);
-        wgmma_commit();
-    };
-    /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
-       owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
-       P^F * 2^11 in place (exact in 16 bits), and sc packed into the A operand of O += P V. */
-    auto needs_mask = [&](int j) { return tile_needs_mask(&lm, q0 + wrow, j * BN, BN); };
-    auto softmax_scores = [&](int j, bool masked, float alpha[2]) {
-        scores_to_logits<BN>(&lm, sc, q0 + row0, j * BN, masked, seen);
-        online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
-    };
-    auto pack_scores = [&](uint32_t (&a)[BN / 16][4]) {
-#pragma unroll
-        for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
-    };
-    uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1]; /* the lane's block scale of each block pair, for pack_p */
-    auto quantize_scores = [&]() {
-#pragma unroll
-        for (int kb = 0; kb < BN / 16; kb += 2)
-            p_scales[kb / 2] = round_p_block_pair<DT>(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3]);
-    };
-    auto pack_p = [&]() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
-#pragma unroll
-        for (int kb = 0; kb < BN / 16; kb += 2)
-            pack_quantized_p_pair<DT>(a_o[kb], a_o[kb + 1], sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3],
-                                      p_scales[kb / 2]);
-    };
-
-    /* O += P V, O' += P̂ V for tile j: one 16-key block of P (two C fragments = one A fragment) per wgmma */
-    auto issue_pv = [&](int j, hat_regs &a_hat) {
-        const int s = j % SM90_STAGES;
-        const unsigned char *vt = vs + s * L::TILE_BYTES;
-        mbar_wait(&v_full[s], (j / SM90_STAGES) & 1);
-        wgmma_fence();
-#pragma unroll
-        for (int kb = 0; kb < BN / 16; kb++) {
-            wgmma_rs<D, DT, 1>(o, a_o[kb], mn_major_desc(vt, BN, kb), 1);
-            if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_desc(vt, BN, kb), 1);
-        }
-        wgmma_commit();
-    };
-    auto finish_pv = [&](int j, hat_regs &a_hat) { /* waits for every group; V(j) is then consumed */
-        wgmma_wait<0>();
-        fence_registers(o);
-        /* the A operands stay live up to here, so no other value is given their registers while the wgmma
-           may still read them (else ptxas serializes every wgmma: warning C7513) */
-        fence_registers(a_o);
-        if constexpr (WITH_O_PRIME) fence_registers(o2), fence_registers(a_hat);
-        if (lane == 0) mbar_arrive(&v_empty[j % SM90_STAGES]);
-    };
-
-    mbar_wait(q_full, 0);
-    if constexpr (!QUANTIZE_P) {
-        /* Unquantized (bf16 mode): too little FP32 work per tile to hide, and the pipeline's extra waits and
-           register copies cost more than they save (measured: 45.2 against 41.0 ms at the Wan 14B shape). */
-        for (int j = 0; j < n_tiles; j++) {
-            float alpha[2];
-            issue_scores(j);
-            wgmma_wait<0>();
+        /* Software pipeline over key tiles: S(j+1) is issued before P(j) V, and the softmax and P fake-quant of
+           tile j+1 run on the FP32 pipe while the tensor cores compute P(j) V. The accumulators are rescaled by the
+           frame step of tile j+1 only once P(j) V has landed in them. */
+        float sc[BN / 8][4];
+        /* P of the tile whose P V is next: P^F (or P̂ in bf16 mode) in a_o, and for O' P̂ in a_hat or a_hat2, by
+           turns, so that P̂(j+1) is packed while P(j) V still reads P̂(j) with no register copy between them (ptxas
+           merges such a copy's registers, then serializes every wgmma: warning C7513) */
+        using hat_regs = uint32_t[WITH_O_PRIME ? BN / 16 : 1][4];
+        uint32_t a_o[BN / 16][4];
+        hat_regs a_hat, a_hat2;
+        auto slot = [&](int j) { return (int)((ring + j) % SM90_STAGES); };
+        auto phase = [&](int j) { return ((ring + j) / SM90_STAGES) & 1; };
+        /* S(j) has landed: its K slot is free, and after the item's last S so is Q */
+        auto scores_done = [&](int j) {
             fence_registers(sc);
-            if (lane == 0) mbar_arrive(&k_empty[j % SM90_STAGES]);
-            softmax_scores(j, needs_mask(j), alpha);
-            pack_scores(a_o);
-            rescale_rows<D>(o, alpha);
-            issue_pv(j, a_hat);
-            finish_pv(j, a_hat);
-        }
-    } else {
-        /* P(j) V is in flight while S(j+1) lands and becomes P^F(j+1) in sc; only the packing into the A
-           registers waits for P(j) V to finish reading them. */
-        if (n_tiles > 0) {
-            float alpha[2]; /* the accumulators are still 0: nothing to rescale */
-            issue_scores(0);
-            wgmma_wait<0>();
-            fence_registers(sc);
-            if (lane == 0) mbar_arrive(&k_empty[0]);
-            softmax_scores(0, needs_mask(0), alpha);
-            if constexpr (WITH_O_PRIME) pack_scores(a_hat);
-            quantize_scores();
-            pack_p();
-        }
-        /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1) in sc and P̂(j+1) in next_hat */
-        auto step = [&](int j, hat_regs &hat, hat_regs &next_hat) {
-            issue_scores(j + 1);
-            issue_pv(j, hat);
-            float alpha[2];
-            wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
-            fence_registers(sc);
-            if (lane == 0) mbar_arrive(&k_empty[(j + 1) % SM90_STAGES]);
-            auto elementwise = [&](bool masked) {
-                softmax_scores(j + 1, masked, alpha);
-                if constexpr (WITH_O_PRIME) pack_scores(next_hat);
-                quantize_scores();
-            };
-            const bool masked = needs_mask(j + 1);
-            /* The whole elementwise part inside both arms of the mask test: ptxas puts the wait for P(j) V at
-               the top of the basic block after the arms, so a softmax there would run after it and overlap
-               nothing (seen in the SASS). With O' at D = 128 this held too many registers (700 bytes of spills)
-               until the P scale work was shared and the exp took the scale (140 bytes now, and faster than
-               waiting first: 76.5 -> 69.7 ms at the Wan 14B shape). */
-            if (masked) elementwise(true);
-            else elementwise(false);
-            finish_pv(j, hat);
-            rescale_rows<D>(o, alpha);
-            if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
-            pack_p();
+            if (lane == 0) {
+                mbar_arrive(&k_empty[slot(j)]);
+                if (PERSISTENT && j == n_tiles - 1) mbar_arrive(q_empty);
+            }
         };
-        int j = 0; /* P̂(j) is in a_hat for even j, in a_hat2 for odd j */
-        for (; j + 2 < n_tiles; j += 2) {
-            step(j, a_hat, a_hat2);
-            step(j + 1, a_hat2, a_hat);
-        }
-        if (j + 1 < n_tiles) step(j++, a_hat, a_hat2);
-        if (n_tiles > 0 && (n_tiles - 1) % 2) {
-            issue_pv(n_tiles - 1, a_hat2);
-            finish_pv(n_tiles - 1, a_hat2);
-        } else if (n_tiles > 0) {
-            issue_pv(n_tiles - 1, a_hat);
-            finish_pv(n_tiles - 1, a_hat);
-        }
-    }
+        auto issue_scores = [&](int j) { /* S = Q K^T of tile j into sc, one commit group */
+            const int s = slot(j);
+            mbar_wait(&k_full[s], phase(j));
+            wgmma_fence();
+    #pragma unroll
+            for (int kk = 0; kk < D / 16; kk++)
+                wgmma_ss<BN, DT, 0>(sc, k_major_desc(qs, SM90_BM, wrow, kk),
+                                    k_major_desc(ks + s * L::TILE_BYTES, BN, 0, kk), kk > 0);
+            wgmma_commit();
+        };
+        /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
+           owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
+           P^F * 2^11 in place (exact in 16 bits), and sc packed into the A operand of O += P V. */
+        auto needs_mask = [&](int j) { return tile_needs_mask(&lm, q0 + wrow, j * BN, BN); };
+        auto softmax_scores = [&](int j, bool masked, float alpha[2]) {
+            scores_to_logits<BN>(&lm, sc, q0 + row0, j * BN, masked, seen);
+            online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
+        };
+        auto pack_scores = [&](uint32_t (&a)[BN / 16][4]) {
+    #pragma unroll
+            for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
+        };
+        uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1]; /* the lane's block scale of each block pair, for pack_p */
+        auto quantize_scores = [&]() {
+    #pragma unroll
+            for (int kb = 0; kb < BN / 16; kb += 2)
+                p_scales[kb / 2] = round_p_block_pair<DT>(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3]);
+        };
+        auto pack_p = [&]() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
+    #pragma unroll
+            for (int kb = 0; kb < BN / 16; kb += 2)
+                pack_quantized_p_pair<DT>(a_o[kb], a_o[kb + 1], sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2],
+                                          sc[2 * kb + 3], p_scales[kb / 2]);
+        };
 
-    const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
-    finish_forward_rows<D, WITH_O_PRIME>(o, o2, m, l, seen, QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f,
-                                         p.frame_m + stat0, p.row_sum + stat0, q0 + row0, nq);
-    const int valid = nq - q0 - row0;
-    store_fragment_rows<D, DT>(o, (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + (q0 + row0) * p.o_stride[2],
-                               p.o_stride[2], valid);
-    if (p.o_prime) {
-        uint16_t *og = (uint16_t *)p.o_prime + b * p.o_prime_stride[0] + h * p.o_prime_stride[1] +
-                       (q0 + row0) * p.o_prime_stride[2];
-        store_fragment_rows<D, DT>(WITH_O_PRIME ? o2 : o, og, p.o_prime_stride[2], valid);
-    }
+        /* O += P V, O' += P̂ V for tile j: one 16-key block of P (two C fragments = one A fragment) per wgmma */
+        auto issue_pv = [&](int j, hat_regs &a_hat) {
+            const int s = slot(j);
+            const unsigned char *vt = vs + s * L::TILE_BYTES;
+            mbar_wait(&v_full[s], phase(j));
+            wgmma_fence();
+    #pragma unroll
+            for (int kb = 0; kb < BN / 16; kb++) {
+                wgmma_rs<D, DT, 1>(o, a_o[kb], mn_major_desc(vt, BN, kb), 1);
+                if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_desc(vt, BN, kb), 1);
+            }
+            wgmma_commit();
+        };
+        auto finish_pv = [&](int j, hat_regs &a_hat) { /* waits for every group; V(j) is then consumed */
+            wgmma_wait<0>();
+            fence_registers(o);
+            /* the A operands stay live up to here, so no other value is given their registers while the wgmma
+               may still read them (else ptxas serializes every wgmma: warning C7513) */
+            fence_registers(a_o);
+            if constexpr (WITH_O_PRIME) fence_registers(o2), fence_registers(a_hat);
+            if (lane == 0) mbar_arrive(&v_empty[slot(j)]);
+        };
+
+        mbar_wait(q_full, it & 1);
+        if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(q_empty);
+        if constexpr (!QUANTIZE_P) {
+            /* Unquantized (bf16 mode): too little FP32 work per tile to hide, and the pipeline's extra waits and
+               register copies cost more than they save (measured: 45.2 against 41.0 ms at the Wan 14B shape). */
+            for (int j = 0; j < n_tiles; j++) {
+                float alpha[2];
+                issue_scores(j);
+                wgmma_wait<0>();
+                scores_done(j);
+                softmax_scores(j, needs_mask(j), alpha);
+                pack_scores(a_o);
+                rescale_rows<D>(o, alpha);
+                issue_pv(j, a_hat);
+                finish_pv(j, a_hat);
+            }
+        } else {
+            /* P(j) V is in flight while S(j+1) lands and becomes P^F(j+1) in sc; only the packing into the A
+               registers waits for P(j) V to finish reading them. */
+            if (n_tiles > 0) {
+                float alpha[2]; /* the accumulators are still 0: nothing to rescale */
+                issue_scores(0);
+                wgmma_wait<0>();
+                scores_done(0);
+                softmax_scores(0, needs_mask(0), alpha);
+                if constexpr (WITH_O_PRIME) pack_scores(a_hat);
+                quantize_scores();
+                pack_p();
+            }
+            /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1) in sc and P̂(j+1) in next_hat */
+            auto step = [&](int j, hat_regs &hat, hat_regs &next_hat) {
+                issue_scores(j + 1);
+                issue_pv(j, hat);
+                float alpha[2];
+                wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
+                scores_done(j + 1);
+                auto elementwise = [&](bool masked) {
+                    softmax_scores(j + 1, masked, alpha);
+                    if constexpr (WITH_O_PRIME) pack_scores(next_hat);
+                    quantize_scores();
+                };
+                const bool masked = needs_mask(j + 1);
+                /* The whole elementwise part inside both arms of the mask test: ptxas puts the wait for P(j) V at
+                   the top of the basic block after the arms, so a softmax there would run after it and overlap
+                   nothing (seen in the SASS). With O' at D = 128 this held too many registers (700 bytes of spills)
+                   until the P scale work was shared and the exp took the scale (140 bytes now, and faster than
+                   waiting first: 76.5 -> 69.7 ms at the Wan 14B shape). */
+                if (masked) elementwise(true);
+                else elementwise(false);
+                finish_pv(j, hat);
+                rescale_rows<D>(o, alpha);
+                if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
+                pack_p();
+            };
+            int j = 0; /* P̂(j) is in a_hat for even j, in a_hat2 for odd j */
+            for (; j + 2 < n_tiles; j += 2) {
+                step(j, a_hat, a_hat2);
+                step(j + 1, a_hat2, a_hat);
+            }
+            if (j + 1 < n_tiles) step(j++, a_hat, a_hat2);
+            if (n_tiles > 0 && (n_tiles - 1) % 2) {
+                issue_pv(n_tiles - 1, a_hat2);
+                finish_pv(n_tiles - 1, a_hat2);
+            } else if (n_tiles > 0) {
+                issue_pv(n_tiles - 1, a_hat);
+                finish_pv(n_tiles - 1, a_hat);
+            }
+        }
+
+        const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
+        finish_forward_rows<D, WITH_O_PRIME>(o, o2, m, l, seen, QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f,
+                                             p.frame_m + stat0, p.row_sum + stat0, q0 + row0, nq);
+        const int valid = nq - q0 - row0;
+        uint16_t *og0 = (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + (q0 + row0) * p.o_stride[2];
+        store_fragment_rows<D, DT>(o, og0, p.o_stride[2], valid);
+        if (p.o_prime) {
+            uint16_t *og = (uint16_t *)p.o_prime + b * p.o_prime_stride[0] + h * p.o_prime_stride[1] +
+                           (q0 + row0) * p.o_prime_stride[2];
+            store_fragment_rows<D, DT>(WITH_O_PRIME ? o2 : o, og, p.o_prime_stride[2], valid);
+        }
+        return n_tiles;
+    };
+    for_each_item(consume);
 #endif
 }
 
@@ -274,9 +340,11 @@ __global__ void __launch_bounds__(SM90_THREADS, 1)
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
 static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t stream, bool *taken,
                                const int **fallback_flag) {
+    constexpr int NWG = sm90_consumer_warpgroups(D, QUANTIZE_P);
+    constexpr bool PERSISTENT = !QUANTIZE_P;
     void (*kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const aq_attention_fwd_params,
-                   const int *) = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME>;
-    constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME);
+                   const int *) = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME, NWG, PERSISTENT>;
+    constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG, SM90_THREADS = 128 * (NWG + 1);
     if (!sm90_available((const void *)kernel)) return NULL;
     if (!fragment_store_ok(p->o, p->o_stride) || !fragment_store_ok(p->o_prime, p->o_prime_stride)) return NULL;
     /* hidden keys whose V is not finite would need the mma.sync kernel's scrubbing: check V first */
@@ -288,7 +356,7 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
         !make_tensor_map(&tm_v, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BN))
         return NULL;
 
-    const int smem = Sm90Layout<D, BN>::ALLOC;
+    const int smem = Sm90Layout<D, BN, SM90_BM>::ALLOC;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cudaGetErrorString(err);
     if (hidden_keys) {
@@ -299,7 +367,9 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
         if (msg) return msg;
         *fallback_flag = p->scratch;
     }
-    const dim3 grid((unsigned)((p->seqlen_q + SM90_BM - 1) / SM90_BM), (unsigned)p->heads_q, (unsigned)p->batch);
+    const int64_t q_tiles = (p->seqlen_q + SM90_BM - 1) / SM90_BM, work = q_tiles * p->heads_q * p->batch;
+    const dim3 grid = PERSISTENT ? dim3((unsigned)std::min<int64_t>(work, sm_count()))
+                                 : dim3((unsigned)q_tiles, (unsigned)p->heads_q, (unsigned)p->batch);
     kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, *p, hidden_keys ? p->scratch : NULL);
     *taken = true;
     return launch_status();

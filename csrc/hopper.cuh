@@ -359,6 +359,14 @@ static bool fragment_store_ok(const void *ptr, const int64_t stride[3]) {
     return ptr == NULL || (((uintptr_t)ptr & 3u) == 0 && stride[0] % 2 == 0 && stride[1] % 2 == 0 && stride[2] % 2 == 0);
 }
 
+/* The current device's SM count: the grid of a persistent kernel. */
+static int sm_count() {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return 132;
+    return n;
+}
+
 /* Whether this process may use the wgmma kernels: an sm_90 device, a build with an sm_90a image (setup.py
    defines AQ_BUILT_SM90A; cudaFuncGetAttributes cannot tell an sm_90a image from an empty sm_90 one), and
    ATTN_QAT_SM90 not 0. */
