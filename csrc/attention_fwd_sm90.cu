@@ -22,9 +22,9 @@
 #define SM90_STAGES 2       /* K/V ring slots */
 
 /* Consumer warpgroups (64 query rows each). Three in bf16 mode at D = 128: a third warpgroup's softmax hides
-   more of the others' waits (Wan 1.3B 12.3 -> 11.9 ms, 16k 8.3 -> 7.9), and its 160 registers suffice at 64
-   keys a tile. Two for the quantized kernels, whose P fake-quant needs the registers (three, at 64 keys a tile:
-   no faster), and at D = 64 (three measured slower there). */
+   more of the others' waits (H200, against two persistent warpgroups: Wan 1.3B 12.4 -> 11.9 ms, 16k 8.2 ->
+   7.9), and its 160 registers suffice at 64 keys a tile. Two for the quantized kernels, whose P fake-quant needs
+   the registers (three, at 64 keys a tile: 2-3% slower), and at D = 64 (three: 1.43 -> 1.52-1.57 ms at 4k). */
 static constexpr __host__ __device__ int sm90_consumer_warpgroups(int d, bool quantize_p) {
     return !quantize_p && d == 128 ? 3 : 2;
 }
@@ -163,9 +163,9 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
         const int q0 = w.q0, h = w.h, b = w.b, n_tiles = w.n_tiles;
         const logit_map lm = w.lm;
         float o[D / 8][4], o2[D / 8][4]; /* o2: O', unused (and optimised away) without WITH_O_PRIME */
-    #pragma unroll
+#pragma unroll
         for (int n = 0; n < D / 8; n++)
-    #pragma unroll
+#pragma unroll
             for (int e = 0; e < 4; e++) o[n][e] = o2[n][e] = 0.0f;
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
         bool seen[2] = {false, false};
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
             const int s = slot(j);
             mbar_wait(&k_full[s], phase(j));
             wgmma_fence();
-    #pragma unroll
+#pragma unroll
             for (int kk = 0; kk < D / 16; kk++)
                 wgmma_ss<BN, DT, 0>(sc, k_major_desc(qs, SM90_BM, wrow, kk),
                                     k_major_desc(ks + s * L::TILE_BYTES, BN, 0, kk), kk > 0);
@@ -209,17 +209,17 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
             online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
         };
         auto pack_scores = [&](uint32_t (&a)[BN / 16][4]) {
-    #pragma unroll
+#pragma unroll
             for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
         };
         uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1]; /* the lane's block scale of each block pair, for pack_p */
         auto quantize_scores = [&]() {
-    #pragma unroll
+#pragma unroll
             for (int kb = 0; kb < BN / 16; kb += 2)
                 p_scales[kb / 2] = round_p_block_pair<DT>(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3]);
         };
         auto pack_p = [&]() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
-    #pragma unroll
+#pragma unroll
             for (int kb = 0; kb < BN / 16; kb += 2)
                 pack_quantized_p_pair<DT>(a_o[kb], a_o[kb + 1], sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2],
                                           sc[2 * kb + 3], p_scales[kb / 2]);
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
             const unsigned char *vt = vs + s * L::TILE_BYTES;
             mbar_wait(&v_full[s], phase(j));
             wgmma_fence();
-    #pragma unroll
+#pragma unroll
             for (int kb = 0; kb < BN / 16; kb++) {
                 wgmma_rs<D, DT, 1>(o, a_o[kb], mn_major_desc(vt, BN, kb), 1);
                 if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_desc(vt, BN, kb), 1);
@@ -359,6 +359,8 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     const int smem = Sm90Layout<D, BN, SM90_BM>::ALLOC;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cudaGetErrorString(err);
+    int sms = 0;
+    if (PERSISTENT && (err = sm_count(&sms)) != cudaSuccess) return cudaGetErrorString(err);
     if (hidden_keys) {
         err = cudaMemsetAsync(p->scratch, 0, sizeof(int), stream);
         if (err != cudaSuccess) return cudaGetErrorString(err);
@@ -368,7 +370,7 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
         *fallback_flag = p->scratch;
     }
     const int64_t q_tiles = (p->seqlen_q + SM90_BM - 1) / SM90_BM, work = q_tiles * p->heads_q * p->batch;
-    const dim3 grid = PERSISTENT ? dim3((unsigned)std::min<int64_t>(work, sm_count()))
+    const dim3 grid = PERSISTENT ? dim3((unsigned)std::min<int64_t>(work, sms))
                                  : dim3((unsigned)q_tiles, (unsigned)p->heads_q, (unsigned)p->batch);
     kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, *p, hidden_keys ? p->scratch : NULL);
     *taken = true;

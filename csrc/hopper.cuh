@@ -359,12 +359,11 @@ static bool fragment_store_ok(const void *ptr, const int64_t stride[3]) {
     return ptr == NULL || (((uintptr_t)ptr & 3u) == 0 && stride[0] % 2 == 0 && stride[1] % 2 == 0 && stride[2] % 2 == 0);
 }
 
-/* The current device's SM count: the grid of a persistent kernel. */
-static int sm_count() {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-        return 132;
-    return n;
+/* The current device's SM count in *n: the grid of a persistent kernel. */
+static cudaError_t sm_count(int *n) {
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    return err != cudaSuccess ? err : cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev);
 }
 
 /* Whether this process may use the wgmma kernels: an sm_90 device, a build with an sm_90a image (setup.py
