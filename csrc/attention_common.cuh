@@ -444,8 +444,8 @@ AQ_D void fake_quantize_p_block(float c0[4], float c1[4]) {
     c0[2] = row_g8[0], c0[3] = row_g8[1], c1[2] = row_g8[2], c1[3] = row_g8[3];
 }
 
-/* e2m1(x * r) for x >= 0 or NaN, as p_fake_quantize_element but neither clamped at 6 nor scaled: round_p_block_pair's
-   half, whose other half (pack_quantized_p_pair) clamps and scales two values at once in 16-bit pairs. Rounding
+/* e2m1(x * r) for x >= 0 or NaN, as p_fake_quantize_element but neither clamped at 6 nor scaled: p_round_block_pair's
+   part, whose other half (pack_quantized_p_pair) clamps and scales two values at once in 16-bit pairs. Rounding
    first and clamping after gives what clamping first gives: 6 is on the grid and the rounding is monotonic, so any
    y > 6 rounds to 6 or more. y <= 2^20 here (x <= 1, r <= 2^20), so c stays finite; a NaN y stays NaN. */
 AQ_D float p_round_element(float x, float r) {
@@ -471,38 +471,53 @@ AQ_D uint32_t clamp_scale_pair(uint32_t q, uint32_t s2) {
     return r;
 }
 
-/* The lane of this lane's quad that holds row-block j's block scale after round_p_block_pair's reduce-scatter. */
+/* The lane of this lane's quad that holds row-block j's block scale after quad_row_block_max's reduce-scatter. */
 AQ_D int row_block_lane(int lane, int j) { return (lane & ~3) | (j >> 1) | ((j & 1) << 1); }
 
-/* fq16(P̂ * 2^11) for two 16-key blocks at once (c0, c1: block A, c2, c3: block B), in two halves a pipeline can
-   keep apart: round_p_block_pair leaves the E2M1 roundings of x * r in place (fp32) and returns the lane's block
-   scale as a DT pair; pack_quantized_p_pair then makes the A fragments, clamping and scaling pairs. Together bit for
-   bit the per-block rule (aq_block_fake_quantize on P̂ * 2^11). The lane quad holds 4 row-blocks (rows g and g+8 of
-   each block), 4 values a lane: a reduce-scatter of the 4 amaxes over lane bits 0 and 1 leaves lane t the amax of
-   row-block t (j = 0: block A row g, 1: block A row g+8, 2: block B row g, 3: block B row g+8), each lane computes
-   one scale (the E4M3 rounding and the reciprocal: ~14 instructions), and all-gathers bring every lane the 4
-   reciprocals here and the 4 scales in pack_quantized_p_pair. */
-template <aq_dtype DT>
-AQ_D uint32_t round_p_block_pair(float c0[4], float c1[4], float c2[4], float c3[4]) {
+/* The larger of two values: logits (fmaxf, which skips a NaN), or the bits of non-negative floats (P̂), which order
+   like the values, with NaN above all. */
+AQ_D float max_of(float a, float b) { return fmaxf(a, b); }
+AQ_D uint32_t max_of(uint32_t a, uint32_t b) { return max(a, b); }
+
+/* Two 16-key blocks at once (c0, c1: block A, c2, c3: block B, C layout): the lane quad holds 4 row-blocks (j = 0:
+   block A row g, 1: block A row g+8, 2: block B row g, 3: block B row g+8), 4 values of each a lane. a[j]: the
+   lane's maximum of row-block j, as floats or (T = uint32_t) as the bits of non-negative ones. */
+template <typename T>
+AQ_D void lane_row_block_max(const float c0[4], const float c1[4], const float c2[4], const float c3[4], T a[4]) {
+    auto v = [](float x) {
+        if constexpr (std::is_same<T, float>::value) return x;
+        else return __float_as_uint(x);
+    };
+    a[0] = max_of(max_of(v(c0[0]), v(c0[1])), max_of(v(c1[0]), v(c1[1])));
+    a[1] = max_of(max_of(v(c0[2]), v(c0[3])), max_of(v(c1[2]), v(c1[3])));
+    a[2] = max_of(max_of(v(c2[0]), v(c2[1])), max_of(v(c3[0]), v(c3[1])));
+    a[3] = max_of(max_of(v(c2[2]), v(c2[3])), max_of(v(c3[2]), v(c3[3])));
+}
+
+/* A reduce-scatter of lane_row_block_max's 4 maxima over lane bits 0 and 1 leaves lane t the maximum of row-block
+   t = 2 bit0 + bit1 over the quad (block A or B by lane bit 0, row g or g+8 by bit 1), so that each lane computes
+   one block scale. */
+template <typename T>
+AQ_D T quad_row_block_max(const T a[4]) {
+    const int lane = (int)threadIdx.x & 31;
+    const bool bit0 = lane & 1, bit1 = lane & 2;
+    T kept[2]; /* over lane bit 0: row-blocks 2 * bit0 + i */
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const T keep = bit0 ? a[2 + i] : a[i], send = bit0 ? a[i] : a[2 + i];
+        kept[i] = max_of(keep, __shfl_xor_sync(AQ_FULL_MASK, send, 1));
+    }
+    /* over lane bit 1 */
+    return max_of(bit1 ? kept[1] : kept[0], __shfl_xor_sync(AQ_FULL_MASK, bit1 ? kept[0] : kept[1], 2));
+}
+
+/* The E2M1 roundings of x * r (p_round_element) in place for one block pair (as lane_row_block_max), r being the
+   reciprocal of the lane's row-block from online_softmax_p_scales, gathered across the quad. With
+   pack_quantized_p_pair, bit for bit the per-block rule (aq_block_fake_quantize on P̂ * 2^11). */
+AQ_D void p_round_block_pair(float c0[4], float c1[4], float c2[4], float c3[4], float r) {
     float x[4][4] = {{c0[0], c0[1], c1[0], c1[1]}, {c0[2], c0[3], c1[2], c1[3]},
                      {c2[0], c2[1], c3[0], c3[1]}, {c2[2], c2[3], c3[2], c3[3]}};
     const int lane = (int)threadIdx.x & 31;
-    const bool bit0 = lane & 1, bit1 = lane & 2;
-    uint32_t a[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-        a[j] = max(max(__float_as_uint(x[j][0]), __float_as_uint(x[j][1])),
-                   max(__float_as_uint(x[j][2]), __float_as_uint(x[j][3])));
-    uint32_t kept[2]; /* over lane bit 0: row-blocks 2 * bit0 + i */
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const uint32_t keep = bit0 ? a[2 + i] : a[i], send = bit0 ? a[i] : a[2 + i];
-        kept[i] = max(keep, __shfl_xor_sync(AQ_FULL_MASK, send, 1));
-    }
-    /* over lane bit 1: row-block 2 * bit0 + bit1, the full amax of its 16 values */
-    const uint32_t amax = max(bit1 ? kept[1] : kept[0], __shfl_xor_sync(AQ_FULL_MASK, bit1 ? kept[0] : kept[1], 2));
-    float s, s_pf, r;
-    p_block_scale(amax, &s, &s_pf, &r);
 #pragma unroll
     for (int j = 0; j < 4; j++) { /* row-block j's reciprocal from the lane that computed it */
         const float jr = __shfl_sync(AQ_FULL_MASK, r, row_block_lane(lane, j));
@@ -513,10 +528,9 @@ AQ_D uint32_t round_p_block_pair(float c0[4], float c1[4], float c2[4], float c3
     c0[2] = x[1][0], c0[3] = x[1][1], c1[2] = x[1][2], c1[3] = x[1][3];
     c2[0] = x[2][0], c2[1] = x[2][1], c3[0] = x[2][2], c3[1] = x[2][3];
     c2[2] = x[3][0], c2[3] = x[3][1], c3[2] = x[3][2], c3[3] = x[3][3];
-    return pack2<DT>(s, s);
 }
 
-/* The A fragments of blocks A (a0) and B (a1) from round_p_block_pair's roundings and the lane's scale pair. */
+/* The A fragments of blocks A (a0) and B (a1) from p_round_block_pair's roundings and the lane's scale pair. */
 template <aq_dtype DT>
 AQ_D void pack_quantized_p_pair(uint32_t a0[4], uint32_t a1[4], const float c0[4], const float c1[4], const float c2[4],
                                 const float c3[4], uint32_t scale_pair) {
@@ -596,6 +610,75 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
             s[n][2 * r + 1] = p_hat(s[n][2 * r + 1], exp_scale, frame);
             l[r] += s[n][2 * r] + s[n][2 * r + 1];
         }
+    }
+}
+
+/* The online softmax of one key tile (online_softmax_scores) together with the block scales of its P (the quantized
+   forward on sm90). Out, per block pair (quad_row_block_max's row-block of the lane): r, the reciprocal that
+   p_round_block_pair gathers, and the scale as a DT pair for pack_quantized_p_pair.
+   FROM_LOGITS: a block's amax, max_j P̂_j, is P̂ at the block's largest logit: fma(u, exp_scale, -frame) is
+   monotonic in u (exp_scale > 0), and so is ex2.approx.ftz.f32 (checked on the GPU for every fp32 input by
+   tests/test_attention.py), so the scales need only the logits' block maxima and the frame. Their chain (the
+   reduce-scatter, the E4M3 rounding, the reciprocal) then runs beside the exponentials instead of after them, the
+   block maxima give the row maxima too, and the integer max over P̂ per element is gone, for one more MUFU.EX2 a
+   block pair and lane (H200, inference forward: Wan 1.3B 14.05 -> 13.50 ms, 16k 9.70 -> 9.31). Not at D = 64,
+   where the exponentials alone keep MUFU as busy as the tensor cores (hopper.md) and that extra one cost 5%:
+   there the amax is taken over the P̂ themselves (the integer max of their bits: a NaN makes its block NaN). From
+   the logits a NaN is skipped by the maxima (fmaxf): its own P̂, and the row's l and O, are NaN, while the other
+   values of its block keep a finite scale; the row's outputs are all NaN either way. */
+template <int BN, aq_dtype DT, bool FROM_LOGITS>
+AQ_D void online_softmax_p_scales(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2], float exp_scale,
+                                  float (&r)[BN / 32], uint32_t (&scale_pairs)[BN / 32]) {
+    using T = typename std::conditional<FROM_LOGITS, float, uint32_t>::type;
+    T bmax[BN / 32];
+    auto block_maxima = [&]() {
+#pragma unroll
+        for (int p = 0; p < BN / 32; p++) {
+            T a[4];
+            lane_row_block_max(s[4 * p], s[4 * p + 1], s[4 * p + 2], s[4 * p + 3], a);
+            bmax[p] = quad_row_block_max(a);
+        }
+    };
+    auto block_scales = [&](auto amax_bits) {
+#pragma unroll
+        for (int p = 0; p < BN / 32; p++) {
+            float sv, s_pf;
+            p_block_scale(amax_bits(p), &sv, &s_pf, &r[p]);
+            scale_pairs[p] = pack2<DT>(sv, sv);
+        }
+    };
+    if constexpr (FROM_LOGITS) {
+        block_maxima();
+        const bool bit1 = (int)threadIdx.x & 2; /* the lane's row-blocks are of row g + 8 bit1 */
+        float mine = bmax[0];
+#pragma unroll
+        for (int p = 1; p < BN / 32; p++) mine = fmaxf(mine, bmax[p]);
+        mine = fmaxf(mine, __shfl_xor_sync(AQ_FULL_MASK, mine, 1)); /* lane bit 0: the pairs' other blocks */
+        const float theirs = __shfl_xor_sync(AQ_FULL_MASK, mine, 2);
+        const float mx[2] = {bit1 ? theirs : mine, bit1 ? mine : theirs};
+        float frame[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            const float m_new = fmaxf(m[rr], ceilf(mx[rr] * exp_scale));
+            alpha[rr] = exp2_frame_step(m[rr] - m_new);
+            m[rr] = m_new;
+            l[rr] *= alpha[rr];
+            frame[rr] = m_new == -INFINITY ? 0.0f : m_new; /* as online_softmax_scores */
+        }
+        const float lane_frame = bit1 ? frame[1] : frame[0];
+        block_scales([&](int p) { return __float_as_uint(p_hat(bmax[p], exp_scale, lane_frame)); });
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++)
+#pragma unroll
+            for (int n = 0; n < BN / 8; n++) {
+                s[n][2 * rr] = p_hat(s[n][2 * rr], exp_scale, frame[rr]);
+                s[n][2 * rr + 1] = p_hat(s[n][2 * rr + 1], exp_scale, frame[rr]);
+                l[rr] += s[n][2 * rr] + s[n][2 * rr + 1];
+            }
+    } else {
+        online_softmax_scores<BN>(s, m, l, alpha, exp_scale);
+        block_maxima();
+        block_scales([&](int p) { return bmax[p]; });
     }
 }
 
@@ -824,6 +907,49 @@ AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4],
                                          float4 *scales) {
     const int lane = (int)threadIdx.x & 31;
     uint32_t live_bits = CHECKED ? 0u : ~0u;
+    /* the column maxima of 16 values a column (the lane's two keys, a[n][j] for column 8n + 2t + j), then over the
+       8 lanes of the column set, halving the columns a lane holds at each level: lane bit 4 keeps n-blocks
+       4 * bit + i, bit 3 then 2 * bit + i, bit 2 the one n-block g. select_column: the same choices without the
+       exchange, for values every lane of the set already has. */
+    auto select_column = [&](auto (&a)[8][2], auto exchange) {
+#pragma unroll
+        for (int half = 4; half >= 1; half /= 2) {
+            const int lane_bit = half == 4 ? 16 : half == 2 ? 8 : 4;
+            const bool hi = lane & lane_bit;
+#pragma unroll
+            for (int i = 0; i < half; i++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const auto keep = hi ? a[half + i][j] : a[i][j], send = hi ? a[i][j] : a[half + i][j];
+                    a[i][j] = exchange(keep, send, lane_bit);
+                }
+        }
+    };
+    auto reduce_column = [&](auto (&a)[8][2]) {
+        select_column(a, [](auto keep, auto send, int lane_bit) {
+            return max_of(keep, __shfl_xor_sync(AQ_FULL_MASK, send, lane_bit));
+        });
+    };
+    uint32_t amax[2];
+    if constexpr (!CHECKED) {
+        /* Every term counts, so a column block's amax is P̂ at its largest score (the forward's
+           online_softmax_p_scales<FROM_LOGITS> says why that is exact), and the reduce-scatter and scales run
+           beside the exponentials instead of after them. The frame of the lane's column from the values it holds. */
+        float a[8][2], m[8][2];
+#pragma unroll
+        for (int kb = 0; kb < 4; kb++) {
+            const float4 m4 = step_stat(row_m, kb);
+            m[2 * kb][0] = m4.x, m[2 * kb][1] = m4.y, m[2 * kb + 1][0] = m4.z, m[2 * kb + 1][1] = m4.w;
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) a[n][j] = fmaxf(st[n][j], st[n][j + 2]);
+        reduce_column(a);
+        select_column(m, [](float keep, float, int) { return keep; });
+#pragma unroll
+        for (int j = 0; j < 2; j++) amax[j] = __float_as_uint(p_hat(a[0][j], lm->exp_scale, m[0][j]));
+    }
     /* P̂ in place (0 on dead terms) */
 #pragma unroll
     for (int kb = 0; kb < 4; kb++) {
@@ -842,29 +968,18 @@ AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4],
             }
         }
     }
-    /* the amax of column 8n + 2t + j over the lane's two keys, then over the 8 lanes of the column set, halving
-       the columns a lane holds at each level: lane bit 4 keeps n-blocks 4 * bit + i, bit 3 then 2 * bit + i, bit 2
-       the one n-block g */
-    uint32_t a[8][2];
+    if constexpr (CHECKED) { /* over the P̂ themselves, dead terms 0: the integer max of their bits */
+        uint32_t a[8][2];
 #pragma unroll
-    for (int n = 0; n < 8; n++)
+        for (int n = 0; n < 8; n++)
 #pragma unroll
-        for (int j = 0; j < 2; j++) a[n][j] = max(__float_as_uint(st[n][j]), __float_as_uint(st[n][j + 2]));
-#pragma unroll
-    for (int half = 4; half >= 1; half /= 2) {
-        const int lane_bit = half == 4 ? 16 : half == 2 ? 8 : 4;
-        const bool hi = lane & lane_bit;
-#pragma unroll
-        for (int i = 0; i < half; i++)
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const uint32_t keep = hi ? a[half + i][j] : a[i][j], send = hi ? a[i][j] : a[half + i][j];
-                a[i][j] = max(keep, __shfl_xor_sync(AQ_FULL_MASK, send, lane_bit));
-            }
+            for (int j = 0; j < 2; j++) a[n][j] = max(__float_as_uint(st[n][j]), __float_as_uint(st[n][j + 2]));
+        reduce_column(a);
+        amax[0] = a[0][0], amax[1] = a[0][1];
     }
     float s[2], s_pf[2], r[2];
 #pragma unroll
-    for (int j = 0; j < 2; j++) p_block_scale(a[0][j], &s[j], &s_pf[j], &r[j]);
+    for (int j = 0; j < 2; j++) p_block_scale(amax[j], &s[j], &s_pf[j], &r[j]);
     __syncwarp(); /* the last step's loads are done before the store */
     scales[lane] = make_float4(s_pf[0], r[0], s_pf[1], r[1]);
     __syncwarp();

@@ -204,19 +204,24 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
            owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
            P^F * 2^11 in place (exact in 16 bits), and sc packed into the A operand of O += P V. */
         auto needs_mask = [&](int j) { return tile_needs_mask(&lm, q0 + wrow, j * BN, BN); };
+        /* quantized: the lane's block scale (a DT pair, for pack_p) and reciprocal (for quantize_scores) of each
+           block pair, from the logits (online_softmax_p_scales) */
+        uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1];
+        float p_recips[QUANTIZE_P ? BN / 32 : 1];
         auto softmax_scores = [&](int j, bool masked, float alpha[2]) {
             scores_to_logits<BN>(&lm, sc, q0 + row0, j * BN, masked, seen);
-            online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
+            if constexpr (QUANTIZE_P)
+                online_softmax_p_scales<BN, DT, D == 128>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
+            else online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
         };
         auto pack_scores = [&](uint32_t (&a)[BN / 16][4]) {
 #pragma unroll
             for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
         };
-        uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1]; /* the lane's block scale of each block pair, for pack_p */
-        auto quantize_scores = [&]() {
+        auto quantize_scores = [&]() { /* P̂ in sc -> the E2M1 roundings of P̂ / s, for pack_p */
 #pragma unroll
             for (int kb = 0; kb < BN / 16; kb += 2)
-                p_scales[kb / 2] = round_p_block_pair<DT>(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3]);
+                p_round_block_pair(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3], p_recips[kb / 2]);
         };
         auto pack_p = [&]() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
 #pragma unroll

@@ -4,6 +4,7 @@ import contextlib
 import json
 import math
 import os
+import struct
 
 import pytest
 import torch
@@ -11,6 +12,12 @@ import torch
 import attn_qat
 from attn_qat import reference
 from conftest import DEVICES, HAS_CUDA, rel_error, requires_cuda
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # only the GPU check of ex2's monotonicity needs it
+    triton = None
 
 FWD_TOL, BWD_TOL = 3e-3, 1e-2
 # numerics.md §7 lets isolated P codes flip where the kernel's fp32 scores land on the other side of a
@@ -456,3 +463,44 @@ def test_scale_default_is_inverse_sqrt_d():
     q, k, v, _ = make_inputs(1, 1, 1, 16, 16, 64, torch.bfloat16, "cpu")
     assert torch.equal(attn_qat.scaled_dot_product_attention(q, k, v),
                        attn_qat.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(64)))
+
+
+if triton is not None:
+    @triton.jit
+    def _ex2_approx_kernel(y_ptr, first_bits, step, n, BLOCK: tl.constexpr):
+        """y[i] = ex2.approx.ftz.f32 of the fp32 value whose bits are first_bits + step * i."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        bits = (first_bits + step * offs.to(tl.int64)).to(tl.uint32)
+        x = bits.to(tl.float32, bitcast=True)
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        tl.store(y_ptr + offs, y, mask=offs < n)
+
+
+@requires_cuda
+@pytest.mark.skipif(triton is None, reason="needs triton")
+def test_ex2_approx_is_monotonic():
+    """The Hopper forward takes a P block's amax as P̂ at the block's largest logit (online_softmax_p_scales in
+    attention_common.cuh), which gives the block rule's amax exactly only if ex2.approx.ftz.f32, the kernels' exp,
+    never decreases. PTX does not promise that, so check it on this GPU for every fp32 input from -inf up to 2^7
+    (the exponent arguments t - M are <= 0 up to one rounding), in increasing order."""
+    chunk = 1 << 27
+    y = torch.empty(chunk + 1, device="cuda", dtype=torch.float32)
+    # first, that the kernel computes 2^x at all (a constant would be monotonic too)
+    for x in torch.arange(-8, 8, 0.25).tolist():
+        bits = struct.unpack("<I", struct.pack("<f", x))[0]
+        _ex2_approx_kernel[(1,)](y, bits, 1, 1, BLOCK=1024)
+        assert abs(float(y[0]) - 2.0 ** x) <= 2.0 ** x * 2 ** -21, f"ex2({x}) = {float(y[0])}"
+    # negative inputs: bits 0xFF800000 (-inf) down to 0x80000000 (-0); then +0 up to 0x43000000 (128)
+    for first, last, step in ((0xFF800000, 0x80000000, -1), (0x00000000, 0x43000000, 1)):
+        count = abs(last - first) + 1
+        for start in range(0, count - 1, chunk):
+            n = min(chunk + 1, count - start)  # each chunk overlaps the next by one input
+            _ex2_approx_kernel[(triton.cdiv(n, 1024),)](y, first + step * start, step, n, BLOCK=1024)
+            ys = y[:n]
+            bad = (ys[1:] < ys[:-1]).nonzero()
+            if len(bad):
+                i = int(bad[0])
+                x0 = first + step * (start + i)
+                pytest.fail(f"ex2.approx decreases after the input with bits {x0:#010x}: "
+                            f"{float(ys[i])!r} > {float(ys[i + 1])!r}")
