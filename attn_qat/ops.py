@@ -115,15 +115,18 @@ def _attention_setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, mode, need_out_prime, *quantized = inputs
     out, out_prime, frame, row_sum = output
     ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask)
-    # only out carries a gradient: autograd then passes None for the others instead of zero-filling an O'-sized
-    # tensor every backward
+    # only out carries a gradient; and without materialized gradients autograd passes None for the others
+    # instead of zero-filling an O'-sized tensor every backward (marking them non-differentiable alone does not)
     ctx.mark_non_differentiable(out_prime, frame, row_sum)
+    ctx.set_materialize_grads(False)
     ctx.scale, ctx.causal, ctx.mode = scale, causal, mode
     ctx.operands_quantized, ctx.n_inputs = bool(quantized and quantized[0]), len(inputs)
 
 
 def _attention_backward(ctx, grad_out, grad_out_prime, grad_frame, grad_row_sum):
     q, k, v, out, out_prime, frame, row_sum, mask = ctx.saved_tensors
+    if grad_out is None:  # out did not reach the loss
+        return (None,) * ctx.n_inputs
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     # Like PyTorch's own attention backward: dQ summed by atomics (fast) unless deterministic algorithms are

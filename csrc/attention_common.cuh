@@ -471,9 +471,6 @@ AQ_D uint32_t clamp_scale_pair(uint32_t q, uint32_t s2) {
     return r;
 }
 
-/* The lane of this lane's quad that holds row-block j's block scale after quad_row_block_max's reduce-scatter. */
-AQ_D int row_block_lane(int lane, int j) { return (lane & ~3) | (j >> 1) | ((j & 1) << 1); }
-
 /* The larger of two values: logits (fmaxf, which skips a NaN), or the bits of non-negative floats (P̂), which order
    like the values, with NaN above all. */
 AQ_D float max_of(float a, float b) { return fmaxf(a, b); }
@@ -511,33 +508,30 @@ AQ_D T quad_row_block_max(const T a[4]) {
     return max_of(bit1 ? kept[1] : kept[0], __shfl_xor_sync(AQ_FULL_MASK, bit1 ? kept[0] : kept[1], 2));
 }
 
-/* The E2M1 roundings of x * r (p_round_element) in place for one block pair (as lane_row_block_max), r being the
-   reciprocal of the lane's row-block from online_softmax_p_scales, gathered across the quad. With
-   pack_quantized_p_pair, bit for bit the per-block rule (aq_block_fake_quantize on P̂ * 2^11). */
-AQ_D void p_round_block_pair(float c0[4], float c1[4], float c2[4], float c3[4], float r) {
+/* The E2M1 roundings of x * r (p_round_element) in place for one block pair (as lane_row_block_max). quad_r: the
+   reciprocals (online_softmax_p_scales' r) of the quad's lanes 4g .. 4g+3 in x .. w; lane 4g + t computed row-block
+   2 (t & 1) + (t >> 1) (quad_row_block_max). With pack_quantized_p_pair, bit for bit the per-block rule
+   (aq_block_fake_quantize on P̂ * 2^11). */
+AQ_D void p_round_block_pair(float c0[4], float c1[4], float c2[4], float c3[4], const float4 &quad_r) {
     float x[4][4] = {{c0[0], c0[1], c1[0], c1[1]}, {c0[2], c0[3], c1[2], c1[3]},
                      {c2[0], c2[1], c3[0], c3[1]}, {c2[2], c2[3], c3[2], c3[3]}};
-    const int lane = (int)threadIdx.x & 31;
+    const float jr[4] = {quad_r.x, quad_r.z, quad_r.y, quad_r.w}; /* row-block j's */
 #pragma unroll
-    for (int j = 0; j < 4; j++) { /* row-block j's reciprocal from the lane that computed it */
-        const float jr = __shfl_sync(AQ_FULL_MASK, r, row_block_lane(lane, j));
+    for (int j = 0; j < 4; j++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) x[j][i] = p_round_element(x[j][i], jr);
-    }
+        for (int i = 0; i < 4; i++) x[j][i] = p_round_element(x[j][i], jr[j]);
     c0[0] = x[0][0], c0[1] = x[0][1], c1[0] = x[0][2], c1[1] = x[0][3];
     c0[2] = x[1][0], c0[3] = x[1][1], c1[2] = x[1][2], c1[3] = x[1][3];
     c2[0] = x[2][0], c2[1] = x[2][1], c3[0] = x[2][2], c3[1] = x[2][3];
     c2[2] = x[3][0], c2[3] = x[3][1], c3[2] = x[3][2], c3[3] = x[3][3];
 }
 
-/* The A fragments of blocks A (a0) and B (a1) from p_round_block_pair's roundings and the lane's scale pair. */
+/* The A fragments of blocks A (a0) and B (a1) from p_round_block_pair's roundings and the quad's scale pairs
+   (online_softmax_p_scales' scale_pairs, ordered as quad_r). */
 template <aq_dtype DT>
 AQ_D void pack_quantized_p_pair(uint32_t a0[4], uint32_t a1[4], const float c0[4], const float c1[4], const float c2[4],
-                                const float c3[4], uint32_t scale_pair) {
-    const int lane = (int)threadIdx.x & 31;
-    uint32_t s2[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) s2[j] = __shfl_sync(AQ_FULL_MASK, scale_pair, row_block_lane(lane, j));
+                                const float c3[4], const uint4 &quad_s) {
+    const uint32_t s2[4] = {quad_s.x, quad_s.z, quad_s.y, quad_s.w}; /* row-block j's */
     a0[0] = clamp_scale_pair<DT>(pack2<DT>(c0[0], c0[1]), s2[0]);
     a0[1] = clamp_scale_pair<DT>(pack2<DT>(c0[2], c0[3]), s2[1]);
     a0[2] = clamp_scale_pair<DT>(pack2<DT>(c1[0], c1[1]), s2[0]);
@@ -614,8 +608,9 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
 }
 
 /* The online softmax of one key tile (online_softmax_scores) together with the block scales of its P (the quantized
-   forward on sm90). Out, per block pair (quad_row_block_max's row-block of the lane): r, the reciprocal that
-   p_round_block_pair gathers, and the scale as a DT pair for pack_quantized_p_pair.
+   forward on sm90). Out, per block pair (quad_row_block_max's row-block of the lane): r, the reciprocal for
+   p_round_block_pair, and the scale as a DT pair for pack_quantized_p_pair; those take the quad's four, which
+   the caller trades through shared memory.
    FROM_LOGITS: a block's amax, max_j P̂_j, is P̂ at the block's largest logit: fma(u, exp_scale, -frame) is
    monotonic in u (exp_scale > 0), and so is ex2.approx.ftz.f32 (checked on the GPU for every fp32 input by
    tests/test_attention.py), so the scales need only the logits' block maxima and the frame. Their chain (the
