@@ -125,8 +125,8 @@ def _attention_setup_context(ctx, inputs, output):
 
 def _attention_backward(ctx, grad_out, grad_out_prime, grad_frame, grad_row_sum):
     q, k, v, out, out_prime, frame, row_sum, mask = ctx.saved_tensors
-    if grad_out is None:  # out did not reach the loss
-        return (None,) * ctx.n_inputs
+    if grad_out is None:  # only when autograd differentiates this backward itself (create_graph=True)
+        raise RuntimeError("attn_qat: double backward (a gradient of the attention gradients) is not supported")
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     # Like PyTorch's own attention backward: dQ summed by atomics (fast) unless deterministic algorithms are

@@ -341,7 +341,11 @@ AQ_D float p_hat(float u, float exp_scale, float frame) { return frame_exp2(fmaf
 /* ------------------------------------------------------------------------------------------------
    NVFP4 fake-quant of P̂ * 2^11 (numerics.md §3). P̂ is >= 0 (or NaN), which makes the block rule cheap; the
    functions below give bit for bit aq_block_fake_quantize's result for such inputs:
-   - amax is the max of the values' bits (non-negative floats order like their bits; NaN above all);
+   - amax is the max of the values' bits (non-negative floats order like their bits; NaN above all), or, in the
+     sm90 forward at D = 128 and the dK/dV kernel's unmasked steps, P̂ at the block's largest logit
+     (block_amax_from_logit), where a NaN logit leaves its block's scale finite: that element's P^F is then 6 s,
+     not NaN, but its row's l is NaN, and with it the row's O, O' and LSE (forward) and its 1/l-scaled P^F and P
+     (dK/dV), as when the whole block was NaN;
    - amax / 6 correctly rounded as x * fl(1/6) plus one fma correction (Markstein; checked for every fp32 x:
      it differs from x / 6 only where x / 6 is subnormal, and such a scale is 0 either way);
    - the E4M3 rounding by the hardware cvt (sm_89+; nvfp4.h's software rounding elsewhere);
@@ -491,9 +495,9 @@ AQ_D void lane_row_block_max(const float c0[4], const float c1[4], const float c
     a[3] = max_of(max_of(v(c2[2]), v(c2[3])), max_of(v(c3[2]), v(c3[3])));
 }
 
-/* A reduce-scatter of lane_row_block_max's 4 maxima over lane bits 0 and 1 leaves lane t the maximum of row-block
-   t = 2 bit0 + bit1 over the quad (block A or B by lane bit 0, row g or g+8 by bit 1), so that each lane computes
-   one block scale. */
+/* A reduce-scatter of lane_row_block_max's 4 maxima over lane bits 0 and 1 leaves lane 4g + t the maximum over the
+   quad of row-block 2 (t & 1) + (t >> 1) (block A or B by lane bit 0, row g or g+8 by bit 1), so that each lane
+   computes one block scale. */
 template <typename T>
 AQ_D T quad_row_block_max(const T a[4]) {
     const int lane = (int)threadIdx.x & 31;
@@ -508,14 +512,20 @@ AQ_D T quad_row_block_max(const T a[4]) {
     return max_of(bit1 ? kept[1] : kept[0], __shfl_xor_sync(AQ_FULL_MASK, bit1 ? kept[0] : kept[1], 2));
 }
 
+/* A block's amax from its largest logit u: max_j P̂_j = P̂(u) exactly, because fma(u, exp_scale, -frame) is
+   monotonic in u (exp_scale > 0, checked by ops.cpp) and so is ex2.approx.ftz.f32 (not promised by PTX; checked
+   on the GPU for every fp32 input by tests/test_attention.py). As bits, for p_block_scale. */
+AQ_D uint32_t block_amax_from_logit(float u, float exp_scale, float frame) {
+    return __float_as_uint(p_hat(u, exp_scale, frame));
+}
+
 /* The E2M1 roundings of x * r (p_round_element) in place for one block pair (as lane_row_block_max). quad_r: the
-   reciprocals (online_softmax_p_scales' r) of the quad's lanes 4g .. 4g+3 in x .. w; lane 4g + t computed row-block
-   2 (t & 1) + (t >> 1) (quad_row_block_max). With pack_quantized_p_pair, bit for bit the per-block rule
-   (aq_block_fake_quantize on P̂ * 2^11). */
+   quad's reciprocals (online_softmax_p_scales' r) of lanes 4g .. 4g+3 in x .. w, so of row-blocks 0, 2, 1, 3. With
+   pack_quantized_p_pair, bit for bit the per-block rule (aq_block_fake_quantize on P̂ * 2^11). */
 AQ_D void p_round_block_pair(float c0[4], float c1[4], float c2[4], float c3[4], const float4 &quad_r) {
     float x[4][4] = {{c0[0], c0[1], c1[0], c1[1]}, {c0[2], c0[3], c1[2], c1[3]},
                      {c2[0], c2[1], c3[0], c3[1]}, {c2[2], c2[3], c3[2], c3[3]}};
-    const float jr[4] = {quad_r.x, quad_r.z, quad_r.y, quad_r.w}; /* row-block j's */
+    const float jr[4] = {quad_r.x, quad_r.z, quad_r.y, quad_r.w}; /* quad_row_block_max's order */
 #pragma unroll
     for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -527,11 +537,11 @@ AQ_D void p_round_block_pair(float c0[4], float c1[4], float c2[4], float c3[4],
 }
 
 /* The A fragments of blocks A (a0) and B (a1) from p_round_block_pair's roundings and the quad's scale pairs
-   (online_softmax_p_scales' scale_pairs, ordered as quad_r). */
+   (online_softmax_p_scales' scale_pairs, in lane order as quad_r). */
 template <aq_dtype DT>
 AQ_D void pack_quantized_p_pair(uint32_t a0[4], uint32_t a1[4], const float c0[4], const float c1[4], const float c2[4],
                                 const float c3[4], const uint4 &quad_s) {
-    const uint32_t s2[4] = {quad_s.x, quad_s.z, quad_s.y, quad_s.w}; /* row-block j's */
+    const uint32_t s2[4] = {quad_s.x, quad_s.z, quad_s.y, quad_s.w}; /* as quad_r */
     a0[0] = clamp_scale_pair<DT>(pack2<DT>(c0[0], c0[1]), s2[0]);
     a0[1] = clamp_scale_pair<DT>(pack2<DT>(c0[2], c0[3]), s2[1]);
     a0[2] = clamp_scale_pair<DT>(pack2<DT>(c1[0], c1[1]), s2[0]);
@@ -611,16 +621,12 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
    forward on sm90). Out, per block pair (quad_row_block_max's row-block of the lane): r, the reciprocal for
    p_round_block_pair, and the scale as a DT pair for pack_quantized_p_pair; those take the quad's four, which
    the caller trades through shared memory.
-   FROM_LOGITS: a block's amax, max_j P̂_j, is P̂ at the block's largest logit: fma(u, exp_scale, -frame) is
-   monotonic in u (exp_scale > 0), and so is ex2.approx.ftz.f32 (checked on the GPU for every fp32 input by
-   tests/test_attention.py), so the scales need only the logits' block maxima and the frame. Their chain (the
-   reduce-scatter, the E4M3 rounding, the reciprocal) then runs beside the exponentials instead of after them, the
-   block maxima give the row maxima too, and the integer max over P̂ per element is gone, for one more MUFU.EX2 a
-   block pair and lane (H200, inference forward: Wan 1.3B 14.05 -> 13.50 ms, 16k 9.70 -> 9.31). Not at D = 64,
-   where the exponentials alone keep MUFU as busy as the tensor cores (hopper.md) and that extra one cost 5%:
-   there the amax is taken over the P̂ themselves (the integer max of their bits: a NaN makes its block NaN). From
-   the logits a NaN is skipped by the maxima (fmaxf): its own P̂, and the row's l and O, are NaN, while the other
-   values of its block keep a finite scale; the row's outputs are all NaN either way. */
+   FROM_LOGITS: each block's amax from its largest logit (block_amax_from_logit), so that the scales need only
+   the logits' block maxima and the frame: their chain (the reduce-scatter, the E4M3 rounding, the reciprocal)
+   then runs beside the exponentials instead of after them, the block maxima give the row maxima too, and the
+   integer max over P̂ per element is gone, for one more MUFU.EX2 a block pair and lane (performance.md v12:
+   inference forward -3 to -4%). Not at D = 64, where the exponentials alone keep MUFU as busy as the tensor cores
+   (hopper.md) and that extra one cost 5%: there the amax is the integer max of the P̂ bits. */
 template <int BN, aq_dtype DT, bool FROM_LOGITS>
 AQ_D void online_softmax_p_scales(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2], float exp_scale,
                                   float (&r)[BN / 32], uint32_t (&scale_pairs)[BN / 32]) {
@@ -661,7 +667,7 @@ AQ_D void online_softmax_p_scales(float (&s)[BN / 8][4], float m[2], float l[2],
             frame[rr] = m_new == -INFINITY ? 0.0f : m_new; /* as online_softmax_scores */
         }
         const float lane_frame = bit1 ? frame[1] : frame[0];
-        block_scales([&](int p) { return __float_as_uint(p_hat(bmax[p], exp_scale, lane_frame)); });
+        block_scales([&](int p) { return block_amax_from_logit(bmax[p], exp_scale, lane_frame); });
 #pragma unroll
         for (int rr = 0; rr < 2; rr++)
 #pragma unroll
@@ -890,8 +896,8 @@ AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t 
 /* dkdv_step_p with QUANTIZE_DV for a step of 64 queries, the P^F column quant done for the whole step at once
    rather than per A fragment (the wgmma dK/dV kernel; bit for bit the same st, pa and live bits, checked on the
    H200 over causal, grouped-KV, odd-length and D = 64 shapes; the mma.sync kernel, with 32-query steps at D = 128,
-   keeps the per-fragment form). Every exponential comes first; then one reduce-scatter of the thread's 16 column
-   amaxes over the 8 lanes of a column set (lane bits 4, 3, 2: 8 + 4 + 2 shuffles) leaves lane (g, t) the amaxes
+   keeps the per-fragment form). One reduce-scatter of the thread's 16 column amaxes (of the logits on unmasked
+   steps, beside the exponentials; else of the P̂, after them) over the 8 lanes of a column set (lane bits 4, 3, 2: 8 + 4 + 2 shuffles) leaves lane (g, t) the amaxes
    of columns 8g + 2t and 8g + 2t + 1, two block scales a lane instead of fake_quantize_p_columns' four; the lanes
    trade (s_pf, r) through `scales` (this warp's 32 float4 of shared memory, lane l's pair at [l]) with one
    16-byte store and 8 broadcast loads instead of 32 shuffles; only then the elements. 580 -> 530 instructions a
@@ -927,9 +933,9 @@ AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4],
     };
     uint32_t amax[2];
     if constexpr (!CHECKED) {
-        /* Every term counts, so a column block's amax is P̂ at its largest score (the forward's
-           online_softmax_p_scales<FROM_LOGITS> says why that is exact), and the reduce-scatter and scales run
-           beside the exponentials instead of after them. The frame of the lane's column from the values it holds. */
+        /* Every term counts, so a column block's amax is P̂ at its largest score (block_amax_from_logit), and the
+           reduce-scatter and scales run beside the exponentials instead of after them. The frame of the lane's
+           column from the values it holds. */
         float a[8][2], m[8][2];
 #pragma unroll
         for (int kb = 0; kb < 4; kb++) {
@@ -943,7 +949,7 @@ AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4],
         reduce_column(a);
         select_column(m, [](float keep, float, int) { return keep; });
 #pragma unroll
-        for (int j = 0; j < 2; j++) amax[j] = __float_as_uint(p_hat(a[0][j], lm->exp_scale, m[0][j]));
+        for (int j = 0; j < 2; j++) amax[j] = block_amax_from_logit(a[0][j], lm->exp_scale, m[0][j]);
     }
     /* P̂ in place (0 on dead terms) */
 #pragma unroll

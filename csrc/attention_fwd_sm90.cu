@@ -37,14 +37,16 @@ static constexpr __host__ __device__ int sm90_keys_per_tile(int d, bool with_o_p
 }
 
 /* Shared memory: Q (BM x D), then STAGES K tiles and STAGES V tiles (BN x D), each as D / 64 swizzled panels,
-   then the mbarriers and the consumer warps' P block scales (4 bytes x 2 x BN / 32 block pairs x 32 lanes a warp). */
-template <int D, int BN, int BM>
+   then the mbarriers and, QUANTIZED, the consumer warps' P block scales (4 bytes x 2 x BN / 32 block pairs x 32
+   lanes a warp). */
+template <int D, int BN, int BM, bool QUANTIZED>
 struct Sm90Layout {
     static constexpr int Q_BYTES = BM * D * 2, TILE_BYTES = BN * D * 2;
     static constexpr int K_OFFSET = Q_BYTES, V_OFFSET = K_OFFSET + SM90_STAGES * TILE_BYTES;
     static constexpr int BAR_OFFSET = V_OFFSET + SM90_STAGES * TILE_BYTES;
     static constexpr int SCALES_OFFSET = BAR_OFFSET + 8 * (2 + 4 * SM90_STAGES);
-    static constexpr int BYTES = SCALES_OFFSET + (BM / 16) * 2 * (BN / 32) * 32 * 4;
+    static_assert(SCALES_OFFSET % 16 == 0, "the scales are read as 16-byte vectors");
+    static constexpr int BYTES = SCALES_OFFSET + (QUANTIZED ? (BM / 16) * 2 * (BN / 32) * 32 * 4 : 0);
     static constexpr int ALLOC = BYTES + 1024; /* the panels need 1024-byte alignment */
 };
 
@@ -61,18 +63,19 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 #if AQ_SM90_ENABLED
     static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG;
-    using L = Sm90Layout<D, BN, SM90_BM>;
+    using L = Sm90Layout<D, BN, SM90_BM, QUANTIZE_P>;
     if (skip_if != NULL && *skip_if) return;
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = align1024(smem_raw);
     unsigned char *qs = smem, *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET;
     uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
-    /* a consumer warp's P block scales (quantized kernels): reciprocals, then DT scale pairs, [block pair][lane].
+    /* a consumer warp's P block scales (quantized kernels): reciprocals, then DT scale pairs, each [block pair][lane].
        Each lane computes one row-block's and needs its quad's four: a 16-byte load each, where shuffles took 8 a
-       block pair (H200, same process: inference fwd -1.2 to -1.6%, training fwd -2.4 to -3.2% at D = 128) */
+       block pair (performance.md v12). Set here, before the roles split: computed in the consumer branch, the
+       pointer cost the inference kernel 37 more spill loads. The producer warps, which never use it, get warp 4's. */
     uint32_t *warp_scales = (uint32_t *)(smem + L::SCALES_OFFSET) +
-                            ((int)threadIdx.x / 32 - 4) * 2 * (BN / 32) * 32;
+                            max((int)threadIdx.x / 32 - 4, 0) * 2 * (BN / 32) * 32;
     uint64_t *q_full = bars, *q_empty = bars + 1, *k_full = bars + 2, *v_full = k_full + SM90_STAGES,
              *k_empty = v_full + SM90_STAGES, *v_empty = k_empty + SM90_STAGES;
 
@@ -208,7 +211,8 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
         };
         /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
            owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
-           P^F * 2^11 in place (exact in 16 bits), and sc packed into the A operand of O += P V. */
+           its E2M1 roundings in place (quantize_scores), and sc packed into the A operand of O += P V (pack_p, which
+           scales the roundings into P^F * 2^11, exact in 16 bits). */
         auto needs_mask = [&](int j) { return tile_needs_mask(&lm, q0 + wrow, j * BN, BN); };
         /* quantized: the lane's block scale (a DT pair, for pack_p) and reciprocal (for quantize_scores) of each
            block pair (online_softmax_p_scales), stored to warp_scales */
@@ -288,8 +292,8 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
                 finish_pv(j, a_hat);
             }
         } else {
-            /* P(j) V is in flight while S(j+1) lands and becomes P^F(j+1) in sc; only the packing into the A
-               registers waits for P(j) V to finish reading them. */
+            /* P(j) V is in flight while S(j+1) lands and becomes P^F(j+1)'s roundings in sc; only the packing into
+               the A registers waits for P(j) V to finish reading them. */
             if (n_tiles > 0) {
                 float alpha[2]; /* the accumulators are still 0: nothing to rescale */
                 issue_scores(0);
@@ -300,7 +304,8 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
                 quantize_scores();
                 pack_p();
             }
-            /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1) in sc and P̂(j+1) in next_hat */
+            /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1)'s roundings in sc and P̂(j+1) in
+               next_hat */
             auto step = [&](int j, hat_regs &hat, hat_regs &next_hat) {
                 issue_scores(j + 1);
                 issue_pv(j, hat);
@@ -379,7 +384,7 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
         !make_tensor_map(&tm_v, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BN))
         return NULL;
 
-    const int smem = Sm90Layout<D, BN, SM90_BM>::ALLOC;
+    const int smem = Sm90Layout<D, BN, SM90_BM, QUANTIZE_P>::ALLOC;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cudaGetErrorString(err);
     int sms = 0;

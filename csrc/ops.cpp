@@ -1,5 +1,6 @@
 // Op schemas, argument checks and dispatch to the CPU and CUDA kernels, through PyTorch's op registry.
 // C++ only because the LibTorch stable ABI headers are C++; every kernel behind it is C / CUDA C.
+#include <cmath>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -266,10 +267,13 @@ void set_causal(int64_t causal, const AttentionShape &s, int *flag, int64_t *off
 }
 
 // The kernels take the row max on raw scores and scale inside the exp (attention_common.cuh's logit_map), which
-// needs scale > 0.
+// needs scale > 0 as the float they use, with scale * log2(e) finite.
 void check_scale(double scale) {
     STD_TORCH_CHECK(scale > 0.0, "attn_qat: the attention ops take softmax scale > 0, got ", scale,
                     " (the Python entry points pass a negative scale as -q and -scale, zero as zero queries)");
+    const float exp_scale = (float)scale * 1.4426950408889634f;
+    STD_TORCH_CHECK((float)scale > 0.0f && std::isfinite(exp_scale), "attn_qat: softmax scale ", scale,
+                    " is outside what the kernels take as a float (above 0 and below about 2e38)");
 }
 
 // Runs the forward kernel on operands the caller has already prepared.

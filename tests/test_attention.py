@@ -480,27 +480,38 @@ if triton is not None:
 @requires_cuda
 @pytest.mark.skipif(triton is None, reason="needs triton")
 def test_ex2_approx_is_monotonic():
-    """The Hopper forward takes a P block's amax as P̂ at the block's largest logit (online_softmax_p_scales in
+    """The Hopper kernels take a P block's amax as P̂ at the block's largest logit (block_amax_from_logit in
     attention_common.cuh), which gives the block rule's amax exactly only if ex2.approx.ftz.f32, the kernels' exp,
-    never decreases. PTX does not promise that, so check it on this GPU for every fp32 input from -inf up to 2^7
-    (the exponent arguments t - M are <= 0 up to one rounding), in increasing order."""
+    never decreases. PTX does not promise that, so check it on this GPU for every fp32 input from -inf to +inf in
+    increasing order (the kernels' arguments t - M are <= 0 up to half an ulp of t). The instruction is lowered to
+    one MUFU.EX2 here (Triton's ptxas) as in the extension."""
     chunk = 1 << 27
     y = torch.empty(chunk + 1, device="cuda", dtype=torch.float32)
+
+    def ex2(bits):  # 2^x in float64 for the fp32 x with these bits: 0 for -inf, inf from 128
+        x = struct.unpack("<f", struct.pack("<I", bits))[0]
+        return 0.0 if x == -math.inf else math.inf if x >= 128 else 2.0 ** x
+
     # first, that the kernel computes 2^x at all (a constant would be monotonic too)
     for x in torch.arange(-8, 8, 0.25).tolist():
-        bits = struct.unpack("<I", struct.pack("<f", x))[0]
-        _ex2_approx_kernel[(1,)](y, bits, 1, 1, BLOCK=1024)
+        _ex2_approx_kernel[(1,)](y, struct.unpack("<I", struct.pack("<f", x))[0], 1, 1, BLOCK=1024)
         assert abs(float(y[0]) - 2.0 ** x) <= 2.0 ** x * 2 ** -21, f"ex2({x}) = {float(y[0])}"
-    # negative inputs: bits 0xFF800000 (-inf) down to 0x80000000 (-0); then +0 up to 0x43000000 (128)
-    for first, last, step in ((0xFF800000, 0x80000000, -1), (0x00000000, 0x43000000, 1)):
+    # negative inputs: bits 0xFF800000 (-inf) down to 0x80000000 (-0); then +0 up to 0x7F800000 (+inf)
+    for first, last, step in ((0xFF800000, 0x80000000, -1), (0x00000000, 0x7F800000, 1)):
         count = abs(last - first) + 1
         for start in range(0, count - 1, chunk):
             n = min(chunk + 1, count - start)  # each chunk overlaps the next by one input
+            y.fill_(float("nan"))  # so that a launch that wrote nothing fails below
             _ex2_approx_kernel[(triton.cdiv(n, 1024),)](y, first + step * start, step, n, BLOCK=1024)
             ys = y[:n]
+            assert not ys.isnan().any(), f"NaN in the chunk from bits {first + step * start:#010x}"
+            for i in (0, n - 1):  # the chunk's ends against exp2 (within ex2.approx's error, flushed below 2^-126)
+                bits = (first + step * (start + i)) & 0xFFFFFFFF
+                want, got = ex2(bits), float(ys[i])
+                want = 0.0 if want < 2.0 ** -126 else want
+                assert got == want or abs(got - want) <= want * 2 ** -21, f"ex2 of bits {bits:#010x}: {got}"
             bad = (ys[1:] < ys[:-1]).nonzero()
             if len(bad):
                 i = int(bad[0])
-                x0 = first + step * (start + i)
-                pytest.fail(f"ex2.approx decreases after the input with bits {x0:#010x}: "
+                pytest.fail(f"ex2.approx decreases after the input with bits {first + step * (start + i):#010x}: "
                             f"{float(ys[i])!r} > {float(ys[i + 1])!r}")
