@@ -5,6 +5,7 @@ import json
 import math
 import os
 import struct
+import warnings
 
 import pytest
 import torch
@@ -464,6 +465,17 @@ def test_scale_default_is_inverse_sqrt_d():
     assert torch.equal(attn_qat.scaled_dot_product_attention(q, k, v),
                        attn_qat.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(64)))
 
+
+
+def test_double_backward_raises():
+    # the backward is not itself differentiable: a gradient of the gradients must fail loudly, not come out zero
+    q, k, v, _ = make_inputs(1, 2, 2, 32, 32, 64, torch.bfloat16, "cpu")
+    q.requires_grad_()
+    out = attn_qat.scaled_dot_product_attention(q, k, v)
+    (g,) = torch.autograd.grad(out.float().pow(2).sum(), q, create_graph=True)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="double backward"):
+        warnings.simplefilter("ignore")  # torch's note that the backward op has no autograd kernel
+        torch.autograd.grad(g.float().sum(), q)
 
 if triton is not None:
     @triton.jit
