@@ -13,7 +13,6 @@
 #define AQ_THREADS 128            /* 4 warps per CTA in every attention kernel */
 #define AQ_SMEM_PAD 8             /* 16-bit elements appended to each shared-memory row: 16 bytes, so the 8 rows
                                      read by one ldmatrix phase start in 8 different bank groups */
-#define AQ_LOG2E 1.4426950408889634f
 #define AQ_FULL_MASK 0xFFFFFFFFu
 
 #define AQ_D __device__ __forceinline__
@@ -592,6 +591,29 @@ AQ_D void scores_to_logits(const logit_map *lm, float (&s)[BN / 8][4], int row_b
    accumulators must be rescaled (rescale_rows) is an exact power of two, which commutes with the P block rule.
    s holds logits u (t = u * exp_scale, logit_map) and becomes P̂ = 2^(t - m), and l is rescaled and accumulated. The
    row max ignores NaN (fmaxf); a NaN score still reaches l and O through exp2. */
+/* Row r's frame after a tile whose largest logit is mx: m = max(m, ceil(mx * exp_scale)), alpha the step from the
+   old frame, l rescaled by it. Returns the frame the tile's exponentials use. */
+AQ_D float advance_frame(float mx, float exp_scale, float &m, float &l, float &alpha) {
+    const float m_new = fmaxf(m, ceilf(mx * exp_scale));
+    alpha = exp2_frame_step(m - m_new);
+    m = m_new;
+    l *= alpha;
+    /* frame -inf (no finite score yet): exp2(t - 0), so a hidden key's -inf gives 0, not NaN; a row whose visible
+       scores are all -inf is made NaN at the end */
+    return m_new == -INFINITY ? 0.0f : m_new;
+}
+
+/* Row r of the tile's logits in s becomes P̂ = 2^(t - frame), added to l. */
+template <int BN>
+AQ_D void exp_row(float (&s)[BN / 8][4], int r, float exp_scale, float frame, float &l) {
+#pragma unroll
+    for (int n = 0; n < BN / 8; n++) {
+        s[n][2 * r] = p_hat(s[n][2 * r], exp_scale, frame);
+        s[n][2 * r + 1] = p_hat(s[n][2 * r + 1], exp_scale, frame);
+        l += s[n][2 * r] + s[n][2 * r + 1];
+    }
+}
+
 template <int BN>
 AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2], float exp_scale) {
 #pragma unroll
@@ -601,19 +623,7 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
         for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 2));
-        const float m_new = fmaxf(m[r], ceilf(mx * exp_scale));
-        alpha[r] = exp2_frame_step(m[r] - m_new);
-        m[r] = m_new;
-        l[r] *= alpha[r];
-        /* frame -inf (no finite score yet): exp2(t - 0), so a hidden key's -inf gives 0, not NaN; a row whose
-           visible scores are all -inf is made NaN at the end */
-        const float frame = m_new == -INFINITY ? 0.0f : m_new;
-#pragma unroll
-        for (int n = 0; n < BN / 8; n++) {
-            s[n][2 * r] = p_hat(s[n][2 * r], exp_scale, frame);
-            s[n][2 * r + 1] = p_hat(s[n][2 * r + 1], exp_scale, frame);
-            l[r] += s[n][2 * r] + s[n][2 * r + 1];
-        }
+        exp_row<BN>(s, r, exp_scale, advance_frame(mx, exp_scale, m[r], l[r], alpha[r]), l[r]);
     }
 }
 
@@ -659,23 +669,11 @@ AQ_D void online_softmax_p_scales(float (&s)[BN / 8][4], float m[2], float l[2],
         const float mx[2] = {bit1 ? theirs : mine, bit1 ? mine : theirs};
         float frame[2];
 #pragma unroll
-        for (int rr = 0; rr < 2; rr++) {
-            const float m_new = fmaxf(m[rr], ceilf(mx[rr] * exp_scale));
-            alpha[rr] = exp2_frame_step(m[rr] - m_new);
-            m[rr] = m_new;
-            l[rr] *= alpha[rr];
-            frame[rr] = m_new == -INFINITY ? 0.0f : m_new; /* as online_softmax_scores */
-        }
+        for (int rr = 0; rr < 2; rr++) frame[rr] = advance_frame(mx[rr], exp_scale, m[rr], l[rr], alpha[rr]);
         const float lane_frame = bit1 ? frame[1] : frame[0];
         block_scales([&](int p) { return block_amax_from_logit(bmax[p], exp_scale, lane_frame); });
 #pragma unroll
-        for (int rr = 0; rr < 2; rr++)
-#pragma unroll
-            for (int n = 0; n < BN / 8; n++) {
-                s[n][2 * rr] = p_hat(s[n][2 * rr], exp_scale, frame[rr]);
-                s[n][2 * rr + 1] = p_hat(s[n][2 * rr + 1], exp_scale, frame[rr]);
-                l[rr] += s[n][2 * rr] + s[n][2 * rr + 1];
-            }
+        for (int rr = 0; rr < 2; rr++) exp_row<BN>(s, rr, exp_scale, frame[rr], l[rr]);
     } else {
         online_softmax_scores<BN>(s, m, l, alpha, exp_scale);
         block_maxima();
@@ -893,15 +891,16 @@ AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t 
     return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base);
 }
 
-/* dkdv_step_p with QUANTIZE_DV for a step of 64 queries, the P^F column quant done for the whole step at once
-   rather than per A fragment (the wgmma dK/dV kernel; bit for bit the same st, pa and live bits, checked on the
-   H200 over causal, grouped-KV, odd-length and D = 64 shapes; the mma.sync kernel, with 32-query steps at D = 128,
-   keeps the per-fragment form). One reduce-scatter of the thread's 16 column amaxes (of the logits on unmasked
-   steps, beside the exponentials; else of the P̂, after them) over the 8 lanes of a column set (lane bits 4, 3, 2: 8 + 4 + 2 shuffles) leaves lane (g, t) the amaxes
-   of columns 8g + 2t and 8g + 2t + 1, two block scales a lane instead of fake_quantize_p_columns' four; the lanes
-   trade (s_pf, r) through `scales` (this warp's 32 float4 of shared memory, lane l's pair at [l]) with one
-   16-byte store and 8 broadcast loads instead of 32 shuffles; only then the elements. 580 -> 530 instructions a
-   step, 2.4% off the backward (performance.md v9: the per-fragment chains were not what bound it). */
+/* dkdv_step_p with QUANTIZE_DV for a step of 64 queries, the P^F column quant done for the whole step at once rather
+   than per A fragment (the wgmma dK/dV kernel; bit for bit the same st, pa and live bits, checked on the H200 over
+   causal, grouped-KV, odd-length and D = 64 shapes; the mma.sync kernel, with 32-query steps at D = 128, keeps the
+   per-fragment form). One reduce-scatter of the thread's 16 column amaxes (of the logits on unmasked steps, beside the
+   exponentials; else of the P̂, after them) over the 8 lanes of a column set (lane bits 4, 3, 2: 8 + 4 + 2 shuffles)
+   leaves lane (g, t) the amaxes of columns 8g + 2t and 8g + 2t + 1, two block scales a lane instead of
+   fake_quantize_p_columns' four; the lanes trade (s_pf, r) through `scales` (this warp's 32 float4 of shared memory,
+   lane l's pair at [l]) with one 16-byte store and 8 broadcast loads instead of 32 shuffles; only then the elements.
+   580 -> 530 instructions a step, 2.4% off the backward (performance.md v9: the per-fragment chains were not what bound
+   it). */
 template <aq_dtype DT, bool CHECKED, typename M, typename InvL>
 AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4], uint32_t (&pa)[4][4],
                                          const M &row_m, const InvL &row_inv_l, int q0, int key_base,

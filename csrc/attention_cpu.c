@@ -5,8 +5,6 @@
 #include "attn_qat.h"
 #include "nvfp4.h"
 
-#define AQ_LOG2E 1.4426950408889634f
-
 static float load_half(const void *base, aq_dtype dtype, int64_t offset) {
     uint16_t h = ((const uint16_t *)base)[offset];
     return dtype == AQ_BFLOAT16 ? aq_bf16_to_float(h) : aq_fp16_to_float(h);

@@ -11,6 +11,9 @@ extern "C" {
 
 typedef enum { AQ_FLOAT32 = 0, AQ_BFLOAT16 = 1, AQ_FLOAT16 = 2 } aq_dtype;
 
+/* log2(e) as a float: the kernels compute exponents as 2^(scores * softmax_scale * AQ_LOG2E) */
+#define AQ_LOG2E 1.4426950408889634f
+
 /* ---------------------------------------------------------------------------------------------
    NVFP4 quantization of a tensor viewed as (outer[0], outer[1], outer[2], axis_len, inner), blocked
    along axis_len; outer = outer[0] * outer[1] * outer[2] below. Strides are in elements and may be

@@ -271,7 +271,7 @@ void set_causal(int64_t causal, const AttentionShape &s, int *flag, int64_t *off
 void check_scale(double scale) {
     STD_TORCH_CHECK(scale > 0.0, "attn_qat: the attention ops take softmax scale > 0, got ", scale,
                     " (the Python entry points pass a negative scale as -q and -scale, zero as zero queries)");
-    const float exp_scale = (float)scale * 1.4426950408889634f;
+    const float exp_scale = (float)scale * AQ_LOG2E;
     STD_TORCH_CHECK((float)scale > 0.0f && std::isfinite(exp_scale), "attn_qat: softmax scale ", scale,
                     " is outside what the kernels take as a float (above 0 and below about 2e38)");
 }
