@@ -52,8 +52,10 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
     uint64_t *q_nonfinite = (uint64_t *)(row_delta + BQ), *do_nonfinite = q_nonfinite + D; /* column masks */
 
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, key0 = 16 * warp;
-    const int k0 = (int)blockIdx.x * BWD_KEYS, hk = (int)blockIdx.y, b = (int)blockIdx.z;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
+    const work_item wi =
+        work_item_at((int)blockIdx.x, (nk + BWD_KEYS - 1) / BWD_KEYS, (int)p.heads_kv, (int)p.batch, p.causal, false);
+    const int k0 = wi.tile * BWD_KEYS, hk = wi.h, b = wi.b;
 
     load_tile<BWD_KEYS, D, DT>(ks,
                                (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1] + k0 * p.k_stride[2],
@@ -165,10 +167,10 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     uint64_t *k_nonfinite = (uint64_t *)(vs + BWD_KEYS * LD); /* D column masks, for scrub_nonfinite_tile */
 
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
-    /* causal: the last query tiles see the most keys, so they are scheduled first */
-    const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
-    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, q0 = qtile * BWD_ROWS;
+    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k;
+    const work_item wi =
+        work_item_at((int)blockIdx.x, (nq + BWD_ROWS - 1) / BWD_ROWS, (int)p.heads_q, (int)p.batch, p.causal, true);
+    const int h = wi.h, b = wi.b, hk = h / (int)(p.heads_q / p.heads_kv), q0 = wi.tile * BWD_ROWS;
     const logit_map lm =
         make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
     const uint16_t *kg = (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1];
@@ -279,7 +281,7 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
             (2 * BWD_KEYS + 2 * bq) * ld_bytes + 3 * bq * (int)sizeof(float) + 2 * D * (int)sizeof(uint64_t);
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);
-        const dim3 grid((unsigned)((p->seqlen_k + BWD_KEYS - 1) / BWD_KEYS), (unsigned)p->heads_kv, (unsigned)p->batch);
+        const dim3 grid((unsigned)((p->seqlen_k + BWD_KEYS - 1) / BWD_KEYS * p->heads_kv * p->batch));
         kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec, only_if);
         if ((err = launch_status())) return err;
     }
@@ -288,7 +290,7 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
         const int smem = (2 * BWD_ROWS + 2 * BWD_KEYS) * ld_bytes + D * (int)sizeof(uint64_t);
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);
-        const dim3 grid((unsigned)((p->seqlen_q + BWD_ROWS - 1) / BWD_ROWS), (unsigned)p->heads_q, (unsigned)p->batch);
+        const dim3 grid((unsigned)((p->seqlen_q + BWD_ROWS - 1) / BWD_ROWS * p->heads_q * p->batch));
         kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec, only_if);
         if ((err = launch_status())) return err;
     }

@@ -104,8 +104,8 @@ AQ_D void issue_dpt(float (&dpt)[BWD90_Q_STEP / 8][4], const unsigned char *vs, 
     wgmma_commit();
 }
 
-/* grid (ceil(Nk / 128), Hkv, B), 384 threads. Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v
-   (B, Hkv, Nk, D) with boxes of 128 rows. */
+/* grid ceil(Nk / 128) Hkv B (work_item_at), 384 threads. Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64
+   rows; k, v (B, Hkv, Nk, D) with boxes of 128 rows. */
 template <int D, aq_dtype DT, bool QUANTIZE_DV, bool FUSED_DQ>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
@@ -130,8 +130,10 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     uint64_t *dq_full = step_empty + L::STAGES, *dq_empty = dq_full + 2;
 
     const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-    const int k0 = (int)blockIdx.x * BWD90_KEYS, hk = (int)blockIdx.y, b = (int)blockIdx.z;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
+    const work_item wi = work_item_at((int)blockIdx.x, (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv,
+                                      (int)p.batch, p.causal, false);
+    const int k0 = wi.tile * BWD90_KEYS, hk = wi.h, b = wi.b;
     /* the first query step that sees key k0 (the same for every head: masks do not move it) */
     const logit_map lm0 = make_logit_map(NULL, p.mask_stride, b, 0, nq, nk, p.causal, p.causal_offset, 0.0f);
     const int q_begin = causal_query_begin(&lm0, k0) / BQ * BQ;
@@ -324,7 +326,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 #endif
 }
 
-/* grid (ceil(Nq / 128), Hq, B), 384 threads. Tensor maps: q, dout with boxes of 128 rows; k, v of 64 rows. */
+/* grid ceil(Nq / 128) Hq B (work_item_at), 384 threads. Tensor maps: q, dout with boxes of 128 rows; k, v of 64
+   rows. */
 template <int D, aq_dtype DT>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     attention_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
@@ -342,9 +345,10 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     uint64_t *rows_full = bars, *kv_full = bars + 1, *kv_empty = kv_full + BWD90_STAGES;
 
     const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-    const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
-    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, q0 = qtile * BWD90_ROWS;
+    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k;
+    const work_item wi = work_item_at((int)blockIdx.x, (nq + BWD90_ROWS - 1) / BWD90_ROWS, (int)p.heads_q,
+                                      (int)p.batch, p.causal, true);
+    const int h = wi.h, b = wi.b, hk = h / (int)(p.heads_q / p.heads_kv), q0 = wi.tile * BWD90_ROWS;
     const logit_map lm =
         make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
     const int key_end = causal_key_end(&lm, min(q0 + BWD90_ROWS, nq) - 1);
@@ -520,8 +524,7 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
         if (err != cudaSuccess) return cudaGetErrorString(err);
     }
     if (p->seqlen_k > 0) {
-        const dim3 grid((unsigned)((p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS), (unsigned)p->heads_kv,
-                        (unsigned)p->batch);
+        const dim3 grid((unsigned)((p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch));
         dkdv<<<grid, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, *p, skip_if);
         const char *msg = launch_status();
         if (msg) return msg;
@@ -533,8 +536,7 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
         return launch_status();
     }
     if (p->seqlen_q > 0) {
-        const dim3 grid((unsigned)((p->seqlen_q + BWD90_ROWS - 1) / BWD90_ROWS), (unsigned)p->heads_q,
-                        (unsigned)p->batch);
+        const dim3 grid((unsigned)((p->seqlen_q + BWD90_ROWS - 1) / BWD90_ROWS * p->heads_q * p->batch));
         dq<<<grid, BWD90_THREADS, DqLayout<D>::ALLOC, stream>>>(q128, do128, k64, v64, *p, skip_if);
         return launch_status();
     }

@@ -421,6 +421,20 @@ def test_longer_sequences_cuda(n):
 
 
 @requires_cuda
+@pytest.mark.parametrize("kernels", ["default", "deterministic", "mma_sync"])
+def test_causal_backward_order_covers_every_tile(monkeypatch, kernels):
+    """A short causal backward grid goes longest first across chunks of heads (work_item_at in
+    attention_common.cuh), the last chunk smaller: 5 x 7 heads of 1000 tokens make chunks of 18 and 17 heads
+    (Hopper's 128-key and 128-query tiles; 12, 12 and 11 for mma.sync's 64-key tiles). Every gradient row (the
+    allocator poisoned before the run) must match the reference."""
+    q, k, v, dout = make_inputs(5, 7, 7, 1000, 1000, 64, torch.bfloat16, "cuda",
+                                g=torch.Generator().manual_seed(77))
+    monkeypatch.setenv("ATTN_QAT_SM90", "0" if kernels == "mma_sync" else "1")
+    with deterministic_algorithms() if kernels == "deterministic" else contextlib.nullcontext():
+        check(q, k, v, dout, causal="top_left", label=f"causal order, {kernels}")
+
+
+@requires_cuda
 @pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=[s[0] for s in SHAPES[:4]])
 def test_mma_sync_kernels_on_any_gpu(monkeypatch, shape, mode):
