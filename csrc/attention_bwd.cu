@@ -33,8 +33,9 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_delta_kernel(const a
 }
 
 /* q, dout: (B, Hq, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D), strided; frame_m, row_sum, delta: (B, Hq, Nq) fp32.
-   grid (ceil(Nk / 64), Hkv, B), 128 threads. The CTA keeps its 64 keys (K, V) in shared memory and, for every query
-   head of the KV group and every step of BQ queries that can see its keys, loads Q, dO and the row statistics.
+   grid ceil(Nk / 64) Hkv B (work_item_at), 128 threads. The CTA keeps its 64 keys (K, V) in shared memory and, for
+   every query head of the KV group and every step of BQ queries that can see its keys, loads Q, dO and the row
+   statistics.
    Warp w owns keys 16w .. 16w+15, with keys as the MMA rows:
      S^T = K Q^T and dP^T = V dO^T (16 x BQ), P̂ = 2^(t - M), dS^T = P^T ∘ (dP^T - delta),
      dV += (P^F or P)^T dO and dK += dS^T Q (16 x D each, fp32 registers), scaled and written once at the end.
@@ -155,8 +156,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
 }
 
 /* q, dout, dq: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), strided; frame_m, row_sum, delta: (B, Hq, Nq) fp32.
-   grid (ceil(Nq / 64), Hq, B), 128 threads. Q and dO of the CTA's 64 rows stay in shared memory while the key
-   tiles of 64 that they can see stream through it. Warp w owns rows 16w .. 16w+15: S = Q K^T and dP = dO V^T
+   grid ceil(Nq / 64) Hq B (work_item_at), 128 threads. Q and dO of the CTA's 64 rows stay in shared memory while
+   the key tiles of 64 that they can see stream through it. Warp w owns rows 16w .. 16w+15: S = Q K^T and dP = dO V^T
    (16 x 64), dS = P ∘ (dP - delta) in registers, which is the A fragment of dQ += dS K (16 x D, fp32). */
 template <int D, aq_dtype DT>
 __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_attention_bwd_params p, bool vec, const int *run_only_if) {
