@@ -104,13 +104,65 @@ AQ_D void issue_dpt(float (&dpt)[BWD90_Q_STEP / 8][4], const unsigned char *vs, 
     wgmma_commit();
 }
 
-/* grid ceil(Nk / 128) Hkv B (work_item_at), 384 threads. Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64
-   rows; k, v (B, Hkv, Nk, D) with boxes of 128 rows. */
-template <int D, aq_dtype DT, bool QUANTIZE_DV, bool FUSED_DQ>
+/* A dK/dV tail part's partial results (tail_split; floats a part): dK (already times the softmax scale) and dV of
+   its 128 keys, fp32. */
+template <int D>
+struct DkdvTailPart {
+    static constexpr int DK = 0, DV = BWD90_KEYS * D, FLOATS = 2 * BWD90_KEYS * D;
+};
+
+/* The split items' dK and dV: the sum of their parts in part order, a warp a key row, D / 32 columns a lane. */
+template <int D, aq_dtype DT>
+__global__ void __launch_bounds__(128)
+    attention_bwd_dkdv_merge_kernel(const aq_attention_bwd_params p, const tail_split ts, const int *skip_if) {
+    constexpr int C = D / 32;
+    using P = DkdvTailPart<D>;
+    if (skip_if != NULL && *skip_if) return;
+    const int lane = (int)threadIdx.x & 31, t = (int)blockIdx.x * 4 + (int)threadIdx.x / 32;
+    const int i = t / BWD90_KEYS, r = t % BWD90_KEYS, nk = (int)p.seqlen_k;
+    if (i >= ts.tail_items) return;
+    const work_item wi = work_item_at(ts.main_items + i, (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv,
+                                      (int)p.batch, 0, false);
+    const int key = wi.tile * BWD90_KEYS + r;
+    if (key >= nk) return;
+    const float *part = ts.part + (int64_t)i * ts.splits * P::FLOATS + r * D + C * lane;
+    float dk[C] = {}, dv[C] = {};
+    for (int s = 0; s < ts.splits; s++)
+#pragma unroll
+        for (int c = 0; c < C; c++) {
+            dk[c] += part[(int64_t)s * P::FLOATS + P::DK + c];
+            dv[c] += part[(int64_t)s * P::FLOATS + P::DV + c];
+        }
+    uint16_t *gk = (uint16_t *)p.dk + wi.b * p.dk_stride[0] + wi.h * p.dk_stride[1] + key * p.dk_stride[2] + C * lane;
+    uint16_t *gv = (uint16_t *)p.dv + wi.b * p.dv_stride[0] + wi.h * p.dv_stride[1] + key * p.dv_stride[2] + C * lane;
+#pragma unroll
+    for (int c = 0; c < C; c += 2) {
+        *(uint32_t *)(gk + c) = pack2<DT>(dk[c], dk[c + 1]);
+        *(uint32_t *)(gv + c) = pack2<DT>(dv[c], dv[c + 1]);
+    }
+}
+
+/* A warp's 16 x D fp32 C fragments into rows [row0, row0 + 16) of a D-column fp32 array. */
+template <int D>
+AQ_D void store_fragment_rows_f32(const float (&acc)[D / 8][4], float *g, int row0) {
+    const int lane = (int)threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            *(float2 *)(g + (row0 + frag_c_row(lane, 2 * r)) * D + 8 * n + frag_c_col(lane, 0)) =
+                make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+}
+
+/* grid ceil(Nk / 128) Hkv B (work_item_at), 384 threads, or TAIL: a CTA per part of the split last wave's items
+   (tail_split, not causal), over query steps [u0, u1) of the item's group heads x ceil(Nq / 64) steps, writing its
+   dK and dV to a DkdvTailPart for attention_bwd_dkdv_merge_kernel (the main kernel then skips those items).
+   Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v (B, Hkv, Nk, D) with boxes of 128 rows. */
+template <int D, aq_dtype DT, bool QUANTIZE_DV, bool FUSED_DQ, bool TAIL>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                                   const aq_attention_bwd_params p, const int *skip_if) {
+                                   const aq_attention_bwd_params p, const int *skip_if, const tail_split ts) {
 #if AQ_SM90_ENABLED
     using L = DkdvLayout<D, FUSED_DQ>;
     /* Ping-pong (unquantized only): the two consumer warpgroups take turns at the P part, so that one runs its
@@ -120,6 +172,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     constexpr bool ping_pong = !QUANTIZE_DV && !FUSED_DQ;
     constexpr int BQ = BWD90_Q_STEP;
     if (skip_if != NULL && *skip_if) return;
+    if (!TAIL && ts.splits > 1 && (int)blockIdx.x >= ts.main_items) return; /* a tail item: the TAIL kernel's */
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = align1024(smem_raw);
     unsigned char *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET, *qs = smem + L::Q_OFFSET,
@@ -131,13 +184,20 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 
     const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
-    const work_item wi = work_item_at((int)blockIdx.x, (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv,
-                                      (int)p.batch, p.causal, false);
+    const work_item wi = work_item_at(TAIL ? ts.main_items + (int)blockIdx.x / ts.splits : (int)blockIdx.x,
+                                      (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv, (int)p.batch, p.causal, false);
     const int k0 = wi.tile * BWD90_KEYS, hk = wi.h, b = wi.b;
     /* the first query step that sees key k0 (the same for every head: masks do not move it) */
     const logit_map lm0 = make_logit_map(NULL, p.mask_stride, b, 0, nq, nk, p.causal, p.causal_offset, 0.0f);
     const int q_begin = causal_query_begin(&lm0, k0) / BQ * BQ;
-    const int steps_per_head = (nq - q_begin + BQ - 1) / BQ, n_steps = group * steps_per_head;
+    const int steps_per_head = (nq - q_begin + BQ - 1) / BQ;
+    /* the loop's first head and query step, and its number of steps (next_query_step) */
+    int h_first = hk * group, q_first = q_begin, n_steps = group * steps_per_head;
+    if constexpr (TAIL) { /* not causal: q_begin = 0 */
+        int u0, u1;
+        tail_split_units((int)blockIdx.x % ts.splits, ts.splits, n_steps, &u0, &u1);
+        h_first += u0 / steps_per_head, q_first = u0 % steps_per_head * BQ, n_steps = u1 - u0;
+    }
 
     if (threadIdx.x == 0) {
         mbar_init(kv_full, 1);
@@ -157,7 +217,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         setmaxnreg_dec<24>();
         if (FUSED_DQ && warp == 1) { /* the dQ warp: adds each step's staged partials into dq_accum */
             if (lane == 0) {
-                for (int step = 0, h = hk * group, q0 = q_begin; step < n_steps;
+                for (int step = 0, h = h_first, q0 = q_first; step < n_steps;
                      step++, next_query_step(&h, &q0, q_begin, nq)) {
 #pragma unroll
                     for (int c = 0; c < 2; c++) {
@@ -179,7 +239,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             tma_load_rows<D>(ks, &tm_k, kv_full, BWD90_KEYS, k0, hk, b);
             tma_load_rows<D>(vs, &tm_v, kv_full, BWD90_KEYS, k0, hk, b);
         }
-        for (int step = 0, h = hk * group, q0 = q_begin; step < n_steps; step++, next_query_step(&h, &q0, q_begin, nq)) {
+        for (int step = 0, h = h_first, q0 = q_first; step < n_steps; step++, next_query_step(&h, &q0, q_begin, nq)) {
             const int s = step % L::STAGES;
             /* the statistics first, into registers: their global-load latency then overlaps the wait for the
                slot instead of delaying the step's TMA (consumers waited on it: 6-9% of their stall samples) */
@@ -220,7 +280,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 
     if (ping_pong && c == 1) named_barrier_arrive(PING_PONG_BARRIER, 256); /* warpgroup 0 takes the first turn */
     mbar_wait(kv_full, 0);
-    for (int step = 0, h = hk * group, q0 = q_begin; step < n_steps; step++, next_query_step(&h, &q0, q_begin, nq)) {
+    for (int step = 0, h = h_first, q0 = q_first; step < n_steps; step++, next_query_step(&h, &q0, q_begin, nq)) {
         const int s = step % L::STAGES;
         const logit_map lm =
             make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
@@ -318,6 +378,12 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     for (int n = 0; n < D / 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) dk[n][e] *= p.softmax_scale;
+    if constexpr (TAIL) {
+        float *part = ts.part + (int64_t)blockIdx.x * DkdvTailPart<D>::FLOATS;
+        store_fragment_rows_f32<D>(dk, part + DkdvTailPart<D>::DK, key0);
+        store_fragment_rows_f32<D>(dv, part + DkdvTailPart<D>::DV, key0);
+        return;
+    }
     const int valid = nk - k0 - key0;
     store_fragment_rows<D, DT>(dk, (uint16_t *)p.dk + b * p.dk_stride[0] + hk * p.dk_stride[1] +
                                        (k0 + key0) * p.dk_stride[2], p.dk_stride[2], valid);
@@ -462,24 +528,37 @@ __global__ void __launch_bounds__(256)
 /* ------------------------------------------------------------------------------------------------
    Launcher */
 
-typedef void (*bwd90_kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
-                             const aq_attention_bwd_params, const int *);
+typedef void (*dkdv90_kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
+                              const aq_attention_bwd_params, const int *, const tail_split);
+typedef void (*dq90_kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
+                            const aq_attention_bwd_params, const int *);
 
-template <int D, aq_dtype DT>
-static bwd90_kernel dkdv_sm90_kernel(bool quantize_p_for_dv, bool fused_dq) {
+template <int D, aq_dtype DT, bool TAIL>
+static dkdv90_kernel dkdv_sm90_kernel(bool quantize_p_for_dv, bool fused_dq) {
     if (fused_dq)
-        return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, true>
-                                 : attention_bwd_dkdv_sm90_kernel<D, DT, false, true>;
-    return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, false>
-                             : attention_bwd_dkdv_sm90_kernel<D, DT, false, false>;
+        return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, true, TAIL>
+                                 : attention_bwd_dkdv_sm90_kernel<D, DT, false, true, TAIL>;
+    return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, false, TAIL>
+                             : attention_bwd_dkdv_sm90_kernel<D, DT, false, false, TAIL>;
+}
+
+/* The dK/dV kernel's tail split (plan_tail_split): items of 128 keys, not causal (those items differ in length and
+   run longest first), parts of 64-query steps over the group's heads. */
+static tail_split dkdv_tail_plan(const aq_attention_bwd_params *p) {
+    const int64_t items = (p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch;
+    int sms = 0;
+    if (p->causal || p->seqlen_q == 0 || sm_count(&sms) != cudaSuccess) return {(int)items, 0, 1, NULL};
+    return plan_tail_split(items, p->heads_q / p->heads_kv * ((p->seqlen_q + BWD90_Q_STEP - 1) / BWD90_Q_STEP), sms,
+                           true);
 }
 
 template <int D, aq_dtype DT>
 static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_t stream, bool *taken,
                                    const int **fallback_flag) {
     const bool fused_dq = p->dq_accum != NULL;
-    const bwd90_kernel dkdv = dkdv_sm90_kernel<D, DT>(p->quantize_p_for_dv, fused_dq);
-    const bwd90_kernel dq = attention_bwd_dq_sm90_kernel<D, DT>;
+    const dkdv90_kernel dkdv = dkdv_sm90_kernel<D, DT, false>(p->quantize_p_for_dv, fused_dq);
+    const dkdv90_kernel dkdv_tail = dkdv_sm90_kernel<D, DT, true>(p->quantize_p_for_dv, fused_dq);
+    const dq90_kernel dq = attention_bwd_dq_sm90_kernel<D, DT>;
     const int dkdv_smem = fused_dq ? DkdvLayout<D, true>::ALLOC : DkdvLayout<D, false>::ALLOC;
     if (!sm90_available((const void *)dkdv)) return NULL;
     if (!fragment_store_ok(p->dq, p->dq_stride) || !fragment_store_ok(p->dk, p->dk_stride) ||
@@ -500,6 +579,7 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
         return NULL;
 
     cudaError_t err = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(dkdv_tail, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);
     if (err == cudaSuccess)
         err = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, DqLayout<D>::ALLOC);
     if (err != cudaSuccess) return cudaGetErrorString(err);
@@ -524,8 +604,17 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
         if (err != cudaSuccess) return cudaGetErrorString(err);
     }
     if (p->seqlen_k > 0) {
+        tail_split ts = dkdv_tail_plan(p);
+        ts.part = p->tail_workspace;
+        if (ts.part == NULL) ts.splits = 1; /* the caller did not ask aq_attention_bwd_tail_floats */
         const dim3 grid((unsigned)((p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch));
-        dkdv<<<grid, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, *p, skip_if);
+        dkdv<<<grid, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, *p, skip_if, ts);
+        if (ts.splits > 1) {
+            dkdv_tail<<<ts.tail_items * ts.splits, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, *p,
+                                                                                      skip_if, ts);
+            attention_bwd_dkdv_merge_kernel<D, DT>
+                <<<(ts.tail_items * BWD90_KEYS + 3) / 4, 128, 0, stream>>>(*p, ts, skip_if);
+        }
         const char *msg = launch_status();
         if (msg) return msg;
     }
@@ -545,9 +634,18 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
 
 int64_t aq_attention_bwd_dq_accum_floats(const aq_attention_bwd_params *p) {
     if ((p->head_dim != 64 && p->head_dim != 128) || p->seqlen_q == 0 ||
-        !sm90_available((const void *)attention_bwd_dkdv_sm90_kernel<128, AQ_BFLOAT16, true, true>))
+        !sm90_available((const void *)attention_bwd_dkdv_sm90_kernel<128, AQ_BFLOAT16, true, true, false>))
         return 0;
     return dq_accum_floats(p);
+}
+
+int64_t aq_attention_bwd_tail_floats(const aq_attention_bwd_params *p) {
+    if ((p->head_dim != 64 && p->head_dim != 128) || p->seqlen_k == 0 ||
+        !sm90_available((const void *)attention_bwd_dkdv_sm90_kernel<128, AQ_BFLOAT16, true, true, true>))
+        return 0;
+    const tail_split ts = dkdv_tail_plan(p);
+    if (ts.splits <= 1) return 0;
+    return (int64_t)ts.tail_items * ts.splits * (p->head_dim == 64 ? DkdvTailPart<64>::FLOATS : DkdvTailPart<128>::FLOATS);
 }
 
 const char *aq_attention_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_t stream, bool *taken,

@@ -50,21 +50,118 @@ struct Sm90Layout {
     static constexpr int ALLOC = BYTES + 1024; /* the panels need 1024-byte alignment */
 };
 
+/* A tail part's partial results (tail_split; floats a part): the unnormalized accumulators O (and O') of its BM
+   rows, then each row's frame m and sum l, l = -1 when the part saw no visible key of the row. */
+template <int D, int BM, bool WITH_O_PRIME>
+struct FwdTailPart {
+    static constexpr int O = 0, O2 = BM * D, M = BM * D * (WITH_O_PRIME ? 2 : 1), L = M + BM, FLOATS = L + BM;
+};
+
+/* A consumer warp's 16 rows (from row0 of the CTA's) into tail part `slot` (FwdTailPart). */
+template <int D, int BM, bool WITH_O_PRIME>
+AQ_D void store_fwd_tail_part(const float (&o)[D / 8][4], const float (&o2)[D / 8][4], const float m[2],
+                              const float l[2], const bool seen[2], float *part, int slot, int row0) {
+    using P = FwdTailPart<D, BM, WITH_O_PRIME>;
+    const int lane = (int)threadIdx.x & 31;
+    float *pt = part + (int64_t)slot * P::FLOATS;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lsum = l[r] + __shfl_xor_sync(AQ_FULL_MASK, l[r], 1);
+        lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 2);
+        int any_seen = (int)seen[r];
+        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 1);
+        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 2);
+        const int row = row0 + frag_c_row(lane, 2 * r);
+        if ((lane & 3) == 0) {
+            pt[P::M + row] = m[r];
+            pt[P::L + row] = any_seen ? lsum : -1.0f;
+        }
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            const int col = 8 * n + frag_c_col(lane, 0);
+            *(float2 *)(pt + P::O + row * D + col) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+            if constexpr (WITH_O_PRIME) *(float2 *)(pt + P::O2 + row * D + col) = make_float2(o2[n][2 * r], o2[n][2 * r + 1]);
+        }
+    }
+}
+
+/* The split items' outputs from their parts, as finish_forward_rows makes them from one CTA's accumulators: per row
+   the frame M is the largest of the parts' frames (integers: the frame of the whole row), each part's O, O' and l
+   are scaled by 2^(m - M) (exact) and summed in part order, and O = sum * o_factor / l (o_factor = 2^-11: P^F *
+   2^11 was accumulated), O' = sum / l; 0 where no part saw a visible key, NaN where one did and l is 0. A warp a
+   row, lane covering D / 32 columns. */
+template <int D, aq_dtype DT, bool WITH_O_PRIME>
+__global__ void __launch_bounds__(128)
+    attention_fwd_merge_kernel(const aq_attention_fwd_params p, const tail_split ts, const int *skip_if) {
+    constexpr int BM = 128, C = D / 32;
+    using P = FwdTailPart<D, BM, WITH_O_PRIME>;
+    if (skip_if != NULL && *skip_if) return;
+    const int lane = (int)threadIdx.x & 31, t = (int)blockIdx.x * 4 + (int)threadIdx.x / 32;
+    const int i = t / BM, r = t % BM, nq = (int)p.seqlen_q, n_qtiles = (nq + BM - 1) / BM;
+    if (i >= ts.tail_items) return;
+    const int item = ts.main_items + i, hb = item / n_qtiles, q = item % n_qtiles * BM + r;
+    if (q >= nq) return;
+    const int h = hb % (int)p.heads_q, b = hb / (int)p.heads_q;
+    const float *part = ts.part + (int64_t)i * ts.splits * P::FLOATS;
+    float frame = -INFINITY;
+    bool seen = false;
+    for (int s = 0; s < ts.splits; s++) {
+        const float *pt = part + (int64_t)s * P::FLOATS;
+        if (!(pt[P::L + r] < 0.0f)) seen = true, frame = fmaxf(frame, pt[P::M + r]);
+    }
+    float lsum = 0.0f, o[C] = {}, o2[C] = {};
+    for (int s = 0; s < ts.splits; s++) {
+        const float *pt = part + (int64_t)s * P::FLOATS;
+        const float ls = pt[P::L + r];
+        if (ls < 0.0f) continue;
+        const float f = exp2_frame_step(pt[P::M + r] - frame);
+        lsum = __fmaf_rn(f, ls, lsum);
+#pragma unroll
+        for (int c = 0; c < C; c++) {
+            o[c] = __fmaf_rn(f, pt[P::O + r * D + C * lane + c], o[c]);
+            if constexpr (WITH_O_PRIME) o2[c] = __fmaf_rn(f, pt[P::O2 + r * D + C * lane + c], o2[c]);
+        }
+    }
+    if (seen && lsum == 0.0f) lsum = NAN;
+    const float inv_l = 1.0f / lsum;
+    const int64_t stat = ((int64_t)b * p.heads_q + h) * nq + q;
+    if (lane == 0) p.frame_m[stat] = frame, p.row_sum[stat] = lsum;
+    uint16_t *og = (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + q * p.o_stride[2] + C * lane;
+#pragma unroll
+    for (int c = 0; c < C; c += 2)
+        *(uint32_t *)(og + c) = pack2<DT>(seen ? o[c] * AQ_P_HEADROOM_INV * inv_l : 0.0f,
+                                          seen ? o[c + 1] * AQ_P_HEADROOM_INV * inv_l : 0.0f);
+    if constexpr (WITH_O_PRIME) {
+        uint16_t *og2 = (uint16_t *)p.o_prime + b * p.o_prime_stride[0] + h * p.o_prime_stride[1] +
+                        q * p.o_prime_stride[2] + C * lane;
+#pragma unroll
+        for (int c = 0; c < C; c += 2)
+            *(uint32_t *)(og2 + c) = pack2<DT>(seen ? o2[c] * inv_l : 0.0f, seen ? o2[c + 1] * inv_l : 0.0f);
+    }
+}
+
 /* A CTA per work item (a query tile of one head), or PERSISTENT: a CTA an SM, each taking every gridDim.x-th
    item, so that the producer loads the next item's Q while the consumers store the last one's outputs and the
    K/V ring runs on across items (bf16 mode: Wan cross-attention 1.00 -> 0.78 ms, D = 64 at 4k 1.59 -> 1.43).
+   TAIL: a CTA per part of the split last wave's items (tail_split, not causal): its key tiles are those of 128-key
+   units [u0, u1), and it writes its rows' partial results (fwd_tail_part) for attention_fwd_merge_kernel; the
+   main kernel then skips those items.
    128 (NWG + 1) threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of 64
    columns x 64 NWG (Q) or BN (K, V) tokens. skip_if: NULL, or a device flag that makes the whole CTA exit. */
-template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME, int NWG, bool PERSISTENT>
+template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME, int NWG, bool PERSISTENT, bool TAIL>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     attention_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                               const __grid_constant__ CUtensorMap tm_v, const aq_attention_fwd_params p,
-                              const int *skip_if) {
+                              const int *skip_if, const tail_split ts) {
 #if AQ_SM90_ENABLED
     static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
+    static_assert(!(TAIL && PERSISTENT), "a tail part is one CTA's");
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG;
     using L = Sm90Layout<D, BN, SM90_BM, QUANTIZE_P>;
     if (skip_if != NULL && *skip_if) return;
+    if (!PERSISTENT && !TAIL && ts.splits > 1 &&
+        blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= ts.main_items)
+        return; /* a tail item: the TAIL kernel's */
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = align1024(smem_raw);
@@ -86,13 +183,16 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
        descending order over the whole grid (the heads inside), so that the CTAs' static shares stay balanced;
        else the query tiles of one head next to each other, which then read the same K and V from L2. */
     struct fwd_tile {
-        int q0, h, b, n_tiles;
+        int q0, h, b, n_tiles, kt0; /* key tiles kt0 .. kt0 + n_tiles - 1 */
         logit_map lm;
     };
     auto tile_at = [&](int t) {
         fwd_tile w;
         int qtile;
-        if constexpr (!PERSISTENT) { /* grid (query tiles, heads, batch), t = blockIdx.x */
+        if constexpr (TAIL) { /* the main grid's item main_items + t / splits (query tile fastest, then head, batch) */
+            const int item = ts.main_items + t / ts.splits, hb = item / n_qtiles;
+            qtile = item % n_qtiles, w.h = hb % heads, w.b = hb / heads;
+        } else if constexpr (!PERSISTENT) { /* grid (query tiles, heads, batch), t = blockIdx.x */
             qtile = p.causal ? (int)gridDim.x - 1 - t : t;
             w.h = (int)blockIdx.y, w.b = (int)blockIdx.z;
         } else {
@@ -105,6 +205,12 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
         w.lm = make_logit_map(p.mask, p.mask_stride, w.b, w.h, nq, p.seqlen_k, p.causal, p.causal_offset,
                               p.softmax_scale);
         w.n_tiles = (causal_key_end(&w.lm, min(w.q0 + SM90_BM, nq) - 1) + BN - 1) / BN;
+        w.kt0 = 0;
+        if constexpr (TAIL) { /* not causal: every key; 128-key units, so that the parts of BN = 64 and 128 agree */
+            int u0, u1;
+            tail_split_units(t % ts.splits, ts.splits, (p.seqlen_k + 127) / 128, &u0, &u1);
+            w.kt0 = u0 * (128 / BN), w.n_tiles = min(u1 * (128 / BN), w.n_tiles) - w.kt0;
+        }
         return w;
     };
     /* fn(t, first K/V slot, item count) for each of the CTA's items; one item (t = blockIdx.x) unless
@@ -152,10 +258,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
                     /* K and V slots free up separately: K(j) once S(j) is done, V(j) once P(j) V is */
                     mbar_wait(&k_empty[s], phase);
                     mbar_arrive_expect_tx(&k_full[s], L::TILE_BYTES);
-                    tma_load_rows<D>(ks + s * L::TILE_BYTES, &tm_k, &k_full[s], BN, j * BN, hk, w.b);
+                    tma_load_rows<D>(ks + s * L::TILE_BYTES, &tm_k, &k_full[s], BN, (w.kt0 + j) * BN, hk, w.b);
                     mbar_wait(&v_empty[s], phase);
                     mbar_arrive_expect_tx(&v_full[s], L::TILE_BYTES);
-                    tma_load_rows<D>(vs + s * L::TILE_BYTES, &tm_v, &v_full[s], BN, j * BN, hk, w.b);
+                    tma_load_rows<D>(vs + s * L::TILE_BYTES, &tm_v, &v_full[s], BN, (w.kt0 + j) * BN, hk, w.b);
                 }
                 return w.n_tiles;
             };
@@ -169,7 +275,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     const int c = warpgroup - 1, wrow = 64 * c, row0 = wrow + 16 * (warp % 4);
     auto consume = [&](int t, unsigned ring, int it) { /* as produce */
         const fwd_tile w = tile_at(t);
-        const int q0 = w.q0, h = w.h, b = w.b, n_tiles = w.n_tiles;
+        const int q0 = w.q0, h = w.h, b = w.b, n_tiles = w.n_tiles, k0 = w.kt0 * BN;
         const logit_map lm = w.lm;
         float o[D / 8][4], o2[D / 8][4]; /* o2: O', unused (and optimised away) without WITH_O_PRIME */
 #pragma unroll
@@ -213,13 +319,13 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
            owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
            its E2M1 roundings in place (quantize_scores), and sc packed into the A operand of O += P V (pack_p, which
            scales the roundings into P^F * 2^11, exact in 16 bits). */
-        auto needs_mask = [&](int j) { return tile_needs_mask(&lm, q0 + wrow, j * BN, BN); };
+        auto needs_mask = [&](int j) { return tile_needs_mask(&lm, q0 + wrow, k0 + j * BN, BN); };
         /* quantized: the lane's block scale (a DT pair, for pack_p) and reciprocal (for quantize_scores) of each
            block pair (online_softmax_p_scales), stored to warp_scales */
         uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1];
         float p_recips[QUANTIZE_P ? BN / 32 : 1];
         auto softmax_scores = [&](int j, bool masked, float alpha[2]) {
-            scores_to_logits<BN>(&lm, sc, q0 + row0, j * BN, masked, seen);
+            scores_to_logits<BN>(&lm, sc, q0 + row0, k0 + j * BN, masked, seen);
             if constexpr (QUANTIZE_P) {
                 online_softmax_p_scales<BN, DT, D == 128>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
                 __syncwarp(); /* the last tile's reads are done */
@@ -345,6 +451,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
             }
         }
 
+        if constexpr (TAIL) {
+            store_fwd_tail_part<D, SM90_BM, WITH_O_PRIME>(o, o2, m, l, seen, ts.part, (int)blockIdx.x, row0);
+            return n_tiles;
+        }
         const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
         finish_forward_rows<D, WITH_O_PRIME>(o, o2, m, l, seen, QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f,
                                              p.frame_m + stat0, p.row_sum + stat0, q0 + row0, nq);
@@ -365,13 +475,28 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 /* ------------------------------------------------------------------------------------------------
    Launcher */
 
+/* The forward's tail split (plan_tail_split): the quantized kernels' items of 128 query rows, not causal (those
+   items differ in length and run longest first), parts of 128-key units. The inference forward splits only a grid
+   of less than one wave: on the H200 its kernel took as long without the last wave's 4 items as with them
+   ((2, 16, 16384, 128): 8873 and 8877 us), where the training forward's went 13055 -> 12880 us (performance.md
+   v14). */
+static tail_split fwd_tail_plan(const aq_attention_fwd_params *p) {
+    static_assert(64 * sm90_consumer_warpgroups(64, true) == 128 && 64 * sm90_consumer_warpgroups(128, true) == 128,
+                  "the quantized kernels' items are 128 query rows");
+    const int64_t items = (p->seqlen_q + 127) / 128 * p->heads_q * p->batch;
+    int sms = 0;
+    if (!p->quantize_p || p->causal || sm_count(&sms) != cudaSuccess) return {(int)items, 0, 1, NULL};
+    return plan_tail_split(items, (p->seqlen_k + 127) / 128, sms, p->o_prime != NULL);
+}
+
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
 static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t stream, bool *taken,
                                const int **fallback_flag) {
     constexpr int NWG = sm90_consumer_warpgroups(D, QUANTIZE_P);
     constexpr bool PERSISTENT = !QUANTIZE_P;
-    void (*kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const aq_attention_fwd_params,
-                   const int *) = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME, NWG, PERSISTENT>;
+    using kernel_t = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const aq_attention_fwd_params,
+                              const int *, const tail_split);
+    kernel_t kernel = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME, NWG, PERSISTENT, false>;
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG, SM90_THREADS = 128 * (NWG + 1);
     if (!sm90_available((const void *)kernel)) return NULL;
     if (!fragment_store_ok(p->o, p->o_stride) || !fragment_store_ok(p->o_prime, p->o_prime_stride)) return NULL;
@@ -384,9 +509,20 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
         !make_tensor_map(&tm_v, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BN))
         return NULL;
 
+    const int64_t q_tiles = (p->seqlen_q + SM90_BM - 1) / SM90_BM, work = q_tiles * p->heads_q * p->batch;
+    tail_split ts = {(int)work, 0, 1, NULL};
+    kernel_t tail_kernel = NULL;
+    if constexpr (QUANTIZE_P) {
+        ts = fwd_tail_plan(p);
+        ts.part = p->tail_workspace;
+        if (ts.part == NULL) ts.splits = 1; /* the caller did not ask aq_attention_fwd_tail_floats */
+        tail_kernel = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME, NWG, false, true>;
+    }
     const int smem = Sm90Layout<D, BN, SM90_BM, QUANTIZE_P>::ALLOC;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return cudaGetErrorString(err);
+    cudaError_t err;
+    for (kernel_t k : {kernel, tail_kernel})
+        if (k != NULL && (err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+            return cudaGetErrorString(err);
     int sms = 0;
     if (PERSISTENT && (err = sm_count(&sms)) != cudaSuccess) return cudaGetErrorString(err);
     if (hidden_keys) {
@@ -397,10 +533,15 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
         if (msg) return msg;
         *fallback_flag = p->scratch;
     }
-    const int64_t q_tiles = (p->seqlen_q + SM90_BM - 1) / SM90_BM, work = q_tiles * p->heads_q * p->batch;
+    const int *skip_if = hidden_keys ? p->scratch : NULL;
     const dim3 grid = PERSISTENT ? dim3((unsigned)std::min<int64_t>(work, sms))
                                  : dim3((unsigned)q_tiles, (unsigned)p->heads_q, (unsigned)p->batch);
-    kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, *p, hidden_keys ? p->scratch : NULL);
+    kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, *p, skip_if, ts);
+    if (ts.splits > 1) {
+        tail_kernel<<<ts.tail_items * ts.splits, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, *p, skip_if, ts);
+        attention_fwd_merge_kernel<D, DT, WITH_O_PRIME>
+            <<<(ts.tail_items * 128 + 3) / 4, 128, 0, stream>>>(*p, ts, skip_if);
+    }
     *taken = true;
     return launch_status();
 }
@@ -422,4 +563,15 @@ const char *aq_attention_fwd_sm90(const aq_attention_fwd_params *p, cudaStream_t
                                  : launch_sm90_mode<128, AQ_BFLOAT16>(p, stream, taken, fallback_flag);
     return p->head_dim == 64 ? launch_sm90_mode<64, AQ_FLOAT16>(p, stream, taken, fallback_flag)
                              : launch_sm90_mode<128, AQ_FLOAT16>(p, stream, taken, fallback_flag);
+}
+
+int64_t aq_attention_fwd_tail_floats(const aq_attention_fwd_params *p) {
+    if ((p->head_dim != 64 && p->head_dim != 128) || p->seqlen_q == 0 || p->seqlen_k == 0 ||
+        !sm90_available((const void *)attention_fwd_sm90_kernel<128, AQ_BFLOAT16, true, false, 2, false, true>))
+        return 0;
+    const tail_split ts = fwd_tail_plan(p);
+    if (ts.splits <= 1) return 0;
+    const int64_t floats = p->head_dim == 64 ? (p->o_prime ? FwdTailPart<64, 128, true>::FLOATS : FwdTailPart<64, 128, false>::FLOATS)
+                                             : (p->o_prime ? FwdTailPart<128, 128, true>::FLOATS : FwdTailPart<128, 128, false>::FLOATS);
+    return (int64_t)ts.tail_items * ts.splits * floats;
 }

@@ -69,6 +69,7 @@ typedef struct {
     int quantize_p;          /* 1: O uses P^F = fq16(P̂ * 2^11) * 2^-11, blocks of 16 keys from key 0 */
     aq_dtype dtype;          /* of q, k, v, o, o_prime: AQ_BFLOAT16 or AQ_FLOAT16 */
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_fwd_sm90.cu) */
+    float *tail_workspace;   /* CUDA: NULL, or aq_attention_fwd_tail_floats floats (the split last wave's parts) */
 } aq_attention_fwd_params;
 
 /* Backward (straight-through, numerics.md §4), given the forward's frame_m / row_sum:
@@ -99,6 +100,7 @@ typedef struct {
     aq_dtype dtype;
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_bwd_sm90.cu) */
     float *dq_accum;         /* CUDA: NULL, or aq_attention_bwd_dq_accum_floats floats (see above) */
+    float *tail_workspace;   /* CUDA: NULL, or aq_attention_bwd_tail_floats floats (the split last wave's parts) */
 } aq_attention_bwd_params;
 
 /* CPU kernels (C) */
@@ -112,8 +114,12 @@ const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream);
 const char *aq_dequantize_cuda(const aq_dequantize_params *p, void *stream);
 const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, void *stream);
 const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, void *stream);
+/* The size of tail_workspace for the current device and these sizes, or 0 where the forward splits no items. */
+int64_t aq_attention_fwd_tail_floats(const aq_attention_fwd_params *p);
 /* The size of dq_accum for the current device and these sizes, or 0 where the backward cannot use one. */
 int64_t aq_attention_bwd_dq_accum_floats(const aq_attention_bwd_params *p);
+/* The size of tail_workspace for the current device and these sizes, or 0 where the dK/dV kernel splits no items. */
+int64_t aq_attention_bwd_tail_floats(const aq_attention_bwd_params *p);
 
 /* ---------------------------------------------------------------------------------------------
    Decode on an NVFP4 KV cache (attn_qat/kv_cache.py): numerics.md §3 without O' on Q^F, K^F and a V whose

@@ -7,7 +7,10 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
+
+#include <algorithm>
 
 #include "attention_common.cuh"
 
@@ -364,6 +367,43 @@ static cudaError_t sm_count(int *n) {
     int dev = 0;
     cudaError_t err = cudaGetDevice(&dev);
     return err != cudaSuccess ? err : cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev);
+}
+
+/* The last wave of a grid of equal work items, split (host plan, kernel argument). A grid of W items on an SM each
+   takes ceil(W / sms) item times; when the last wave holds only a few items, the rest of the GPU waits for them
+   (4096 items on 132 SMs: 32 waves for 31.03 of work, 3% of the kernel). Split, the first main_items run as before
+   and each of the last tail_items runs as `splits` CTAs over parts of its reduction axis (key tiles in the
+   forward, query tiles in the dK/dV kernel), writing fp32 partial results to `part`, which a small kernel then
+   merges in a fixed order. splits <= 1: no split. */
+typedef struct {
+    int main_items, tail_items, splits;
+    float *part;
+} tail_split;
+
+/* The split for W = items items whose reduction axis has `units` units: the tail is W mod sms when it fills at most
+   half an SM wave, split into sms / tail parts of at least 2 units; only when W < sms (one partial wave) unless
+   full_grids. ATTN_QAT_TAIL_SPLIT overrides it, for tests: "0" never splits, "T,S" splits the last T items into S
+   parts (at most one a unit). */
+static tail_split plan_tail_split(int64_t items, int64_t units, int sms, bool full_grids) {
+    tail_split t = {(int)items, 0, 1, NULL};
+    int64_t tail = items % sms, splits = tail > 0 ? sms / tail : 0, min_units = 2;
+    const char *env = getenv("ATTN_QAT_TAIL_SPLIT");
+    if (env != NULL && env[0] != '\0') {
+        long forced_tail = 0, forced_splits = 0;
+        if (sscanf(env, "%ld,%ld", &forced_tail, &forced_splits) != 2) return t; /* "0" or anything else */
+        tail = std::min<int64_t>(forced_tail, items), splits = forced_splits, min_units = 1;
+    } else if (tail == 0 || 2 * tail > sms || (!full_grids && items >= sms)) {
+        return t;
+    }
+    splits = std::min<int64_t>(splits, units / min_units);
+    if (tail <= 0 || splits <= 1) return t;
+    t.main_items = (int)(items - tail), t.tail_items = (int)tail, t.splits = (int)splits;
+    return t;
+}
+
+/* The units [*u0, *u1) of part `split` of an item's `units` (nonempty while splits <= units). */
+AQ_D void tail_split_units(int split, int splits, int units, int *u0, int *u1) {
+    *u0 = (int)((int64_t)units * split / splits), *u1 = (int)((int64_t)units * (split + 1) / splits);
 }
 
 /* Whether this process may use the wgmma kernels: an sm_90 device, a build with an sm_90a image (setup.py

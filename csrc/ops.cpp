@@ -312,6 +312,20 @@ void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::o
         nonfinite_flag = torch::stable::new_empty(q, {1}, ScalarType::Int);
         p.scratch = static_cast<int *>(nonfinite_flag.data_ptr());
     }
+    Tensor tail_workspace; // the split last wave's partial results (hopper.cuh, tail_split)
+#ifdef AQ_WITH_CUDA
+    if (!q.is_cpu()) {
+        int64_t floats = 0;
+        {
+            torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+            floats = aq_attention_fwd_tail_floats(&p);
+        }
+        if (floats > 0) {
+            tail_workspace = torch::stable::new_empty(q, {floats}, ScalarType::Float);
+            p.tail_workspace = static_cast<float *>(tail_workspace.data_ptr());
+        }
+    }
+#endif
     launch(q, p, aq_attention_fwd_cpu, aq_attention_fwd_cuda);
 }
 
@@ -429,6 +443,18 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
         if (floats > 0) {
             dq_accum = torch::stable::new_empty(q, {floats}, ScalarType::Float);
             p.dq_accum = static_cast<float *>(dq_accum.data_ptr());
+        }
+    }
+    Tensor tail_workspace; // the dK/dV kernel's split last wave (hopper.cuh, tail_split)
+    if (!q.is_cpu()) {
+        int64_t floats = 0;
+        {
+            torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+            floats = aq_attention_bwd_tail_floats(&p);
+        }
+        if (floats > 0) {
+            tail_workspace = torch::stable::new_empty(q, {floats}, ScalarType::Float);
+            p.tail_workspace = static_cast<float *>(tail_workspace.data_ptr());
         }
     }
 #endif

@@ -434,6 +434,55 @@ def test_causal_backward_order_covers_every_tile(monkeypatch, kernels):
         check(q, k, v, dout, causal="top_left", label=f"causal order, {kernels}")
 
 
+def forward_op(q, k, v):
+    """The attention op's (out, O', frame, row sum) for the training forward of attn_qat mode, no mask."""
+    return torch.ops.attn_qat.attention_forward(q, k, v, None, q.shape[-1] ** -0.5, 0, attn_qat.MODES.index("attn_qat"),
+                                                True, False)
+
+
+@requires_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
+@pytest.mark.parametrize("case", ["plain", "masked", "deterministic"])
+def test_split_last_wave(monkeypatch, d, mode, case):
+    """The last wave's items split over parts of their reduction axis and merged (tail_split in hopper.cuh),
+    forced with ATTN_QAT_TAIL_SPLIT="5,3" on a grid of 24 items: the forward's last 5 query tiles of 128 (one
+    partial) over 3 parts of 700 keys ([0, 256), [256, 512), [512, 700)), and the dK/dV kernel's last 5 key tiles
+    of 128 (one partial) over 3 parts of the 2 group heads x 5 query steps (the second part crosses heads).
+    Masked: rows whose keys of one part are all hidden, and one row with none visible. Against the reference with
+    the allocator poisoned; the inference forward agrees with the training forward, split the same way."""
+    g = torch.Generator().manual_seed(4242 + d)
+    q, k, v, dout = make_inputs(2, 4, 2, 300, 700, d, torch.bfloat16, "cuda", g=g)
+    mask = None
+    if case == "masked":
+        mask = torch.rand(2, 1, 300, 700, generator=g) > 0.2
+        mask[:, :, 250:290, 256:512] = False  # the middle part sees none of these rows' keys
+        mask[1, :, 299] = False  # no visible key at all: O = 0, zero gradients
+        mask = mask.cuda()
+    monkeypatch.setenv("ATTN_QAT_TAIL_SPLIT", "5,3")
+    with deterministic_algorithms() if case == "deterministic" else contextlib.nullcontext():
+        check(q, k, v, dout, mode=mode, mask=mask, label=f"split last wave, {case}")
+        split = run(q, k, v, dout, mode=mode, mask=mask)
+        with torch.no_grad():
+            inference = attn_qat.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, mode=mode)
+        split_stats = forward_op(q, k, v)
+        monkeypatch.setenv("ATTN_QAT_TAIL_SPLIT", "0")
+        whole = run(q, k, v, dout, mode=mode, mask=mask)
+        whole_stats = forward_op(q, k, v)
+    # The inference forward (128-key tiles) and the training forward (64-key tiles) agree to bf16 rounding, not
+    # bit for bit: where their running frames differ, the exponent arguments round differently (without a split
+    # too: 70 of 6.1 M outputs differ by an ulp at (2, 8, 3000, 128) at commit becbb42).
+    assert rel_error(inference, split[0]) < 1e-4, "inference and training forwards split differently"
+    # The frames merge exactly (integers); the row sums are fp32 sums in another order, so that the forward's
+    # split shows in their last bits (the bf16 outputs may round alike), and the dK/dV kernel's in dK's (these
+    # inputs are fixed and both kernels deterministic). The Hopper kernels split; the others ignore the setting.
+    assert torch.equal(split_stats[2], whole_stats[2])
+    assert rel_error(split_stats[3], whole_stats[3]) < 1e-5
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert not torch.equal(split_stats[3], whole_stats[3]), "the forward did not split"
+        assert not torch.equal(split[2], whole[2]), "the dK/dV kernel did not split"
+
+
 @requires_cuda
 @pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=[s[0] for s in SHAPES[:4]])
