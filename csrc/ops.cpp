@@ -60,6 +60,26 @@ void launch(const Tensor &on, const Params &params, const char *(*cpu)(const Par
     STD_TORCH_CHECK(err == nullptr, "attn_qat: ", err ? err : "");
 }
 
+#ifdef AQ_WITH_CUDA
+// A CUDA launcher's fp32 workspace of floats(&params) floats (none when that is 0, or on the CPU) on q's device:
+// *ptr is set, and the returned tensor must outlive the launch.
+template <typename Params>
+Tensor cuda_workspace(const Tensor &q, const Params &params, int64_t (*floats)(const Params *), float **ptr) {
+    Tensor workspace;
+    if (q.is_cpu()) return workspace;
+    int64_t n = 0;
+    {
+        torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+        n = floats(&params);
+    }
+    if (n > 0) {
+        workspace = torch::stable::new_empty(q, {n}, ScalarType::Float);
+        *ptr = static_cast<float *>(workspace.data_ptr());
+    }
+    return workspace;
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // NVFP4 quantization
 
@@ -314,17 +334,7 @@ void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::o
     }
     Tensor tail_workspace; // the split last wave's partial results (hopper.cuh, tail_split)
 #ifdef AQ_WITH_CUDA
-    if (!q.is_cpu()) {
-        int64_t floats = 0;
-        {
-            torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-            floats = aq_attention_fwd_tail_floats(&p);
-        }
-        if (floats > 0) {
-            tail_workspace = torch::stable::new_empty(q, {floats}, ScalarType::Float);
-            p.tail_workspace = static_cast<float *>(tail_workspace.data_ptr());
-        }
-    }
+    tail_workspace = cuda_workspace(q, p, aq_attention_fwd_tail_floats, &p.tail_workspace);
 #endif
     launch(q, p, aq_attention_fwd_cpu, aq_attention_fwd_cuda);
 }
@@ -433,30 +443,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
         p.scratch = static_cast<int *>(nonfinite_flag.data_ptr());
     }
     Tensor dq_accum; // the fused dQ's fp32 sums (attn_qat.h): 5 products instead of 7, dQ not bit-reproducible
-#ifdef AQ_WITH_CUDA
-    if (!q.is_cpu() && !deterministic) {
-        int64_t floats = 0;
-        {
-            torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-            floats = aq_attention_bwd_dq_accum_floats(&p);
-        }
-        if (floats > 0) {
-            dq_accum = torch::stable::new_empty(q, {floats}, ScalarType::Float);
-            p.dq_accum = static_cast<float *>(dq_accum.data_ptr());
-        }
-    }
     Tensor tail_workspace; // the dK/dV kernel's split last wave (hopper.cuh, tail_split)
-    if (!q.is_cpu()) {
-        int64_t floats = 0;
-        {
-            torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-            floats = aq_attention_bwd_tail_floats(&p);
-        }
-        if (floats > 0) {
-            tail_workspace = torch::stable::new_empty(q, {floats}, ScalarType::Float);
-            p.tail_workspace = static_cast<float *>(tail_workspace.data_ptr());
-        }
-    }
+#ifdef AQ_WITH_CUDA
+    if (!deterministic) dq_accum = cuda_workspace(q, p, aq_attention_bwd_dq_accum_floats, &p.dq_accum);
+    tail_workspace = cuda_workspace(q, p, aq_attention_bwd_tail_floats, &p.tail_workspace);
 #endif
     launch(q, p, aq_attention_bwd_cpu, aq_attention_bwd_cuda);
     return {dq, dk, dv};
