@@ -184,6 +184,23 @@ def test_cpu_and_cuda_bit_identical(dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_dequantize_layouts(dtype):
+    """The CUDA dequantizers (a block a thread along the innermost axis; a code row of 4 columns along an outer
+    axis; an element a thread otherwise) give the CPU's values and fake_quantize's: odd lengths, a partial last
+    block, a NaN block, the allocator poisoned."""
+    g = torch.Generator().manual_seed(6)
+    for shape, axis in [((5, 3, 64), -1), ((2, 37, 8), 1), ((33, 12), 0), ((3, 37, 6), 1)]:
+        x = (torch.randn(shape, generator=g) * 10).to(dtype)
+        x.view(-1)[7] = float("nan")
+        cpu = attn_qat.quantize(x, axis, partial_last_block=True).dequantize()
+        torch.full((1 << 20,), float("nan"), device="cuda")  # freed, then handed out again to the output
+        gpu = attn_qat.quantize(x.cuda(), axis, partial_last_block=True).dequantize()
+        assert same_bits(gpu, cpu), f"{shape} axis {axis}"
+        assert same_bits(gpu, attn_qat.fake_quantize(x, axis, partial_last_block=True)), f"{shape} axis {axis}"
+
+
+@requires_cuda
 def test_cuda_matches_reference_on_many_random_values():
     # Wide dynamic range so every scale exponent, subnormal scales and flushed blocks all occur.
     g = torch.Generator().manual_seed(5)
