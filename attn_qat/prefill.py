@@ -14,8 +14,9 @@ The packed operands are dequantized to bf16/fp16 here and the forward kernel run
 its quantizing pre-pass (the `attention_forward_prequantized` op): running the pre-pass again on
 already-quantized values would NOT give them back in general (a block whose largest code is below 6,
 e.g. with a subnormal E4M3 scale, gets a different scale the second time). So today the packed path
-reads bf16-sized operands and allocates them for the call; a kernel that dequantizes the codes in
-shared memory is what comes next (issue 5, item 1), with the same API and numerics.
+reads bf16-sized operands and allocates them for the call (the dequantization costs less than the bf16-input
+forward's quantizing pre-pass, so this path is the faster of the two: benchmarks/RESULTS.md); a kernel that
+dequantizes the codes in shared memory would read a quarter of the bytes, with the same API and numerics.
 """
 import math
 from typing import Optional, Tuple, Union
