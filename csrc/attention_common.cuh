@@ -742,9 +742,25 @@ AQ_D void online_softmax_tile(float (&s)[BN / 8][4], float (&o)[D / 8][4], float
     if constexpr (RESCALE_O2) rescale_rows<D>(o2, alpha);
 }
 
+/* A C-fragment row's l summed over its lane quad, and whether any lane of the quad met a visible key (every lane
+   shuffles: no short-circuit around __shfl_xor_sync). */
+AQ_D float quad_row_sum(float l, bool seen, bool *any_seen) {
+    float lsum = l + __shfl_xor_sync(AQ_FULL_MASK, l, 1);
+    lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 2);
+    int any = (int)seen;
+    any |= __shfl_xor_sync(AQ_FULL_MASK, any, 1);
+    any |= __shfl_xor_sync(AQ_FULL_MASK, any, 2);
+    *any_seen = any;
+    return lsum;
+}
+
+/* A finished row's l: NaN for a row that saw visible keys but whose l is 0 (every visible score -inf, like
+   attn_qat.reference), so that its outputs become NaN; an empty row (no visible key) keeps l = 0 and gets zeros. */
+AQ_D float finished_row_sum(float lsum, bool any_seen) { return any_seen && lsum == 0.0f ? NAN : lsum; }
+
 /* End of the forward for a warp's 16 rows: sums l over the quad, stores M and l (rows < nq) at stats + row, and
    turns o (and o2) into outputs: o * o_factor / l, o2 / l; exact zeros for empty rows (no visible key), NaN for
-   rows that saw keys but whose l is 0 (every visible score -inf, like attn_qat.reference). */
+   rows that saw keys but whose l is 0 (finished_row_sum). */
 template <int D, bool SCALE_O2>
 AQ_D void finish_forward_rows(float (&o)[D / 8][4], float (&o2)[D / 8][4], const float m[2], const float l[2],
                               const bool seen[2], float o_factor, float *frame_m, float *row_sum, int row_base,
@@ -754,13 +770,9 @@ AQ_D void finish_forward_rows(float (&o)[D / 8][4], float (&o2)[D / 8][4], const
     bool empty[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        float lsum = l[r] + __shfl_xor_sync(AQ_FULL_MASK, l[r], 1);
-        lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 2);
-        int any_seen = (int)seen[r]; /* every lane shuffles: no short-circuit around __shfl_xor_sync */
-        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 1);
-        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 2);
+        bool any_seen;
+        const float lsum = finished_row_sum(quad_row_sum(l[r], seen[r], &any_seen), any_seen);
         empty[r] = !any_seen;
-        if (any_seen && lsum == 0.0f) lsum = NAN;
         inv_l[r] = 1.0f / lsum;
         const int row = row_base + frag_c_row(lane, 2 * r);
         if ((lane & 3) == 0 && row < nq) {

@@ -20,6 +20,10 @@
 #include "hopper.cuh"
 
 #define SM90_STAGES 2       /* K/V ring slots */
+/* The tail split (tail_split): the quantized kernels' query rows a CTA (fwd_tail_plan checks), and the keys of a
+   part's unit, so that the inference kernel's 128-key tiles and the training kernel's 64-key ones split alike. */
+#define FWD_TAIL_BM 128
+#define FWD_TAIL_KEYS 128
 
 /* Consumer warpgroups (64 query rows each). Three in bf16 mode at D = 128: a third warpgroup's softmax hides
    more of the others' waits (H200, against two persistent warpgroups: Wan 1.3B 12.4 -> 11.9 ms, 16k 8.2 ->
@@ -66,11 +70,8 @@ AQ_D void store_fwd_tail_part(const float (&o)[D / 8][4], const float (&o2)[D / 
     float *pt = part + (int64_t)slot * P::FLOATS;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        float lsum = l[r] + __shfl_xor_sync(AQ_FULL_MASK, l[r], 1);
-        lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 2);
-        int any_seen = (int)seen[r];
-        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 1);
-        any_seen |= __shfl_xor_sync(AQ_FULL_MASK, any_seen, 2);
+        bool any_seen;
+        const float lsum = quad_row_sum(l[r], seen[r], &any_seen);
         const int row = row0 + frag_c_row(lane, 2 * r);
         if ((lane & 3) == 0) {
             pt[P::M + row] = m[r];
@@ -93,7 +94,7 @@ AQ_D void store_fwd_tail_part(const float (&o)[D / 8][4], const float (&o2)[D / 
 template <int D, aq_dtype DT, bool WITH_O_PRIME>
 __global__ void __launch_bounds__(128)
     attention_fwd_merge_kernel(const aq_attention_fwd_params p, const tail_split ts, const int *skip_if) {
-    constexpr int BM = 128, C = D / 32;
+    constexpr int BM = FWD_TAIL_BM, C = D / 32;
     using P = FwdTailPart<D, BM, WITH_O_PRIME>;
     if (skip_if != NULL && *skip_if) return;
     const int lane = (int)threadIdx.x & 31, t = (int)blockIdx.x * 4 + (int)threadIdx.x / 32;
@@ -122,7 +123,7 @@ __global__ void __launch_bounds__(128)
             if constexpr (WITH_O_PRIME) o2[c] = __fmaf_rn(f, pt[P::O2 + r * D + C * lane + c], o2[c]);
         }
     }
-    if (seen && lsum == 0.0f) lsum = NAN;
+    lsum = finished_row_sum(lsum, seen);
     const float inv_l = 1.0f / lsum;
     const int64_t stat = ((int64_t)b * p.heads_q + h) * nq + q;
     if (lane == 0) p.frame_m[stat] = frame, p.row_sum[stat] = lsum;
@@ -143,8 +144,8 @@ __global__ void __launch_bounds__(128)
 /* A CTA per work item (a query tile of one head), or PERSISTENT: a CTA an SM, each taking every gridDim.x-th
    item, so that the producer loads the next item's Q while the consumers store the last one's outputs and the
    K/V ring runs on across items (bf16 mode: Wan cross-attention 1.00 -> 0.78 ms, D = 64 at 4k 1.59 -> 1.43).
-   TAIL: a CTA per part of the split last wave's items (tail_split, not causal): its key tiles are those of 128-key
-   units [u0, u1), and it writes its rows' partial results (fwd_tail_part) for attention_fwd_merge_kernel; the
+   TAIL: a CTA per part of the split last wave's items (tail_split, not causal): its key tiles are those of its FWD_TAIL_KEYS-key
+   units [u0, u1), and it writes its rows' partial results (FwdTailPart) for attention_fwd_merge_kernel; the
    main kernel then skips those items.
    128 (NWG + 1) threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of 64
    columns x 64 NWG (Q) or BN (K, V) tokens. skip_if: NULL, or a device flag that makes the whole CTA exit. */
@@ -206,10 +207,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
                               p.softmax_scale);
         w.n_tiles = (causal_key_end(&w.lm, min(w.q0 + SM90_BM, nq) - 1) + BN - 1) / BN;
         w.kt0 = 0;
-        if constexpr (TAIL) { /* not causal: every key; 128-key units, so that the parts of BN = 64 and 128 agree */
+        if constexpr (TAIL) { /* not causal: every key, in units of FWD_TAIL_KEYS */
             int u0, u1;
-            tail_split_units(t % ts.splits, ts.splits, (p.seqlen_k + 127) / 128, &u0, &u1);
-            w.kt0 = u0 * (128 / BN), w.n_tiles = min(u1 * (128 / BN), w.n_tiles) - w.kt0;
+            tail_split_units(t % ts.splits, ts.splits, (p.seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS, &u0, &u1);
+            w.kt0 = u0 * (FWD_TAIL_KEYS / BN), w.n_tiles = min(u1 * (FWD_TAIL_KEYS / BN), w.n_tiles) - w.kt0;
         }
         return w;
     };
@@ -476,17 +477,18 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
    Launcher */
 
 /* The forward's tail split (plan_tail_split): the quantized kernels' items of 128 query rows, not causal (those
-   items differ in length and run longest first), parts of 128-key units. The inference forward splits only a grid
+   items differ in length and run longest first), parts of FWD_TAIL_KEYS-key units. The inference forward splits only a grid
    of less than one wave: on the H200 its kernel took as long without the last wave's 4 items as with them
    ((2, 16, 16384, 128): 8873 and 8877 us), where the training forward's went 13055 -> 12880 us (performance.md
    v14). */
 static tail_split fwd_tail_plan(const aq_attention_fwd_params *p) {
-    static_assert(64 * sm90_consumer_warpgroups(64, true) == 128 && 64 * sm90_consumer_warpgroups(128, true) == 128,
-                  "the quantized kernels' items are 128 query rows");
-    const int64_t items = (p->seqlen_q + 127) / 128 * p->heads_q * p->batch;
+    static_assert(64 * sm90_consumer_warpgroups(64, true) == FWD_TAIL_BM &&
+                      64 * sm90_consumer_warpgroups(128, true) == FWD_TAIL_BM,
+                  "the quantized kernels' items are FWD_TAIL_BM query rows");
+    const int64_t items = (p->seqlen_q + FWD_TAIL_BM - 1) / FWD_TAIL_BM * p->heads_q * p->batch;
     int sms = 0;
     if (!p->quantize_p || p->causal || sm_count(&sms) != cudaSuccess) return {(int)items, 0, 1, NULL};
-    return plan_tail_split(items, (p->seqlen_k + 127) / 128, sms, p->o_prime != NULL);
+    return plan_tail_split(items, (p->seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS, sms, p->o_prime != NULL);
 }
 
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
@@ -540,7 +542,7 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     if (ts.splits > 1) {
         tail_kernel<<<ts.tail_items * ts.splits, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, *p, skip_if, ts);
         attention_fwd_merge_kernel<D, DT, WITH_O_PRIME>
-            <<<(ts.tail_items * 128 + 3) / 4, 128, 0, stream>>>(*p, ts, skip_if);
+            <<<(ts.tail_items * FWD_TAIL_BM + 3) / 4, 128, 0, stream>>>(*p, ts, skip_if);
     }
     *taken = true;
     return launch_status();
@@ -571,7 +573,9 @@ int64_t aq_attention_fwd_tail_floats(const aq_attention_fwd_params *p) {
         return 0;
     const tail_split ts = fwd_tail_plan(p);
     if (ts.splits <= 1) return 0;
-    const int64_t floats = p->head_dim == 64 ? (p->o_prime ? FwdTailPart<64, 128, true>::FLOATS : FwdTailPart<64, 128, false>::FLOATS)
-                                             : (p->o_prime ? FwdTailPart<128, 128, true>::FLOATS : FwdTailPart<128, 128, false>::FLOATS);
+    const int64_t floats =
+        p->head_dim == 64
+            ? (p->o_prime ? FwdTailPart<64, FWD_TAIL_BM, true>::FLOATS : FwdTailPart<64, FWD_TAIL_BM, false>::FLOATS)
+            : (p->o_prime ? FwdTailPart<128, FWD_TAIL_BM, true>::FLOATS : FwdTailPart<128, FWD_TAIL_BM, false>::FLOATS);
     return (int64_t)ts.tail_items * ts.splits * floats;
 }

@@ -216,15 +216,16 @@ __global__ void __launch_bounds__(256) dequantize_tokens_kernel(aq_dequantize_pa
     const int64_t g = idx % groups, k = idx / groups % packed_len, o = idx / (groups * packed_len), in0 = 4 * g;
     const uint32_t c = *(const uint32_t *)(p.codes + (o * packed_len + k) * p.inner + in0);
     const uint32_t sc = *(const uint32_t *)(p.scales + (o * nblocks + 2 * k / AQ_BLOCK) * p.inner + in0);
+    float s[4]; /* both elements of a code row are in the same block */
+#pragma unroll
+    for (int j = 0; j < 4; j++) s[j] = aq_e4m3_decode((uint8_t)(sc >> (8 * j)));
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int64_t a = 2 * k + half;
         if (a >= p.axis_len) break;
         struct alignas(4 * sizeof(T)) four { T x[4]; } out;
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            out.x[j] = from_float<T>(aq_e2m1_value((uint8_t)((c >> (8 * j + 4 * half)) & 15u)) *
-                                     aq_e4m3_decode((uint8_t)(sc >> (8 * j))));
+        for (int j = 0; j < 4; j++) out.x[j] = from_float<T>(aq_e2m1_value((uint8_t)((c >> (8 * j + 4 * half)) & 15u)) * s[j]);
         *(four *)((T *)p.out + (o * p.axis_len + a) * p.inner + in0) = out;
     }
 }
