@@ -105,12 +105,7 @@ def _kernel_mask(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> t
 def _run(q, k, v, mask, scale, causal, mode):
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     q, scale = positive_scale(q, scale)
-    # For training, Q^F, K^F, V^F come from their own op (the identity to autograd, numerics.md §4), so that the
-    # attention op saves them and its backward does not quantize Q, K and V a second time.
-    prequantize = need_grad and mode in ("attn_qat", "high_precision_p", "low_precision_o")
-    if prequantize:
-        q, k, v = ops.fake_quantize_qkv(q, k, v)
-    return ops.attention_forward(q, k, v, mask, scale, causal, mode_code(mode), need_grad, prequantize)
+    return ops.attention_forward(q, k, v, mask, scale, causal, mode_code(mode), need_grad)
 
 
 def scaled_dot_product_attention(
@@ -184,7 +179,7 @@ def attention(
     q, k, v = _check_qkv(q, k, v, fn)
     _check_heads(q, k, v, fn)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, _, frame, row_sum = _run(q, k, v, None, scale, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, mode)
+    out, _, frame, row_sum, *_ = _run(q, k, v, None, scale, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, mode)
     if layout == "bshd":
         out = out.transpose(1, 2)
     if not return_lse:

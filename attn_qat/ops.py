@@ -12,6 +12,11 @@ MODES = ("attn_qat", "high_precision_p", "low_precision_o", "drop_in", "bf16")
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
 
+def _quantized_backward(mode: int) -> bool:
+    """As csrc/ops.cpp: whether the mode's backward differentiates through Q^F, K^F, V^F."""
+    return MODES[mode] in ("attn_qat", "high_precision_p", "low_precision_o")
+
+
 def mode_code(mode: str) -> int:
     if mode not in MODES:
         raise ValueError(f"attn_qat: mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -69,13 +74,15 @@ def _(q, k, v):
 
 
 @torch.library.register_fake("attn_qat::attention_forward")
-def _(q, k, v, mask, scale, causal, mode, need_out_prime, operands_quantized=False):
+def _(q, k, v, mask, scale, causal, mode, need_grad):
     b, h, n, d = q.shape
     out = _empty_like_layout(q, b, h, n, d)
-    with_prime = need_out_prime and MODES[mode] in ("attn_qat", "high_precision_p")
-    out_prime = _empty_like_layout(q, b, h, n, d) if with_prime else q.new_empty(0)
+    out_prime = _empty_like_layout(q, b, h, n, d) if need_grad and MODES[mode] in ("attn_qat", "high_precision_p") \
+        else q.new_empty(0)
     frame = q.new_empty(b, h, n, dtype=torch.float32)
-    return out, out_prime, frame, q.new_empty(b, h, n, dtype=torch.float32)
+    with_operands = need_grad and _quantized_backward(mode)
+    operands = tuple(_empty_like_layout(t, *t.shape) if with_operands else q.new_empty(0) for t in (q, k, v))
+    return (out, out_prime, frame, q.new_empty(b, h, n, dtype=torch.float32)) + operands
 
 
 @torch.library.register_fake("attn_qat::attention_backward")
@@ -112,18 +119,21 @@ torch.library.register_autograd("attn_qat::fake_quantize_qkv", _qkv_backward)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, mode, need_out_prime, *quantized = inputs
-    out, out_prime, frame, row_sum = output
+    q, k, v, mask, scale, causal, mode, need_grad = inputs
+    out, out_prime, frame, row_sum, q_fq, k_fq, v_fq = output
+    # The backward takes Q^F, K^F, V^F where the op returned them (empty otherwise; a query is never empty).
+    ctx.operands_quantized = q_fq.numel() > 0
+    if ctx.operands_quantized:
+        q, k, v = q_fq, k_fq, v_fq
     ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask)
     # only out carries a gradient; and without materialized gradients autograd passes None for the others
     # instead of zero-filling an O'-sized tensor every backward (marking them non-differentiable alone does not)
-    ctx.mark_non_differentiable(out_prime, frame, row_sum)
+    ctx.mark_non_differentiable(out_prime, frame, row_sum, q_fq, k_fq, v_fq)
     ctx.set_materialize_grads(False)
     ctx.scale, ctx.causal, ctx.mode = scale, causal, mode
-    ctx.operands_quantized, ctx.n_inputs = bool(quantized and quantized[0]), len(inputs)
 
 
-def _attention_backward(ctx, grad_out, grad_out_prime, grad_frame, grad_row_sum):
+def _attention_backward(ctx, grad_out, *unused_grads):
     q, k, v, out, out_prime, frame, row_sum, mask = ctx.saved_tensors
     if grad_out is None:  # only when autograd differentiates this backward itself (create_graph=True)
         raise RuntimeError("attn_qat: double backward (a gradient of the attention gradients) is not supported")
@@ -131,10 +141,11 @@ def _attention_backward(ctx, grad_out, grad_out_prime, grad_frame, grad_row_sum)
         grad_out = grad_out.contiguous()
     # Like PyTorch's own attention backward: dQ summed by atomics (fast) unless deterministic algorithms are
     # asked for (torch.use_deterministic_algorithms), then bit-identical run to run (csrc/attn_qat.h).
+    # The gradients of Q^F, K^F, V^F are those of q, k, v: the straight-through estimator (numerics.md §4).
     dq, dk, dv = ops.attention_backward(grad_out.to(q.dtype), q, k, v, out, out_prime, mask, frame, row_sum,
                                         ctx.scale, ctx.causal, ctx.mode, torch.are_deterministic_algorithms_enabled(),
                                         ctx.operands_quantized)
-    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd("attn_qat::attention_forward", _attention_backward,

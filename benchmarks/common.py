@@ -9,18 +9,21 @@ import torch
 
 
 def median_ms(fn, warmup: int = 5, repeat: int = 20) -> float:
-    """Median over `repeat` samples of the time of one fn() call, each timed with CUDA events."""
+    """Median over `repeat` back-to-back fn() calls of the GPU time between CUDA events recorded before and after
+    each. The calls are queued without waiting, as a training loop queues its steps, so that once the host is
+    ahead each interval holds one call's GPU work and not the host's time to reach its first launch (which, timed
+    from an idle GPU, adds 0.03-0.4 ms to a multi-millisecond attention call, varying run to run:
+    performance.md v16). A call whose host work outlasts its GPU work is still timed at the host's pace."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeat + 1)]
+    torch.cuda.synchronize()
+    events[0].record()
+    for i in range(repeat):
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+        events[i + 1].record()
+    events[-1].synchronize()
+    times = sorted(events[i].elapsed_time(events[i + 1]) for i in range(repeat))
     return times[len(times) // 2]
 
 

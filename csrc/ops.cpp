@@ -343,26 +343,37 @@ void check_mode(int64_t mode) {
     STD_TORCH_CHECK(mode >= MODE_ATTN_QAT && mode <= MODE_BF16, "attn_qat: bad mode code ", mode);
 }
 
-// Returns (out, out_prime, frame, row_sum); out_prime is empty unless need_out_prime and the mode's
-// backward uses it (attn_qat, high_precision_p). operands_quantized: q, k, v are already Q^F, K^F, V^F (the
-// caller ran fake_quantize_qkv, so that autograd saves them and the backward need not quantize again).
-std::tuple<Tensor, Tensor, Tensor, Tensor> attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask,
-                                                             double scale, int64_t causal, int64_t mode,
-                                                             bool need_out_prime, bool operands_quantized) {
+// Whether the mode's backward differentiates through Q^F, K^F, V^F (numerics.md §5; drop_in's goes through the
+// unquantized operands, bf16's has none).
+bool quantized_backward(int64_t mode) {
+    return mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P || mode == MODE_LOW_PRECISION_O;
+}
+
+// Returns (out, out_prime, frame, row_sum, q_fq, k_fq, v_fq). need_grad: the call is for training, so the
+// backward's operands come back too: O' when the mode's backward uses it (attn_qat, high_precision_p), and
+// Q^F, K^F, V^F in the modes whose backward differentiates through them (attn_qat, high_precision_p,
+// low_precision_o), for autograd to save so that the backward need not quantize again. The others are
+// empty. One op for both (not a pre-pass op, then this one) because each op call from Python costs tens of
+// microseconds of host time in its autograd wrapper (performance.md v16).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
+attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, double scale, int64_t causal, int64_t mode,
+                  bool need_grad) {
     check_mode(mode);
     const AttentionShape s = check_attention_inputs(q, k, v);
-    const bool quantize = mode != MODE_BF16, quantize_operands = quantize && !operands_quantized;
-    Tensor qf = quantize_operands ? fake_quantize_operand(q, false) : q;
-    Tensor kf = quantize_operands ? fake_quantize_operand(k, false) : k;
-    Tensor vf = quantize_operands ? fake_quantize_operand(v, true) : v;
+    const bool quantize = mode != MODE_BF16;
+    Tensor qf = quantize ? fake_quantize_operand(q, false) : q;
+    Tensor kf = quantize ? fake_quantize_operand(k, false) : k;
+    Tensor vf = quantize ? fake_quantize_operand(v, true) : v;
     Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
-    const bool with_prime = need_out_prime && (mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P);
-    Tensor out_prime = with_prime ? empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim)
-                                  : torch::stable::new_empty(q, {0});
+    const bool with_prime = need_grad && (mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P);
+    const bool with_operands = need_grad && quantized_backward(mode);
+    auto none = [&q]() { return torch::stable::new_empty(q, {0}); }; // a fresh one each: outputs may not alias
+    Tensor out_prime = with_prime ? empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim) : none();
     Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     run_forward(qf, kf, vf, mask, scale, causal, quantize, out, with_prime ? &out_prime : nullptr, frame, row_sum, s);
-    return {out, out_prime, frame, row_sum};
+    if (!with_operands) return {out, out_prime, frame, row_sum, none(), none(), none()};
+    return {out, out_prime, frame, row_sum, qf, kf, vf};
 }
 
 // Gradients w.r.t. the original q, k, v (straight-through), for each mode of numerics.md §5.
@@ -379,11 +390,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     STD_TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "attn_qat: grad_output must have the query's dtype");
     STD_TORCH_CHECK(!operands_quantized || mode != MODE_DROP_IN,
                     "attn_qat: drop_in's backward needs the unquantized operands");
-    const bool quantized_operands =
-        !operands_quantized && (mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P || mode == MODE_LOW_PRECISION_O);
+    const bool quantized_operands = !operands_quantized && quantized_backward(mode);
     const bool delta_from_prime = mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P;
     STD_TORCH_CHECK(!delta_from_prime || out_prime.numel() == out.numel(),
-                    "attn_qat: this mode's backward needs O' from the forward (need_out_prime=True)");
+                    "attn_qat: this mode's backward needs O' from the forward (need_grad=True)");
     Tensor qo = quantized_operands ? fake_quantize_operand(q, false) : q;
     Tensor ko = quantized_operands ? fake_quantize_operand(k, false) : k;
     Tensor vo = quantized_operands ? fake_quantize_operand(v, true) : v;
@@ -552,8 +562,8 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
     m.def("nvfp4_dequantize(Tensor codes, Tensor scales, int axis, int axis_len, ScalarType dtype) -> Tensor");
     m.def("fake_quantize_qkv(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor, Tensor)");
     m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal, int mode, "
-          "bool need_out_prime, bool operands_quantized=False) -> (Tensor out, Tensor out_prime, Tensor frame, "
-          "Tensor row_sum)");
+          "bool need_grad) -> (Tensor out, Tensor out_prime, Tensor frame, Tensor row_sum, Tensor q_fq, "
+          "Tensor k_fq, Tensor v_fq)");
     m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor out_prime, "
           "Tensor? mask, Tensor frame, Tensor row_sum, float scale, int causal, int mode, bool deterministic, "
           "bool operands_quantized=False) "

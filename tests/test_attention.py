@@ -352,9 +352,12 @@ def test_opcheck(device):
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), mask, 0.125, 1, mode, True)
         torch.library.opcheck(fwd, args)
     q, k, v = q.detach(), k.detach(), v.detach()  # the backward op has no double backward
-    out, out_prime, frame, row_sum = fwd(q, k, v, None, 0.125, 2, 0, True)
+    out, out_prime, frame, row_sum, qf, kf, vf = fwd(q, k, v, None, 0.125, 2, 0, True)
+    assert qf.shape == q.shape and kf.shape == k.shape and vf.shape == v.shape
     torch.library.opcheck(torch.ops.attn_qat.attention_backward.default,
                           (dout, q, k, v, out, out_prime, None, frame, row_sum, 0.125, 2, 0, False))
+    torch.library.opcheck(torch.ops.attn_qat.attention_backward.default,
+                          (dout, qf, kf, vf, out, out_prime, None, frame, row_sum, 0.125, 2, 0, False, True))
 
 
 class TinyAttention(torch.nn.Module):
@@ -437,7 +440,7 @@ def test_causal_backward_order_covers_every_tile(monkeypatch, kernels):
 def forward_op(q, k, v):
     """The attention op's (out, O', frame, row sum) for the training forward of attn_qat mode, no mask."""
     return torch.ops.attn_qat.attention_forward(q, k, v, None, q.shape[-1] ** -0.5, 0, attn_qat.MODES.index("attn_qat"),
-                                                True, False)
+                                                True)[:4]
 
 
 @requires_cuda
