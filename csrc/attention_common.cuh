@@ -481,16 +481,10 @@ AQ_D void fake_quantize_p_block(float c0[4], float c1[4]) {
     c0[2] = row_g8[0], c0[3] = row_g8[1], c1[2] = row_g8[2], c1[3] = row_g8[3];
 }
 
-/* e2m1(x * r) for x >= 0 or NaN, as p_fake_quantize_element but neither clamped at 6 nor scaled: p_round_block_pair's
-   part, whose other half (pack_quantized_p_pair) clamps and scales two values at once in 16-bit pairs. Rounding
-   first and clamping after gives what clamping first gives: 6 is on the grid and the rounding is monotonic, so any
-   y > 6 rounds to 6 or more. y <= 2^20 here (x <= 1, r <= 2^20), so c stays finite; a NaN y stays NaN. */
-AQ_D float p_round_element(float x, float r) {
-    const float y = __fmul_rn(x, r);
-    const uint32_t e = max(__float_as_uint(y) & 0x7F800000u, 0x3F800000u) + (22u << 23);
-    const float c = __uint_as_float(e);
-    return __fsub_rn(__fadd_rn(y, c), c);
-}
+/* e2m1(x * r) for x >= 0 or NaN, as p_fake_quantize_element but neither clamped at 6 nor scaled
+   (aq_e2m1_round_nonneg_unclamped; y <= 2^20 here: x <= 1, r <= 2^20): p_round_block_pair's part, whose other half
+   (pack_quantized_p_pair) clamps and scales two values at once in 16-bit pairs. */
+AQ_D float p_round_element(float x, float r) { return aq_e2m1_round_nonneg_unclamped(__fmul_rn(x, r)); }
 
 /* min(q, 6) * s on a 16-bit pair (DT), both exact: q is an E2M1 grid value or a larger power-of-two multiple of one
    (at most 2 significant bits), s an E4M3 value (4), so the product has at most 6 significant bits and lies within

@@ -116,6 +116,21 @@ AQ_HD float aq_e2m1_round(float y) {
     return aq_bits_float(aq_float_bits(mag) | (aq_float_bits(y) & 0x80000000u));
 }
 
+/* aq_e2m1_round(y) for 0 <= y <= 2^20 or NaN, before the clamp at 6, in five instructions for the kernels' hot
+   loops: y + c - c rounds to the multiple of c * 2^-23 (ties to even), with c = 2^(22 + max(e, 0)) for y's
+   exponent e, which is the E2M1 grid's spacing (0.5 below 2, then 1, 2, ...). Clamping after rounding gives what
+   clamping first gives: 6 is on the grid and the rounding is monotonic, so any y > 6 rounds to 6 or more. A NaN
+   y stays NaN. Same values as aq_e2m1_round (checked for every fp32 input by tests/test_nvfp4.py). */
+AQ_HD float aq_e2m1_round_nonneg_unclamped(float y) {
+    const uint32_t e = aq_float_bits(y) & 0x7F800000u;
+    const float c = aq_bits_float((e > 0x3F800000u ? e : 0x3F800000u) + (22u << 23));
+#ifdef __CUDA_ARCH__
+    return __fsub_rn(__fadd_rn(y, c), c);
+#else
+    return (y + c) - c;
+#endif
+}
+
 /* The E2M1 code (sign << 3 | magnitude index 0..7) of aq_e2m1_round(y). From 1 on, the exponent and the
    one mantissa bit of the rounded value spell the index; below 1 the value is 0 or 0.5. */
 AQ_HD uint8_t aq_e2m1_code(float y) {

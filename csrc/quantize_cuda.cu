@@ -152,6 +152,52 @@ __global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params
         if (i < n) *(uint32_t *)(dst + i * p.inner) = raw[i];
 }
 
+// The V pre-pass's fake quantization (16-bit T, no codes or scales), laid out as quantize_tokens_kernel: a thread
+// per 16-row block of two columns. Both columns at once, each value taken from and put back into its 32-bit word:
+// the amaxes of both from one 16x2-bit integer max a row (the bits of |x| order like the values, NaN above Inf),
+// y = min(|x| r, 6) rounded by aq_e2m1_round_nonneg_unclamped, times s, and the sign back. ~12 instructions an
+// element where the general path's aq_fake_quantize_element took ~20, and 16 words of registers: the general
+// kernel ran at 49% of a copy's speed here (performance.md v16). Same values: zero blocks give +0 (the sign is
+// kept only where s > 0), and a NaN or Inf in a block gives a NaN scale, hence NaN (r = 0 there keeps y finite).
+template <typename T, typename I>
+__global__ void __launch_bounds__(256) fake_quantize_tokens_kernel(aq_quantize_params p) {
+    static_assert(sizeof(T) == 2, "two 16-bit columns a 32-bit word");
+    const I chunks = (I)(p.inner / 2), nblocks = (I)((p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK);
+    const I idx = blockIdx.x * (I)blockDim.x + threadIdx.x;
+    if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * nblocks * chunks) return;
+    const I chunk = idx % chunks, ob = idx / chunks, blk = ob % nblocks, o = ob / nblocks;
+    const int64_t a0 = (int64_t)blk * AQ_BLOCK, in0 = (int64_t)chunk * 2;
+    const int n = (int)min((int64_t)AQ_BLOCK, p.axis_len - a0);
+    const T *src = (const T *)p.x + outer_offset(p, o) + a0 * p.stride_axis + in0;
+    uint32_t raw[AQ_BLOCK], amax2 = 0;
+#pragma unroll
+    for (int i = 0; i < AQ_BLOCK; i++) raw[i] = i < n ? __ldg((const uint32_t *)(src + i * p.stride_axis)) : 0u;
+#pragma unroll
+    for (int i = 0; i < AQ_BLOCK; i++) amax2 = __vmaxu2(amax2, raw[i] & 0x7FFF7FFFu);
+    float s[2], r[2];
+    uint32_t sign[2];
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        const float amax = to_float<T>(from_bits<T>(amax2 >> (16 * c) & 0xFFFFu));
+        s[c] = aq_block_scale_from_amax_bits(__float_as_uint(amax));
+        r[c] = s[c] > 0.0f ? __frcp_rn(s[c]) : 0.0f;
+        sign[c] = s[c] > 0.0f ? 0x80000000u : 0u;
+    }
+    auto fake = [&](float x, int c) {
+        const float q = aq_e2m1_round_nonneg_unclamped(fminf(__fmul_rn(fabsf(x), r[c]), 6.0f));
+        return __uint_as_float(__float_as_uint(__fmul_rn(q, s[c])) | (__float_as_uint(x) & sign[c]));
+    };
+#pragma unroll
+    for (int i = 0; i < AQ_BLOCK; i++) {
+        const float lo = to_float<T>(from_bits<T>(raw[i] & 0xFFFFu)), hi = to_float<T>(from_bits<T>(raw[i] >> 16));
+        raw[i] = to_bits<T>(from_float<T>(fake(lo, 0))) | (to_bits<T>(from_float<T>(fake(hi, 1))) << 16);
+    }
+    T *dst = (T *)p.fake + ((int64_t)o * p.axis_len + a0) * p.inner + in0;
+#pragma unroll
+    for (int i = 0; i < AQ_BLOCK; i++)
+        if (i < n) *(uint32_t *)(dst + i * p.inner) = raw[i];
+}
+
 // Any other layout: one thread per (outer, block, inner column), inner fastest.
 template <typename T, typename I>
 __global__ void __launch_bounds__(256) quantize_strided_kernel(aq_quantize_params p) {
@@ -268,7 +314,15 @@ static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
     } else if (tokens) {
         const int64_t work = outer * nblocks * (p->inner / (4 / (int)sizeof(T)));
         const unsigned grid = grid_for(work, threads);
-        if (grid * (int64_t)threads < ((int64_t)1 << 32)) quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
+        const bool small = grid * (int64_t)threads < ((int64_t)1 << 32);
+        if constexpr (sizeof(T) == 2) {
+            if (p->fake && !p->codes && !p->scales) {
+                if (small) fake_quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
+                else fake_quantize_tokens_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
+                return;
+            }
+        }
+        if (small) quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
         else quantize_tokens_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
     } else {
         const unsigned grid = grid_for(outer * nblocks * p->inner, threads);

@@ -201,6 +201,22 @@ def test_cuda_dequantize_layouts(dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_tokens_fake_quantize_every_16_bit_value(dtype):
+    """The V pre-pass's kernel (blocks along an outer axis, two 16-bit columns a thread: fake_quantize_tokens_kernel
+    in quantize_cuda.cu, with its own rounding path) on every 16-bit pattern (NaN, Inf, subnormals, -0), in blocks
+    of neighbouring magnitudes and of mixed ones, then a block of -0 and a partial last block, the output poisoned
+    first: bit for bit the CPU kernel's values."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).view(2048, 32)
+    mixed = x.flatten()[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(8))].view(2048, 32)
+    tail = torch.cat([torch.full((16, 32), -0.0), torch.randn(5, 32, generator=torch.Generator().manual_seed(9))])
+    for t in (x, mixed, tail.to(dtype)):
+        torch.full((1 << 21,), float("nan"), device="cuda")  # freed, then handed out again to the output
+        gpu = attn_qat.fake_quantize(t.cuda(), 0, partial_last_block=True)
+        assert same_bits(gpu, attn_qat.fake_quantize(t, 0, partial_last_block=True))
+
+
+@requires_cuda
 def test_cuda_matches_reference_on_many_random_values():
     # Wide dynamic range so every scale exponent, subnormal scales and flushed blocks all occur.
     g = torch.Generator().manual_seed(5)
