@@ -1,8 +1,8 @@
 """Attention speed: attn_qat's training forward (with O'), inference forward, backward and `bf16` mode,
 against torch SDPA's cuDNN and FlashAttention-2 backends on the same tensors, in one process.
 
-FLOPs: forward 4·B·H·Nq·Nk·D, backward 2.5× that, halved when causal. Times are CUDA-event medians;
-inputs alternate between two sets so no run reads the previous run's inputs from L2.
+FLOPs: forward 4·B·H·Nq·Nk·D, backward 2.5× that, halved when causal. Times are medians of back-to-back calls
+timed between CUDA events (common.median_ms); inputs alternate between two sets so no run reads the previous run's inputs from L2.
 
     python benchmarks/bench_attention.py [--out benchmarks/results/attention.json] [--quick]
 """

@@ -13,7 +13,7 @@ call finds the previous call's cache in L2 and neither side's host launch overhe
 on the lent H100 machines a decode call spends 50-60 us in Python checks and op dispatch, more than the kernels
 take at 4k context, and eager timing then measures the host. Serving stacks replay decode steps as graphs too.
 
-    python benchmarks/bench_decode.py [--out benchmarks/results/decode.json] [--quick] [--peak-gbs 3350]
+    python benchmarks/bench_decode.py [--out benchmarks/results/decode.json] [--quick] [--peak-gbs GB/s]
 """
 import argparse
 import os
@@ -60,6 +60,10 @@ def make_caches(b, hkv, ctx, d, copies=2):
         out.append((cache, paged, k, v))
     torch.cuda.synchronize()
     return out, lengths
+
+
+# Nominal HBM bandwidth by GPU name (the first entry whose key the name contains), GB/s.
+NOMINAL_HBM_GBS = (("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0))
 
 
 def bench_shape(name, shape, repeat, copy_gbs, peak_gbs):
@@ -144,10 +148,17 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     parser.add_argument("--quick", action="store_true", help="only " + ", ".join(QUICK))
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--peak-gbs", type=float, default=3350.0, help="nominal HBM GB/s (H100 SXM: 3350)")
+    parser.add_argument("--peak-gbs", type=float, default=None,
+                        help="nominal HBM GB/s (default: from the GPU's name, " +
+                        ", ".join(f"{k} {v:.0f}" for k, v in NOMINAL_HBM_GBS) + ")")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode needs a CUDA GPU")
+    if args.peak_gbs is None:
+        name = torch.cuda.get_device_name()
+        args.peak_gbs = next((v for k, v in NOMINAL_HBM_GBS if k in name), None)
+        if args.peak_gbs is None:
+            sys.exit(f"bench_decode: no nominal HBM bandwidth known for {name}; pass --peak-gbs")
     src = torch.empty(1 << 29, device="cuda", dtype=torch.uint8)  # 512 MB, far beyond L2
     dst = torch.empty_like(src)
     copy_ms = median_ms(lambda: dst.copy_(src))

@@ -4,8 +4,8 @@ SDPA's cuDNN and FlashAttention-2 backends on the same bf16 tensors, in one proc
 
 Besides time it reports what packing buys: the bytes of the operands (packed: half a byte per code plus
 one E4M3 scale per 16 values; bf16: two bytes per value), K+V bytes per token (what a KV cache holds per
-token and layer), and each call's peak of extra device memory. Times are CUDA-event medians over inputs
-alternating between two sets, so no run reads the previous run's inputs from L2.
+token and layer), and each call's peak of extra device memory. Times are medians of back-to-back calls
+timed between CUDA events (common.median_ms) over inputs alternating between two sets, so no run reads the previous run's inputs from L2.
 
     python benchmarks/bench_prefill.py [--out benchmarks/results/prefill.json] [--quick] [--repeat 10]
 """

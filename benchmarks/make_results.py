@@ -35,7 +35,8 @@ def quant_section(d):
 def attention_section(d):
     lines = [f"## Attention (`bench_attention.py`)\n",
              f"{d['gpu']}, {d['date']}, commit {d['commit']}, torch {d['torch']}. FLOPs: {d['flops']}. "
-             "Times are CUDA-event medians; cuDNN and FA2 are torch SDPA's backends on the same tensors in the "
+             "Times are medians of back-to-back calls timed between CUDA events (common.median_ms: the host's launch "
+             "time is not counted once the GPU has work queued); cuDNN and FA2 are torch SDPA's backends on the same tensors in the "
              "same process (with K/V expanded for grouped heads). Cells: ms / TFLOP/s.\n"]
     labels = list(d["shapes"][0]["results"])
     lines += ["| shape (B, Hq, Hkv, Nq, Nk, D, causal) | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
