@@ -121,8 +121,8 @@ torch.library.register_autograd("attn_qat::fake_quantize_qkv", _qkv_backward)
 def _attention_setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, mode, need_grad = inputs
     out, out_prime, frame, row_sum, q_fq, k_fq, v_fq = output
-    # The backward takes Q^F, K^F, V^F where the op returned them (empty otherwise; a query is never empty).
-    ctx.operands_quantized = q_fq.numel() > 0
+    # The backward takes Q^F, K^F, V^F where the op returned them (as csrc/ops.cpp decides).
+    ctx.operands_quantized = need_grad and _quantized_backward(mode)
     if ctx.operands_quantized:
         q, k, v = q_fq, k_fq, v_fq
     ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask)

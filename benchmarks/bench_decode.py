@@ -62,8 +62,9 @@ def make_caches(b, hkv, ctx, d, copies=2):
     return out, lengths
 
 
-# Nominal HBM bandwidth by GPU name (the first entry whose key the name contains), GB/s.
-NOMINAL_HBM_GBS = (("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0))
+# Nominal HBM bandwidth by GPU name (the first entry whose key the name contains), GB/s; None: varies by model
+# (GH200 with HBM3 or HBM3e), pass --peak-gbs.
+NOMINAL_HBM_GBS = (("GH200", None), ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0))
 
 
 def bench_shape(name, shape, repeat, copy_gbs, peak_gbs):
@@ -150,12 +151,12 @@ def main():
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--peak-gbs", type=float, default=None,
                         help="nominal HBM GB/s (default: from the GPU's name, " +
-                        ", ".join(f"{k} {v:.0f}" for k, v in NOMINAL_HBM_GBS) + ")")
+                        ", ".join(f"{k} {v:.0f}" for k, v in NOMINAL_HBM_GBS if v) + ")")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode needs a CUDA GPU")
     if args.peak_gbs is None:
-        name = torch.cuda.get_device_name()
+        name = torch.cuda.get_device_name(0)  # the device metadata() names
         args.peak_gbs = next((v for k, v in NOMINAL_HBM_GBS if k in name), None)
         if args.peak_gbs is None:
             sys.exit(f"bench_decode: no nominal HBM bandwidth known for {name}; pass --peak-gbs")

@@ -158,7 +158,8 @@ __global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params
 // y = min(|x| r, 6) rounded by aq_e2m1_round_nonneg_unclamped, times s, and the sign back. ~12 instructions an
 // element where the general path's aq_fake_quantize_element took ~20, and 16 words of registers: the general
 // kernel ran at 49% of a copy's speed here (performance.md v16). Same values: zero blocks give +0 (the sign is
-// kept only where s > 0), and a NaN or Inf in a block gives a NaN scale, hence NaN (r = 0 there keeps y finite).
+// kept only where s > 0), and a NaN or Inf in a block gives a NaN scale, hence NaN (r = 0 there; an Inf's
+// Inf * 0 = NaN becomes 6 in fminf, within the rounding's domain, and its product with the NaN scale is NaN).
 template <typename T, typename I>
 __global__ void __launch_bounds__(256) fake_quantize_tokens_kernel(aq_quantize_params p) {
     static_assert(sizeof(T) == 2, "two 16-bit columns a 32-bit word");

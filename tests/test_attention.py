@@ -348,8 +348,9 @@ def test_opcheck(device):
     q, k, v, dout = make_inputs(1, 4, 2, 24, 40, 64, torch.bfloat16, device, layout="bshd")
     mask = torch.zeros(1, 4, 24, 40, device=device)
     fwd = torch.ops.attn_qat.attention_forward.default
-    for mode in (0, 4):
-        args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), mask, 0.125, 1, mode, True)
+    for mode, need_grad in ((0, True), (2, True), (3, True), (4, True), (0, False)):
+        # need_grad=False returns no O' or Q^F, K^F, V^F, so nothing differentiates through such a call
+        args = tuple(t.detach().requires_grad_(need_grad) for t in (q, k, v)) + (mask, 0.125, 1, mode, need_grad)
         torch.library.opcheck(fwd, args)
     q, k, v = q.detach(), k.detach(), v.detach()  # the backward op has no double backward
     out, out_prime, frame, row_sum, qf, kf, vf = fwd(q, k, v, None, 0.125, 2, 0, True)

@@ -194,8 +194,9 @@ def test_cuda_dequantize_layouts(dtype):
         x = (torch.randn(shape, generator=g) * 10).to(dtype)
         x.view(-1)[7] = float("nan")
         cpu = attn_qat.quantize(x, axis, partial_last_block=True).dequantize()
-        torch.full((1 << 20,), float("nan"), device="cuda")  # freed, then handed out again to the output
-        gpu = attn_qat.quantize(x.cuda(), axis, partial_last_block=True).dequantize()
+        packed = attn_qat.quantize(x.cuda(), axis, partial_last_block=True)
+        torch.full(x.shape, float("nan"), dtype=dtype, device="cuda")  # freed, then handed out to the output
+        gpu = packed.dequantize()
         assert same_bits(gpu, cpu), f"{shape} axis {axis}"
         assert same_bits(gpu, attn_qat.fake_quantize(x, axis, partial_last_block=True)), f"{shape} axis {axis}"
 
@@ -211,8 +212,9 @@ def test_cuda_tokens_fake_quantize_every_16_bit_value(dtype):
     mixed = x.flatten()[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(8))].view(2048, 32)
     tail = torch.cat([torch.full((16, 32), -0.0), torch.randn(5, 32, generator=torch.Generator().manual_seed(9))])
     for t in (x, mixed, tail.to(dtype)):
-        torch.full((1 << 21,), float("nan"), device="cuda")  # freed, then handed out again to the output
-        gpu = attn_qat.fake_quantize(t.cuda(), 0, partial_last_block=True)
+        on_gpu = t.cuda()
+        torch.full_like(on_gpu, float("nan"))  # freed, then handed out again to the output (same size, same pool)
+        gpu = attn_qat.fake_quantize(on_gpu, 0, partial_last_block=True)
         assert same_bits(gpu, attn_qat.fake_quantize(t, 0, partial_last_block=True))
 
 
