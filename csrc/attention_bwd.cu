@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, key0 = 16 * warp;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
     const work_item wi =
-        work_item_at((int)blockIdx.x, (nk + BWD_KEYS - 1) / BWD_KEYS, (int)p.heads_kv, (int)p.batch, p.causal, false);
+        work_item_at((int)blockIdx.x, (nk + BWD_KEYS - 1) / BWD_KEYS, (int)p.heads_kv, (int)p.batch, p.causal, false,
+                     p.sm_count);
     const int k0 = wi.tile * BWD_KEYS, hk = wi.h, b = wi.b;
 
     load_tile<BWD_KEYS, D, DT>(ks,
@@ -170,7 +171,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k;
     const work_item wi =
-        work_item_at((int)blockIdx.x, (nq + BWD_ROWS - 1) / BWD_ROWS, (int)p.heads_q, (int)p.batch, p.causal, true);
+        work_item_at((int)blockIdx.x, (nq + BWD_ROWS - 1) / BWD_ROWS, (int)p.heads_q, (int)p.batch, p.causal, true,
+                     p.sm_count);
     const int h = wi.h, b = wi.b, hk = h / (int)(p.heads_q / p.heads_kv), q0 = wi.tile * BWD_ROWS;
     const logit_map lm =
         make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
@@ -309,11 +311,16 @@ static const char *launch_bwd_all(const aq_attention_bwd_params *p, cudaStream_t
     return launch_bwd<D, DT>(p, stream, vec, only_if);
 }
 
-const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, void *stream) {
-    const char *err = check_attention_sizes(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv, p->seqlen_q,
-                                            p->seqlen_k);
+const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *caller, void *stream) {
+    const char *err = check_attention_sizes(caller->dtype, caller->head_dim, caller->batch, caller->heads_q,
+                                            caller->heads_kv, caller->seqlen_q, caller->seqlen_k);
     if (err) return err;
-    if (p->batch == 0) return NULL;
+    if (caller->batch == 0) return NULL;
+    aq_attention_bwd_params params = *caller, *p = &params;
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&params.sm_count, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return cudaGetErrorString(e);
     const bool vec = vec_ok(p->q, p->q_stride) && vec_ok(p->k, p->k_stride) && vec_ok(p->v, p->v_stride) &&
                      vec_ok(p->dout, p->dout_stride) && vec_ok(p->dq, p->dq_stride) && vec_ok(p->dk, p->dk_stride) &&
                      vec_ok(p->dv, p->dv_stride);

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(128)
     const int i = t / BWD90_KEYS, r = t % BWD90_KEYS, nk = (int)p.seqlen_k;
     if (i >= ts.tail_items) return;
     const work_item wi = work_item_at(ts.main_items + i, (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv,
-                                      (int)p.batch, 0, false);
+                                      (int)p.batch, 0, false, p.sm_count);
     const int key = wi.tile * BWD90_KEYS + r;
     if (key >= nk) return;
     const float *part = ts.part + (int64_t)i * ts.splits * P::FLOATS + r * D + C * lane;
@@ -185,7 +185,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
     const work_item wi = work_item_at(TAIL ? ts.main_items + (int)blockIdx.x / ts.splits : (int)blockIdx.x,
-                                      (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv, (int)p.batch, p.causal, false);
+                                      (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv, (int)p.batch, p.causal, false,
+                                      p.sm_count);
     const int k0 = wi.tile * BWD90_KEYS, hk = wi.h, b = wi.b;
     /* the first query step that sees key k0 (the same for every head: masks do not move it) */
     const logit_map lm0 = make_logit_map(NULL, p.mask_stride, b, 0, nq, nk, p.causal, p.causal_offset, 0.0f);
@@ -413,7 +414,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k;
     const work_item wi = work_item_at((int)blockIdx.x, (nq + BWD90_ROWS - 1) / BWD90_ROWS, (int)p.heads_q,
-                                      (int)p.batch, p.causal, true);
+                                      (int)p.batch, p.causal, true, p.sm_count);
     const int h = wi.h, b = wi.b, hk = h / (int)(p.heads_q / p.heads_kv), q0 = wi.tile * BWD90_ROWS;
     const logit_map lm =
         make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);

@@ -259,7 +259,7 @@ typedef struct {
    w.h and batch entry w.b, for block t of a 1-D grid of n_tiles x heads x batch. Blocks start in index order. By
    default each head's tiles go side by side (they read the same Q and dO, or K and V, from L2), and under a causal
    mask the longest first (the first key tile, or the last query tile: last_longest). But then each head's longest
-   item comes once more near the end, and when the grid is short (under ~13 waves of 132 items) and the items long
+   item comes once more near the end, and when the grid is short (under ~13 waves of `sms` items) and the items long
    (grouped heads: a dK/dV item covers the group's query heads), the last wave holds long items: the Qwen causal
    backward (4 x 8 KV heads, 4096 tokens) was 14% over its mean in a list-scheduling model (a CTA an SM). There
    the tiles go longest first across chunks of consecutive heads (h + heads b) of about two waves of items. H200,
@@ -268,11 +268,11 @@ typedef struct {
    the model gains less and L2 loses more (more heads in flight): (8, 16, 4096) MHA 3.90 -> 4.03, so grids over
    13 waves keep head-major order. The forward keeps it too: a short item at the end moves it 1-3% (model), and
    this index arithmetic held across its loop made the quantized forward spill. */
-AQ_D work_item work_item_at(int t, int n_tiles, int heads, int batch, int causal, bool last_longest) {
+AQ_D work_item work_item_at(int t, int n_tiles, int heads, int batch, int causal, bool last_longest, int sms) {
     const int n_hb = heads * batch;
     int tile, hb;
-    if (causal && n_hb * n_tiles <= 13 * 132) {
-        const int want = (2 * 132 + n_tiles - 1) / n_tiles, n_chunks = (n_hb + want - 1) / want;
+    if (causal && n_hb * n_tiles <= 13 * sms) {
+        const int want = (2 * sms + n_tiles - 1) / n_tiles, n_chunks = (n_hb + want - 1) / want;
         const int chunk = (n_hb + n_chunks - 1) / n_chunks; /* equal chunks, the last up to n_chunks - 1 smaller */
         const int first = t / (chunk * n_tiles) * chunk, r = t - first * n_tiles, size = min(chunk, n_hb - first);
         tile = r / size, hb = first + r % size;

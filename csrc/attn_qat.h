@@ -101,6 +101,7 @@ typedef struct {
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_bwd_sm90.cu) */
     float *dq_accum;         /* CUDA: NULL, or aq_attention_bwd_dq_accum_floats floats (see above) */
     float *tail_workspace;   /* CUDA: NULL, or aq_attention_bwd_tail_floats floats (the split last wave's parts) */
+    int sm_count;            /* CUDA: set by aq_attention_bwd_cuda (the causal order of work, work_item_at) */
 } aq_attention_bwd_params;
 
 /* CPU kernels (C) */

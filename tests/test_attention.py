@@ -428,7 +428,7 @@ def test_longer_sequences_cuda(n):
 @pytest.mark.parametrize("kernels", ["default", "deterministic", "mma_sync"])
 def test_causal_backward_order_covers_every_tile(monkeypatch, kernels):
     """A short causal backward grid goes longest first across chunks of heads (work_item_at in
-    attention_common.cuh), the last chunk smaller: 5 x 7 heads of 1000 tokens make chunks of 18 and 17 heads
+    attention_common.cuh), the last chunk smaller: on 132 SMs, 5 x 7 heads of 1000 tokens make chunks of 18 and 17 heads
     (Hopper's 128-key and 128-query tiles; 12, 12 and 11 for mma.sync's 64-key tiles). Every gradient row (the
     allocator poisoned before the run) must match the reference."""
     q, k, v, dout = make_inputs(5, 7, 7, 1000, 1000, 64, torch.bfloat16, "cuda",
