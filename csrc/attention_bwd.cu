@@ -317,9 +317,7 @@ const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *caller, void *s
     if (err) return err;
     if (caller->batch == 0) return NULL;
     aq_attention_bwd_params params = *caller, *p = &params;
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&params.sm_count, cudaDevAttrMultiProcessorCount, device);
+    const cudaError_t e = sm_count(&params.sm_count);
     if (e != cudaSuccess) return cudaGetErrorString(e);
     const bool vec = vec_ok(p->q, p->q_stride) && vec_ok(p->k, p->k_stride) && vec_ok(p->v, p->v_stride) &&
                      vec_ok(p->dout, p->dout_stride) && vec_ok(p->dq, p->dq_stride) && vec_ok(p->dk, p->dk_stride) &&

@@ -1185,6 +1185,14 @@ AQ_D void poison_nonfinite_products(float (&acc)[D / 8][4], const uint64_t visib
 
 AQ_HD bool aligned16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
+/* The current device's SM count in *n: the grid of a persistent kernel, the last wave's split (hopper.cuh), the
+   causal backward's order of work (work_item_at). */
+static inline cudaError_t sm_count(int *n) {
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    return err != cudaSuccess ? err : cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev);
+}
+
 /* NULL, or the error of the last kernel launch. */
 static inline const char *launch_status(void) {
     const cudaError_t err = cudaGetLastError();

@@ -362,13 +362,6 @@ static bool fragment_store_ok(const void *ptr, const int64_t stride[3]) {
     return ptr == NULL || (((uintptr_t)ptr & 3u) == 0 && stride[0] % 2 == 0 && stride[1] % 2 == 0 && stride[2] % 2 == 0);
 }
 
-/* The current device's SM count in *n: the grid of a persistent kernel. */
-static cudaError_t sm_count(int *n) {
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    return err != cudaSuccess ? err : cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev);
-}
-
 /* The last wave of a grid of equal work items, split (host plan, kernel argument). A grid of W items on an SM each
    takes ceil(W / sms) item times; when the last wave holds only a few items, the rest of the GPU waits for them
    (4096 items on 132 SMs: 32 waves for 31.03 of work, 3% of the kernel). Split, the first main_items run as before

@@ -349,6 +349,9 @@ bool quantized_backward(int64_t mode) {
     return mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P || mode == MODE_LOW_PRECISION_O;
 }
 
+// Whether the mode's backward takes delta from O' (the forward's P̂ V), so that a training forward must return O'.
+bool delta_from_out_prime(int64_t mode) { return mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P; }
+
 // Returns (out, out_prime, frame, row_sum, q_fq, k_fq, v_fq). need_grad: the call is for training, so the
 // backward's operands come back too: O' when the mode's backward uses it (attn_qat, high_precision_p), and
 // Q^F, K^F, V^F in the modes whose backward differentiates through them (attn_qat, high_precision_p,
@@ -365,7 +368,7 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
     Tensor kf = quantize ? fake_quantize_operand(k, false) : k;
     Tensor vf = quantize ? fake_quantize_operand(v, true) : v;
     Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
-    const bool with_prime = need_grad && (mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P);
+    const bool with_prime = need_grad && delta_from_out_prime(mode);
     const bool with_operands = need_grad && quantized_backward(mode);
     auto none = [&q]() { return torch::stable::new_empty(q, {0}); }; // a fresh one each: outputs may not alias
     Tensor out_prime = with_prime ? empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim) : none();
@@ -391,7 +394,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     STD_TORCH_CHECK(!operands_quantized || mode != MODE_DROP_IN,
                     "attn_qat: drop_in's backward needs the unquantized operands");
     const bool quantized_operands = !operands_quantized && quantized_backward(mode);
-    const bool delta_from_prime = mode == MODE_ATTN_QAT || mode == MODE_HIGH_PRECISION_P;
+    const bool delta_from_prime = delta_from_out_prime(mode);
     STD_TORCH_CHECK(!delta_from_prime || out_prime.numel() == out.numel(),
                     "attn_qat: this mode's backward needs O' from the forward (need_grad=True)");
     Tensor qo = quantized_operands ? fake_quantize_operand(q, false) : q;
