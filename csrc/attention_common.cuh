@@ -417,10 +417,7 @@ AQ_D void p_block_scale(uint32_t amax_bits, float *s, float *s_pf, float *r) {
 
 /* e2m1(x * r) * s for x >= 0 or NaN. */
 AQ_D float p_fake_quantize_element(float x, float s, float r) {
-    const float y = fminf(__fmul_rn(x, r), 6.0f);
-    const uint32_t e = max(__float_as_uint(y) & 0x7F800000u, 0x3F800000u) + (22u << 23);
-    const float c = __uint_as_float(e);
-    return __fmul_rn(__fsub_rn(__fadd_rn(y, c), c), s);
+    return __fmul_rn(aq_e2m1_round_nonneg_unclamped(fminf(__fmul_rn(x, r), 6.0f)), s);
 }
 
 /* Query rows in C-fragment rows (forward): one row's 16-key block is two adjacent n-blocks, held by the 4 lanes

@@ -171,9 +171,13 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     /* a consumer warp's P block scales (quantized kernels): reciprocals, then DT scale pairs, each [block pair][lane].
        Each lane computes one row-block's and needs its quad's four: a 16-byte load each, where shuffles took 8 a
        block pair (performance.md v12). Set here, before the roles split: computed in the consumer branch, the
-       pointer cost the inference kernel 37 more spill loads. The producer warps, which never use it, get warp 4's. */
+       pointer cost the inference kernel 37 more spill loads. The producer warps, which never use it, get warp 4's.
+       quad_scales: the entries of the lane's quad, one base for every block pair's load, whose offsets then fold
+       into the load instructions (indexed from warp_scales, each block pair's address took a register of its own,
+       and the inference kernel spilled them: 73 spill instructions against 26). */
     uint32_t *warp_scales = (uint32_t *)(smem + L::SCALES_OFFSET) +
                             max((int)threadIdx.x / 32 - 4, 0) * 2 * (BN / 32) * 32;
+    const uint32_t *quad_scales = warp_scales + ((int)threadIdx.x & 28);
     uint64_t *q_full = bars, *q_empty = bars + 1, *k_full = bars + 2, *v_full = k_full + SM90_STAGES,
              *k_empty = v_full + SM90_STAGES, *v_empty = k_empty + SM90_STAGES;
 
@@ -348,12 +352,12 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 #pragma unroll
             for (int kb = 0; kb < BN / 16; kb += 2)
                 p_round_block_pair(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3],
-                                   *(const float4 *)&warp_scales[kb / 2 * 32 + (lane & ~3)]);
+                                   *(const float4 *)&quad_scales[kb / 2 * 32]);
         };
         auto pack_p = [&]() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
 #pragma unroll
             for (int kb = 0; kb < BN / 16; kb += 2) {
-                const uint4 quad_s = *(const uint4 *)&warp_scales[(BN / 32 + kb / 2) * 32 + (lane & ~3)];
+                const uint4 quad_s = *(const uint4 *)&quad_scales[(BN / 32 + kb / 2) * 32];
                 pack_quantized_p_pair<DT>(a_o[kb], a_o[kb + 1], sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2],
                                           sc[2 * kb + 3], quad_s);
             }

@@ -116,21 +116,20 @@ AQ_HD float aq_e2m1_round(float y) {
     return aq_bits_float(aq_float_bits(mag) | (aq_float_bits(y) & 0x80000000u));
 }
 
-/* aq_e2m1_round(y) for 0 <= y <= 2^20 or NaN, before the clamp at 6, in five instructions for the kernels' hot
-   loops: y + c - c rounds to the multiple of c * 2^-23 (ties to even), with c = 2^(22 + max(e, 0)) for y's
-   exponent e, which is the E2M1 grid's spacing (0.5 below 2, then 1, 2, ...). Clamping after rounding gives what
-   clamping first gives: 6 is on the grid and the rounding is monotonic, so any y > 6 rounds to 6 or more. A NaN
-   y stays NaN. Only under that condition: negative y and y >= 2^106 (c overflows) come out wrong. There it
-   equals aq_e2m1_round(min(y, 6)) clamped at 6 (checked for all 1.09e9 fp32 values in [0, 6] in a numpy
-   emulation when written; tests/test_nvfp4.py and tests/test_attention.py check its kernels bit for bit). */
+/* aq_e2m1_round(y) for 0 <= y <= 2^20 or NaN, before the clamp at 6, in four instructions for the kernels' hot
+   loops: with b = 2^max(e, 0) for y's exponent e (an integer max and a mask on y's bits), fma(b, 2^22, y) rounds
+   y once to the multiple of b / 2 (ties to even: 2^22 b has an even significand), which is the E2M1 grid's
+   spacing (0.5 below 2, then 1, 2, ...), and fma(b, -2^22, .) takes 2^22 b off again exactly. (The sum stays in
+   2^22 b's binade, y < 2b.) Clamping after rounding gives what clamping first gives: 6 is on the grid and the
+   rounding is monotonic, so any y > 6 rounds to 6 or more. A NaN y stays NaN. Only under that condition: negative
+   y and y = +Inf (NaN out) come out wrong. It equals aq_e2m1_round(min(y, 6)) clamped at 6 (checked for all
+   1.09e9 fp32 values in [0, 6] in a numpy emulation; the form before this one, y + c - c with c = 2^22 b built by
+   an integer add, five instructions, was checked bit for bit against this one for every fp32 y in [0, 2^20] and
+   NaN; tests/test_nvfp4.py and tests/test_attention.py check its kernels bit for bit). */
 AQ_HD float aq_e2m1_round_nonneg_unclamped(float y) {
-    const uint32_t e = aq_float_bits(y) & 0x7F800000u;
-    const float c = aq_bits_float((e > 0x3F800000u ? e : 0x3F800000u) + (22u << 23));
-#ifdef __CUDA_ARCH__
-    return __fsub_rn(__fadd_rn(y, c), c);
-#else
-    return (y + c) - c;
-#endif
+    const uint32_t bits = aq_float_bits(y);
+    const float b = aq_bits_float((bits > 0x3F800000u ? bits : 0x3F800000u) & 0x7F800000u);
+    return aq_fma_rn(b, -4194304.0f, aq_fma_rn(b, 4194304.0f, y));
 }
 
 /* The E2M1 code (sign << 3 | magnitude index 0..7) of aq_e2m1_round(y). From 1 on, the exponent and the
