@@ -382,9 +382,9 @@ AQ_D float p_hat(float u, float exp_scale, float frame) { return frame_exp2(fmaf
    - amax / 6 correctly rounded as x * fl(1/6) plus one fma correction (Markstein; checked for every fp32 x:
      it differs from x / 6 only where x / 6 is subnormal, and such a scale is 0 either way);
    - the E4M3 rounding by the hardware cvt (sm_89+; nvfp4.h's software rounding elsewhere);
-   - e2m1(y) for y >= 0 as (y + c) - c with c = 2^(22 + max(exponent(y), 0)): fp32 addition rounds y to the E2M1
-     spacing of its binade (0.5 below 2, 1 below 4, 2 from 4), ties to even, which is the E2M1 tie rule
-     (checked for every fp32 y in [0, 64]; fminf saturates at 6 first);
+   - e2m1(y) for y >= 0 by nvfp4.h's aq_e2m1_round_nonneg_unclamped: y + 2^(22 + max(exponent(y), 0)) rounded once
+     (an fma) lands on the E2M1 spacing of y's binade (0.5 below 2, 1 below 4, 2 from 4), ties to even, which is
+     the E2M1 tie rule; the offset comes off exactly (fminf saturates at 6 first, or a 16-bit min after);
    - r = fl(2^11 / s) from the approximate reciprocal and one Newton step (exact for E4M3 scales, see below);
    - a zero-scale block uses r = 0, so its y and values are 0; a NaN scale makes every value NaN. */
 

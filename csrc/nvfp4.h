@@ -122,10 +122,11 @@ AQ_HD float aq_e2m1_round(float y) {
    spacing (0.5 below 2, then 1, 2, ...), and fma(b, -2^22, .) takes 2^22 b off again exactly. (The sum stays in
    2^22 b's binade, y < 2b.) Clamping after rounding gives what clamping first gives: 6 is on the grid and the
    rounding is monotonic, so any y > 6 rounds to 6 or more. A NaN y stays NaN. Only under that condition: negative
-   y and y = +Inf (NaN out) come out wrong. It equals aq_e2m1_round(min(y, 6)) clamped at 6 (checked for all
-   1.09e9 fp32 values in [0, 6] in a numpy emulation; the form before this one, y + c - c with c = 2^22 b built by
-   an integer add, five instructions, was checked bit for bit against this one for every fp32 y in [0, 2^20] and
-   NaN; tests/test_nvfp4.py and tests/test_attention.py check its kernels bit for bit). */
+   y, y >= 2^106 (the sum overflows: Inf out) and y = +Inf (NaN out) come out wrong. It equals
+   aq_e2m1_round(min(y, 6)) clamped at 6 (checked for all 1.09e9 fp32 values in [0, 6] in a numpy emulation; the
+   form before this one, y + c - c with c = 2^22 b built by an integer add, five instructions, was checked bit for
+   bit against this one for every fp32 y in [0, 2^20] and NaN; tests/test_nvfp4.py and tests/test_attention.py
+   check its kernels bit for bit). */
 AQ_HD float aq_e2m1_round_nonneg_unclamped(float y) {
     const uint32_t bits = aq_float_bits(y);
     const float b = aq_bits_float((bits > 0x3F800000u ? bits : 0x3F800000u) & 0x7F800000u);
