@@ -17,6 +17,11 @@ def _quantized_backward(mode: int) -> bool:
     return MODES[mode] in ("attn_qat", "high_precision_p", "low_precision_o")
 
 
+def _delta_from_out_prime(mode: int) -> bool:
+    """As csrc/ops.cpp: whether the mode's backward takes delta from O', so that a training forward returns O'."""
+    return MODES[mode] in ("attn_qat", "high_precision_p")
+
+
 def mode_code(mode: str) -> int:
     if mode not in MODES:
         raise ValueError(f"attn_qat: mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -77,8 +82,7 @@ def _(q, k, v):
 def _(q, k, v, mask, scale, causal, mode, need_grad):
     b, h, n, d = q.shape
     out = _empty_like_layout(q, b, h, n, d)
-    out_prime = _empty_like_layout(q, b, h, n, d) if need_grad and MODES[mode] in ("attn_qat", "high_precision_p") \
-        else q.new_empty(0)
+    out_prime = _empty_like_layout(q, b, h, n, d) if need_grad and _delta_from_out_prime(mode) else q.new_empty(0)
     frame = q.new_empty(b, h, n, dtype=torch.float32)
     with_operands = need_grad and _quantized_backward(mode)
     operands = tuple(_empty_like_layout(t, *t.shape) if with_operands else q.new_empty(0) for t in (q, k, v))

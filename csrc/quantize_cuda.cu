@@ -118,6 +118,43 @@ __device__ __forceinline__ void quantize_token_column(const aq_quantize_params &
     }
 }
 
+// The tokens layout's unit of work (quantize_tokens_kernel, fake_quantize_tokens_kernel): thread idx takes the
+// 16-row block blk of outer index o, the 4 bytes of inner columns from in0 (4 / sizeof(T) columns), n <= 16 rows.
+template <typename I>
+struct TokenBlock {
+    I o, blk;
+    int64_t a0, in0;
+    int n;
+};
+
+// Thread idx's block (false past the end) and its rows' 32-bit words in raw, 0 past row n.
+template <typename T, typename I>
+__device__ __forceinline__ bool load_token_block(const aq_quantize_params &p, I nblocks, TokenBlock<I> *tb,
+                                                 uint32_t (&raw)[AQ_BLOCK]) {
+    constexpr int per_vec = 4 / sizeof(T);
+    const I chunks = (I)(p.inner / per_vec);
+    const I idx = blockIdx.x * (I)blockDim.x + threadIdx.x;
+    if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * nblocks * chunks) return false;
+    const I chunk = idx % chunks, ob = idx / chunks;
+    tb->blk = ob % nblocks, tb->o = ob / nblocks;
+    tb->a0 = (int64_t)tb->blk * AQ_BLOCK, tb->in0 = (int64_t)chunk * per_vec;
+    tb->n = (int)min((int64_t)AQ_BLOCK, p.axis_len - tb->a0);
+    const T *src = (const T *)p.x + outer_offset(p, tb->o) + tb->a0 * p.stride_axis + tb->in0;
+#pragma unroll
+    for (int i = 0; i < AQ_BLOCK; i++) raw[i] = i < tb->n ? __ldg((const uint32_t *)(src + i * p.stride_axis)) : 0u;
+    return true;
+}
+
+// The block's rows back into p.fake ((outer, axis_len, inner) contiguous).
+template <typename T, typename I>
+__device__ __forceinline__ void store_token_block(const aq_quantize_params &p, const TokenBlock<I> &tb,
+                                                  const uint32_t (&raw)[AQ_BLOCK]) {
+    T *dst = (T *)p.fake + ((int64_t)tb.o * p.axis_len + tb.a0) * p.inner + tb.in0;
+#pragma unroll
+    for (int i = 0; i < AQ_BLOCK; i++)
+        if (i < tb.n) *(uint32_t *)(dst + i * p.inner) = raw[i];
+}
+
 // Blocked axis not innermost, inner axis contiguous (V along tokens): a thread takes one 16-row block of
 // 4 bytes of inner columns (two 16-bit ones), reads its rows with 16 independent loads (a warp's loads of
 // one row are contiguous), quantizes each column in registers and writes the rows back the same way. (The
@@ -128,28 +165,19 @@ __device__ __forceinline__ void quantize_token_column(const aq_quantize_params &
 template <typename T, typename I>
 __global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params p) {
     constexpr int per_vec = 4 / sizeof(T);
-    const I chunks = (I)(p.inner / per_vec), nblocks = (I)((p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK);
-    const I idx = blockIdx.x * (I)blockDim.x + threadIdx.x;
-    if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * nblocks * chunks) return;
-    const I chunk = idx % chunks, ob = idx / chunks, blk = ob % nblocks, o = ob / nblocks;
-    const int64_t packed_len = (p.axis_len + 1) / 2, a0 = (int64_t)blk * AQ_BLOCK, in0 = (int64_t)chunk * per_vec;
-    const int n = (int)min((int64_t)AQ_BLOCK, p.axis_len - a0);
-    const T *src = (const T *)p.x + outer_offset(p, o) + a0 * p.stride_axis + in0;
+    const I nblocks = (I)((p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK);
+    TokenBlock<I> tb;
     uint32_t raw[AQ_BLOCK];
-#pragma unroll
-    for (int i = 0; i < AQ_BLOCK; i++) raw[i] = i < n ? __ldg((const uint32_t *)(src + i * p.stride_axis)) : 0u;
+    if (!load_token_block<T>(p, nblocks, &tb, raw)) return;
+    const int64_t packed_len = (p.axis_len + 1) / 2;
 #pragma unroll 1 /* one column at a time (two at once took 124 registers), picked out by shifts, not indexing */
     for (int c = 0; c < per_vec; c++) {
-        const int64_t scale_at = ((int64_t)o * nblocks + blk) * p.inner + in0 + c;
-        const int64_t codes_at = ((int64_t)o * packed_len + a0 / 2) * p.inner + in0 + c;
-        if (n == AQ_BLOCK) quantize_token_column<T, AQ_BLOCK>(p, raw, n, 8 * (int)sizeof(T) * c, scale_at, codes_at);
-        else quantize_token_column<T, 0>(p, raw, n, 8 * (int)sizeof(T) * c, scale_at, codes_at);
+        const int64_t scale_at = ((int64_t)tb.o * nblocks + tb.blk) * p.inner + tb.in0 + c;
+        const int64_t codes_at = ((int64_t)tb.o * packed_len + tb.a0 / 2) * p.inner + tb.in0 + c;
+        if (tb.n == AQ_BLOCK) quantize_token_column<T, AQ_BLOCK>(p, raw, tb.n, 8 * (int)sizeof(T) * c, scale_at, codes_at);
+        else quantize_token_column<T, 0>(p, raw, tb.n, 8 * (int)sizeof(T) * c, scale_at, codes_at);
     }
-    if (!p.fake) return;
-    T *dst = (T *)p.fake + ((int64_t)o * p.axis_len + a0) * p.inner + in0;
-#pragma unroll
-    for (int i = 0; i < AQ_BLOCK; i++)
-        if (i < n) *(uint32_t *)(dst + i * p.inner) = raw[i];
+    if (p.fake) store_token_block<T>(p, tb, raw);
 }
 
 // The V pre-pass's fake quantization (16-bit T, no codes or scales), laid out as quantize_tokens_kernel: a thread
@@ -163,16 +191,9 @@ __global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params
 template <typename T, typename I>
 __global__ void __launch_bounds__(256) fake_quantize_tokens_kernel(aq_quantize_params p) {
     static_assert(sizeof(T) == 2, "two 16-bit columns a 32-bit word");
-    const I chunks = (I)(p.inner / 2), nblocks = (I)((p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK);
-    const I idx = blockIdx.x * (I)blockDim.x + threadIdx.x;
-    if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * nblocks * chunks) return;
-    const I chunk = idx % chunks, ob = idx / chunks, blk = ob % nblocks, o = ob / nblocks;
-    const int64_t a0 = (int64_t)blk * AQ_BLOCK, in0 = (int64_t)chunk * 2;
-    const int n = (int)min((int64_t)AQ_BLOCK, p.axis_len - a0);
-    const T *src = (const T *)p.x + outer_offset(p, o) + a0 * p.stride_axis + in0;
+    TokenBlock<I> tb;
     uint32_t raw[AQ_BLOCK], amax2 = 0;
-#pragma unroll
-    for (int i = 0; i < AQ_BLOCK; i++) raw[i] = i < n ? __ldg((const uint32_t *)(src + i * p.stride_axis)) : 0u;
+    if (!load_token_block<T>(p, (I)((p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK), &tb, raw)) return;
 #pragma unroll
     for (int i = 0; i < AQ_BLOCK; i++) amax2 = __vmaxu2(amax2, raw[i] & 0x7FFF7FFFu);
     float s[2], r[2];
@@ -193,10 +214,7 @@ __global__ void __launch_bounds__(256) fake_quantize_tokens_kernel(aq_quantize_p
         const float lo = to_float<T>(from_bits<T>(raw[i] & 0xFFFFu)), hi = to_float<T>(from_bits<T>(raw[i] >> 16));
         raw[i] = to_bits<T>(from_float<T>(fake(lo, 0))) | (to_bits<T>(from_float<T>(fake(hi, 1))) << 16);
     }
-    T *dst = (T *)p.fake + ((int64_t)o * p.axis_len + a0) * p.inner + in0;
-#pragma unroll
-    for (int i = 0; i < AQ_BLOCK; i++)
-        if (i < n) *(uint32_t *)(dst + i * p.inner) = raw[i];
+    store_token_block<T>(p, tb, raw);
 }
 
 // Any other layout: one thread per (outer, block, inner column), inner fastest.
