@@ -25,6 +25,7 @@
 #define BWD90_K_STEP 64   /* dQ: keys per step */
 #define PING_PONG_BARRIER 1 /* named barriers 1 and 2: consumer warpgroup c waits on 1 + c for its turn */
 #define DS_BARRIER 3        /* fused dQ: both consumer warpgroups have written their dS^T of the step */
+#define DKDV_EPILOGUE_BARRIER 4 /* both consumer warpgroups are done with K and V: dK and dV are staged there */
 
 /* The fused dQ's fp32 sums (dq_accum): per (batch, query head, 64-query step, half of the head dim) a chunk of
    64 x D/2 floats in the order of a wgmma accumulator, thread t of the warpgroup's fragment float4 n at
@@ -157,11 +158,13 @@ AQ_D void store_fragment_rows_f32(const float (&acc)[D / 8][4], float *g, int ro
 /* grid ceil(Nk / 128) Hkv B (work_item_at), 384 threads, or TAIL: a CTA per part of the split last wave's items
    (tail_split, not causal), over query steps [u0, u1) of the item's group heads x ceil(Nq / 64) steps, writing its
    dK and dV to a DkdvTailPart for attention_bwd_dkdv_merge_kernel (the main kernel then skips those items).
-   Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v (B, Hkv, Nk, D) with boxes of 128 rows. */
+   Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v (B, Hkv, Nk, D) with boxes of 128 rows; dk, dv
+   (the outputs, written through TMA) with boxes of 16 rows. */
 template <int D, aq_dtype DT, bool QUANTIZE_DV, bool FUSED_DQ, bool TAIL>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                                   const __grid_constant__ CUtensorMap tm_dk, const __grid_constant__ CUtensorMap tm_dv,
                                    const aq_attention_bwd_params p, const int *skip_if, const tail_split ts) {
 #if AQ_SM90_ENABLED
     using L = DkdvLayout<D, FUSED_DQ>;
@@ -385,11 +388,13 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         store_fragment_rows_f32<D>(dv, part + DkdvTailPart<D>::DV, key0);
         return;
     }
-    const int valid = nk - k0 - key0;
-    store_fragment_rows<D, DT>(dk, (uint16_t *)p.dk + b * p.dk_stride[0] + hk * p.dk_stride[1] +
-                                       (k0 + key0) * p.dk_stride[2], p.dk_stride[2], valid);
-    store_fragment_rows<D, DT>(dv, (uint16_t *)p.dv + b * p.dv_stride[0] + hk * p.dv_stride[1] +
-                                       (k0 + key0) * p.dv_stride[2], p.dv_stride[2], valid);
+    /* staged where K and V were, then written by TMA (tma_store_warp_rows says why) */
+    named_barrier_sync(DKDV_EPILOGUE_BARRIER, 256);
+    stage_fragment_rows<D, DT>(dk, ks, BWD90_KEYS, key0);
+    tma_store_warp_rows<D>(&tm_dk, ks, BWD90_KEYS, key0, k0 + key0, hk, b);
+    stage_fragment_rows<D, DT>(dv, vs, BWD90_KEYS, key0);
+    tma_store_warp_rows<D>(&tm_dv, vs, BWD90_KEYS, key0, k0 + key0, hk, b);
+    if (lane == 0) bulk_wait_read<0>(); /* the CTA's shared memory outlives the copies' reads */
 #endif
 }
 
@@ -530,7 +535,8 @@ __global__ void __launch_bounds__(256)
    Launcher */
 
 typedef void (*dkdv90_kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
-                              const aq_attention_bwd_params, const int *, const tail_split);
+                              const CUtensorMap, const CUtensorMap, const aq_attention_bwd_params, const int *,
+                              const tail_split);
 typedef void (*dq90_kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
                             const aq_attention_bwd_params, const int *);
 
@@ -568,7 +574,7 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
     const bool hidden_terms = p->causal || p->mask != NULL;
     if (hidden_terms && p->scratch == NULL) return NULL;
     /* boxes: Q and dO of 64 rows (dK/dV) and 128 rows (dQ); K and V of 128 rows (dK/dV) and 64 rows (dQ) */
-    CUtensorMap q64, do64, k128, v128, q128, do128, k64, v64;
+    CUtensorMap q64, do64, k128, v128, q128, do128, k64, v64, dk16, dv16;
     if (!make_tensor_map(&q64, p->q, DT, p->batch, p->heads_q, p->seqlen_q, D, p->q_stride, BWD90_Q_STEP) ||
         !make_tensor_map(&do64, p->dout, DT, p->batch, p->heads_q, p->seqlen_q, D, p->dout_stride, BWD90_Q_STEP) ||
         !make_tensor_map(&k128, p->k, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->k_stride, BWD90_KEYS) ||
@@ -576,7 +582,9 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
         !make_tensor_map(&q128, p->q, DT, p->batch, p->heads_q, p->seqlen_q, D, p->q_stride, BWD90_ROWS) ||
         !make_tensor_map(&do128, p->dout, DT, p->batch, p->heads_q, p->seqlen_q, D, p->dout_stride, BWD90_ROWS) ||
         !make_tensor_map(&k64, p->k, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->k_stride, BWD90_K_STEP) ||
-        !make_tensor_map(&v64, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BWD90_K_STEP))
+        !make_tensor_map(&v64, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BWD90_K_STEP) ||
+        !make_tensor_map(&dk16, p->dk, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->dk_stride, 16) ||
+        !make_tensor_map(&dv16, p->dv, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->dv_stride, 16))
         return NULL;
 
     cudaError_t err = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);
@@ -609,10 +617,10 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
         ts.part = p->tail_workspace;
         if (ts.part == NULL) ts.splits = 1; /* the caller did not ask aq_attention_bwd_tail_floats */
         const dim3 grid((unsigned)((p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch));
-        dkdv<<<grid, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, *p, skip_if, ts);
+        dkdv<<<grid, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16, dv16, *p, skip_if, ts);
         if (ts.splits > 1) {
-            dkdv_tail<<<ts.tail_items * ts.splits, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, *p,
-                                                                                      skip_if, ts);
+            dkdv_tail<<<ts.tail_items * ts.splits, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16,
+                                                                                      dv16, *p, skip_if, ts);
             attention_bwd_dkdv_merge_kernel<D, DT>
                 <<<(ts.tail_items * BWD90_KEYS + 3) / 4, 128, 0, stream>>>(*p, ts, skip_if);
         }

@@ -24,6 +24,7 @@
    part's unit, so that the inference kernel's 128-key tiles and the training kernel's 64-key ones split alike. */
 #define FWD_TAIL_BM 128
 #define FWD_TAIL_KEYS 128
+#define FWD_EPILOGUE_BARRIER 1 /* named barrier of the consumer warpgroups before the outputs are staged */
 
 /* Consumer warpgroups (64 query rows each). Three in bf16 mode at D = 128: a third warpgroup's softmax hides
    more of the others' waits (H200, against two persistent warpgroups: Wan 1.3B 12.4 -> 11.9 ms, 16k 8.2 ->
@@ -148,17 +149,21 @@ __global__ void __launch_bounds__(128)
    units [u0, u1), and it writes its rows' partial results (FwdTailPart) for attention_fwd_merge_kernel; the
    main kernel then skips those items.
    128 (NWG + 1) threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of 64
-   columns x 64 NWG (Q) or BN (K, V) tokens. skip_if: NULL, or a device flag that makes the whole CTA exit. */
+   columns x 64 NWG (Q) or BN (K, V) tokens; o and o2 (the outputs O and O', boxes of 16 rows: the quantized
+   kernels write them through TMA; o2 is o's when there is no O'). skip_if: NULL, or a device flag that makes the
+   whole CTA exit. */
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME, int NWG, bool PERSISTENT, bool TAIL>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     attention_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                              const __grid_constant__ CUtensorMap tm_v, const aq_attention_fwd_params p,
+                              const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                              const __grid_constant__ CUtensorMap tm_o2, const aq_attention_fwd_params p,
                               const int *skip_if, const tail_split ts) {
 #if AQ_SM90_ENABLED
     static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
     static_assert(!(TAIL && PERSISTENT), "a tail part is one CTA's");
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG;
     using L = Sm90Layout<D, BN, SM90_BM, QUANTIZE_P>;
+    static_assert(!WITH_O_PRIME || SM90_STAGES * BN >= SM90_BM, "O' is staged in the K ring");
     if (skip_if != NULL && *skip_if) return;
     if (!PERSISTENT && !TAIL && ts.splits > 1 &&
         blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= ts.main_items)
@@ -463,6 +468,19 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
         const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
         finish_forward_rows<D, WITH_O_PRIME>(o, o2, m, l, seen, QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f,
                                              p.frame_m + stat0, p.row_sum + stat0, q0 + row0, nq);
+        if constexpr (QUANTIZE_P) {
+            /* O staged where Q was and O' where the K ring was, once every consumer warp is done with its
+               products (a warpgroup's S reads its 64 rows of Q and all of a K slot), then written by TMA */
+            named_barrier_sync(FWD_EPILOGUE_BARRIER, 128 * NWG);
+            stage_fragment_rows<D, DT>(o, qs, SM90_BM, row0);
+            tma_store_warp_rows<D>(&tm_o, qs, SM90_BM, row0, q0 + row0, h, b);
+            if constexpr (WITH_O_PRIME) {
+                stage_fragment_rows<D, DT>(o2, ks, SM90_BM, row0);
+                tma_store_warp_rows<D>(&tm_o2, ks, SM90_BM, row0, q0 + row0, h, b);
+            }
+            if (lane == 0) bulk_wait_read<0>(); /* the CTA's shared memory outlives the copies' reads */
+            return n_tiles;
+        }
         const int valid = nq - q0 - row0;
         uint16_t *og0 = (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + (q0 + row0) * p.o_stride[2];
         store_fragment_rows<D, DT>(o, og0, p.o_stride[2], valid);
@@ -500,8 +518,8 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
                                const int **fallback_flag) {
     constexpr int NWG = sm90_consumer_warpgroups(D, QUANTIZE_P);
     constexpr bool PERSISTENT = !QUANTIZE_P;
-    using kernel_t = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const aq_attention_fwd_params,
-                              const int *, const tail_split);
+    using kernel_t = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
+                              const CUtensorMap, const aq_attention_fwd_params, const int *, const tail_split);
     kernel_t kernel = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME, NWG, PERSISTENT, false>;
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG, SM90_THREADS = 128 * (NWG + 1);
     if (!sm90_available((const void *)kernel)) return NULL;
@@ -509,11 +527,17 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     /* hidden keys whose V is not finite would need the mma.sync kernel's scrubbing: check V first */
     const bool hidden_keys = p->causal || p->mask != NULL;
     if (hidden_keys && p->scratch == NULL) return NULL;
-    CUtensorMap tm_q, tm_k, tm_v;
+    CUtensorMap tm_q, tm_k, tm_v, tm_o, tm_o2;
     if (!make_tensor_map(&tm_q, p->q, DT, p->batch, p->heads_q, p->seqlen_q, D, p->q_stride, SM90_BM) ||
         !make_tensor_map(&tm_k, p->k, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->k_stride, BN) ||
         !make_tensor_map(&tm_v, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BN))
         return NULL;
+    tm_o = tm_o2 = tm_q; /* unused by the bf16-mode kernels */
+    if (QUANTIZE_P &&
+        (!make_tensor_map(&tm_o, p->o, DT, p->batch, p->heads_q, p->seqlen_q, D, p->o_stride, 16) ||
+         (WITH_O_PRIME &&
+          !make_tensor_map(&tm_o2, p->o_prime, DT, p->batch, p->heads_q, p->seqlen_q, D, p->o_prime_stride, 16))))
+        return NULL; /* the ops allocate the outputs, always in a layout TMA takes */
 
     const int64_t q_tiles = (p->seqlen_q + SM90_BM - 1) / SM90_BM, work = q_tiles * p->heads_q * p->batch;
     tail_split ts = {(int)work, 0, 1, NULL};
@@ -542,9 +566,10 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     const int *skip_if = hidden_keys ? p->scratch : NULL;
     const dim3 grid = PERSISTENT ? dim3((unsigned)std::min<int64_t>(work, sms))
                                  : dim3((unsigned)q_tiles, (unsigned)p->heads_q, (unsigned)p->batch);
-    kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, *p, skip_if, ts);
+    kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, tm_o, tm_o2, *p, skip_if, ts);
     if (ts.splits > 1) {
-        tail_kernel<<<ts.tail_items * ts.splits, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, *p, skip_if, ts);
+        tail_kernel<<<ts.tail_items * ts.splits, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, tm_o, tm_o2, *p,
+                                                                               skip_if, ts);
         attention_fwd_merge_kernel<D, DT, WITH_O_PRIME>
             <<<(ts.tail_items * FWD_TAIL_BM + 3) / 4, 128, 0, stream>>>(*p, ts, skip_if);
     }

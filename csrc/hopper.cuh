@@ -180,6 +180,48 @@ AQ_D void tma_load_rows(unsigned char *tile, const void *map, uint64_t *bar, int
     for (int pn = 0; pn < D / SM90_PANEL; pn++) tma_load_4d(tile + pn * rows * 128, map, bar, pn * SM90_PANEL, row0, h, b);
 }
 
+/* The reverse of tma_load_4d: a box of shared memory, laid out as tma_load_4d would have written it, to the tensor
+   at the given coordinates; elements outside the tensor are not written. Asynchronous (bulk groups): the shared
+   memory must stay as it is until bulk_wait_read says the copy has read it. */
+AQ_D void tma_store_4d(const void *tensor_map, const void *smem_src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                     (uint64_t)tensor_map),
+                 "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+
+/* A warp's 16 x D fp32 C fragments (acc[n] = columns 8n .. 8n+7), as DT, into rows row0 .. row0 + 15 of a tile of
+   `rows` rows in shared memory laid out as TMA writes one (tma_load_rows): one stmatrix per 16 columns. */
+template <int D, aq_dtype DT>
+AQ_D void stage_fragment_rows(const float (&acc)[D / 8][4], unsigned char *tile, int rows, int row0) {
+    const int lane = (int)threadIdx.x & 31, mat = lane / 8, row = row0 + (mat & 1) * 8 + (lane & 7);
+#pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+        const uint32_t r[4] = {pack2<DT>(acc[n][0], acc[n][1]), pack2<DT>(acc[n][2], acc[n][3]),
+                               pack2<DT>(acc[n + 1][0], acc[n + 1][1]), pack2<DT>(acc[n + 1][2], acc[n + 1][3])};
+        const int block = n + (mat >> 1); /* the 8-column block (16 bytes) this lane's row address is in */
+        stmatrix_x4(tile + (block / 8 * rows + row) * 128 + (((block % 8) ^ (row & 7)) << 4), r);
+    }
+}
+
+/* Then those 16 rows of the tile to global rows row0_global .. + 15 of (b, h) through `map` (tensor map with boxes
+   of 16 rows: make_tensor_map): rows past the tensor's end are not written. Lane 0 issues the copies as one bulk
+   group; the tile must stay untouched until its bulk_wait_read. Writing through the copy engine is what makes this
+   cheaper than stores from registers: 4-byte stores of 16 rows x D fill only half of each 32-byte sector they touch,
+   and a warp's stores then wait on the memory pipe (the training forward's two outputs took 4.5 us a CTA that way). */
+template <int D>
+AQ_D void tma_store_warp_rows(const void *map, const unsigned char *tile, int rows, int row0, int row0_global, int h,
+                              int b) {
+    fence_proxy_async_shared();
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int pn = 0; pn < D / SM90_PANEL; pn++)
+            tma_store_4d(map, tile + (pn * rows + row0) * 128, pn * SM90_PANEL, row0_global, h, b);
+        bulk_commit();
+    }
+}
+
 /* Ordering of wgmma with the registers and shared memory around it: fence before the first wgmma that reads
    registers written since the last one; commit closes a group; wait_group<N> waits until at most N groups are
    in flight. */
