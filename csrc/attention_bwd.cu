@@ -15,10 +15,11 @@ static constexpr __host__ __device__ int dkdv_queries_per_step(int d) { return d
 
 /* delta_i = sum_d dO_id * out_id in fp32. dout, out_for_delta: (B, Hq, Nq, D) strided; delta: (B, Hq, Nq) fp32.
    grid (ceil(Nq / (4 DELTA_ROWS)), Hq, B), 128 threads: a warp takes DELTA_ROWS query rows, lane reading columns
-   lane + 32i of each, all of its loads issued before the sums (one row a warp: 92 us at (8, 16, 4096, 128) on the
-   H200, 2.9 TB/s, too few bytes in flight; four: 79 us). Each row's sum keeps its order (lane partials over i, then the butterfly): with one
-   visible key, dS = P (dP - delta) is 0 in the reference, and the kernels get exactly 0 only when delta matches the
-   wgmma's dP bit for bit, which this order does at the tests' seeds and another did not (performance.md v13). */
+   lane + 32i of each, all of its loads issued before the sums (a row a warp: 92 us at (8, 16, 4096, 128) on the
+   H200, 2.9 TB/s, too few bytes in flight; four: 79 us). Each row's sum keeps its order (lane partials over i,
+   then the butterfly): with one visible key, dS = P (dP - delta) is 0 in the reference, and the kernels get
+   exactly 0 only when delta matches the wgmma's dP bit for bit, which this order does at the tests' seeds and
+   another did not (performance.md v13). */
 #define DELTA_ROWS 4
 template <int D, aq_dtype DT>
 __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_delta_kernel(const aq_attention_bwd_params p) {
