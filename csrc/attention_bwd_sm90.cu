@@ -585,7 +585,7 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
         !make_tensor_map(&v64, p->v, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->v_stride, BWD90_K_STEP) ||
         !make_tensor_map(&dk16, p->dk, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->dk_stride, 16) ||
         !make_tensor_map(&dv16, p->dv, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->dv_stride, 16))
-        return NULL;
+        return NULL; /* the mma.sync kernels then run; the ops allocate dK and dV, always in a layout TMA takes */
 
     cudaError_t err = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);
     if (err == cudaSuccess) err = cudaFuncSetAttribute(dkdv_tail, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);

@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(128)
    main kernel then skips those items.
    128 (NWG + 1) threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of 64
    columns x 64 NWG (Q) or BN (K, V) tokens; o and o2 (the outputs O and O', boxes of 16 rows: the quantized
-   kernels write them through TMA; o2 is o's when there is no O'). skip_if: NULL, or a device flag that makes the
+   kernels write them through TMA; o2 unused without O', both unused in bf16 mode). skip_if: NULL, or a device flag that makes the
    whole CTA exit. */
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME, int NWG, bool PERSISTENT, bool TAIL>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
@@ -164,6 +164,8 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG;
     using L = Sm90Layout<D, BN, SM90_BM, QUANTIZE_P>;
     static_assert(!WITH_O_PRIME || SM90_STAGES * BN >= SM90_BM, "O' is staged in the K ring");
+    static_assert(!(QUANTIZE_P && PERSISTENT), "the outputs are staged in Q's and the K ring's shared memory, which a "
+                                              "persistent CTA's producer refills for its next item");
     if (skip_if != NULL && *skip_if) return;
     if (!PERSISTENT && !TAIL && ts.splits > 1 &&
         blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= ts.main_items)
@@ -254,6 +256,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
             tma_prefetch_descriptor(&tm_q);
             tma_prefetch_descriptor(&tm_k);
             tma_prefetch_descriptor(&tm_v);
+            if constexpr (QUANTIZE_P && !TAIL) {
+                tma_prefetch_descriptor(&tm_o);
+                if constexpr (WITH_O_PRIME) tma_prefetch_descriptor(&tm_o2);
+            }
             /* work item t, its K/V slots from ring on, the CTA's it-th item; returns its key tiles */
             auto produce = [&](int t, unsigned ring, int it) {
                 const fwd_tile w = tile_at(t);
@@ -537,7 +543,7 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
         (!make_tensor_map(&tm_o, p->o, DT, p->batch, p->heads_q, p->seqlen_q, D, p->o_stride, 16) ||
          (WITH_O_PRIME &&
           !make_tensor_map(&tm_o2, p->o_prime, DT, p->batch, p->heads_q, p->seqlen_q, D, p->o_prime_stride, 16))))
-        return NULL; /* the ops allocate the outputs, always in a layout TMA takes */
+        return NULL; /* the mma.sync kernel then runs; the ops allocate the outputs, always in a layout TMA takes */
 
     const int64_t q_tiles = (p->seqlen_q + SM90_BM - 1) / SM90_BM, work = q_tiles * p->heads_q * p->batch;
     tail_split ts = {(int)work, 0, 1, NULL};

@@ -43,7 +43,9 @@ typedef struct {
 
 /* ---------------------------------------------------------------------------------------------
    Attention (numerics.md §3, §4). Logical shapes: q, o, o_prime (B, Hq, Nq, D); k, v (B, Hkv, Nk, D);
-   any strides in elements for batch, head and token ([0], [1], [2]); the head-dim stride is 1.
+   any strides in elements for batch, head and token ([0], [1], [2]); the head-dim stride is 1. (The Hopper kernels
+   take those TMA can address: 16-byte aligned, strides multiples of 8 elements, outputs included; others run on the
+   mma.sync kernels.)
    Query head h reads kv head h / (Hq / Hkv). The kernels see operands already fake-quantized by the
    pre-pass (or raw ones for bf16 / drop-in) and quantize only P.
    Key j is visible to query i iff (!causal || j <= i + causal_offset) and mask[b,h,i,j] != -inf.

@@ -191,7 +191,9 @@ AQ_D void tma_store_4d(const void *tensor_map, const void *smem_src, int c0, int
 }
 
 /* A warp's 16 x D fp32 C fragments (acc[n] = columns 8n .. 8n+7), as DT, into rows row0 .. row0 + 15 of a tile of
-   `rows` rows in shared memory laid out as TMA writes one (tma_load_rows): one stmatrix per 16 columns. */
+   `rows` rows in shared memory laid out as TMA writes one (tma_load_rows): one stmatrix per 16 columns. The swizzle
+   (chunk ^ row % 8) is TMA's only when the tile is 1024-byte aligned and rows and row0 are multiples of 8, as at
+   every call. */
 template <int D, aq_dtype DT>
 AQ_D void stage_fragment_rows(const float (&acc)[D / 8][4], unsigned char *tile, int rows, int row0) {
     const int lane = (int)threadIdx.x & 31, mat = lane / 8, row = row0 + (mat & 1) * 8 + (lane & 7);
