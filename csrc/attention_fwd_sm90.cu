@@ -145,13 +145,13 @@ __global__ void __launch_bounds__(128)
 /* A CTA per work item (a query tile of one head), or PERSISTENT: a CTA an SM, each taking every gridDim.x-th
    item, so that the producer loads the next item's Q while the consumers store the last one's outputs and the
    K/V ring runs on across items (bf16 mode: Wan cross-attention 1.00 -> 0.78 ms, D = 64 at 4k 1.59 -> 1.43).
-   TAIL: a CTA per part of the split last wave's items (tail_split, not causal): its key tiles are those of its FWD_TAIL_KEYS-key
-   units [u0, u1), and it writes its rows' partial results (FwdTailPart) for attention_fwd_merge_kernel; the
-   main kernel then skips those items.
-   128 (NWG + 1) threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of 64
-   columns x 64 NWG (Q) or BN (K, V) tokens; o and o2 (the outputs O and O', boxes of 16 rows: the quantized
-   kernels write them through TMA; o2 unused without O', both unused in bf16 mode). skip_if: NULL, or a device flag that makes the
-   whole CTA exit. */
+   TAIL: a CTA per part of the split last wave's items (tail_split, not causal): its key tiles are those of its
+   FWD_TAIL_KEYS-key units [u0, u1), and it writes its rows' partial results (FwdTailPart) for
+   attention_fwd_merge_kernel; the main kernel then skips those items.
+   128 (NWG + 1) threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of 64 columns x 64 NWG (Q)
+   or BN (K, V) tokens; o and o2 (the outputs O and O', boxes of 16 rows: the quantized kernels write them through
+   TMA; o2 unused without O', both unused in bf16 mode). skip_if: NULL, or a device flag that makes the whole CTA
+   exit. */
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME, int NWG, bool PERSISTENT, bool TAIL>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     attention_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -505,10 +505,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
    Launcher */
 
 /* The forward's tail split (plan_tail_split): the quantized kernels' items of 128 query rows, not causal (those
-   items differ in length and run longest first), parts of FWD_TAIL_KEYS-key units. The inference forward splits only a grid
-   of less than one wave: on the H200 its kernel took as long without the last wave's 4 items as with them
-   ((2, 16, 16384, 128): 8873 and 8877 us), where the training forward's went 13055 -> 12880 us (performance.md
-   v14). */
+   items differ in length and run longest first), parts of FWD_TAIL_KEYS-key units. The inference forward splits
+   only a grid of less than one wave: on the H200 its kernel took as long without the last wave's 4 items as with
+   them ((2, 16, 16384, 128): 8873 and 8877 us), where the training forward's went 13055 -> 12880 us
+   (performance.md v14). */
 static tail_split fwd_tail_plan(const aq_attention_fwd_params *p) {
     static_assert(64 * sm90_consumer_warpgroups(64, true) == FWD_TAIL_BM &&
                       64 * sm90_consumer_warpgroups(128, true) == FWD_TAIL_BM,
