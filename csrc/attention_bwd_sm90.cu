@@ -13,7 +13,8 @@
    dQ: CTA = 128 query rows (64 per consumer warpgroup), Q and dO loaded once; K and V tiles of 64 keys stream.
      Per step: S = Q K^T and dP = dO V^T, dS = P (dP - delta), dQ += dS K.
    Left to the mma.sync kernels by the launcher: operands TMA cannot take, and hidden terms over non-finite Q, dO
-   or K (a pre-pass flag, as in attention_fwd_sm90.cu). */
+   or K: with hidden terms the kernels flag any gradient that came out non-finite, and the mma.sync kernels,
+   launched behind them, then do the whole backward again (as in attention_fwd_sm90.cu). */
 #include "attention_sm90.h"
 #include "hopper.cuh"
 
@@ -115,10 +116,9 @@ struct DkdvTailPart {
 /* The split items' dK and dV: the sum of their parts in part order, a warp a key row, D / 32 columns a lane. */
 template <int D, aq_dtype DT>
 __global__ void __launch_bounds__(128)
-    attention_bwd_dkdv_merge_kernel(const aq_attention_bwd_params p, const tail_split ts, const int *skip_if) {
+    attention_bwd_dkdv_merge_kernel(const aq_attention_bwd_params p, const tail_split ts, int *nonfinite) {
     constexpr int C = D / 32;
     using P = DkdvTailPart<D>;
-    if (skip_if != NULL && *skip_if) return;
     const int lane = (int)threadIdx.x & 31, t = (int)blockIdx.x * 4 + (int)threadIdx.x / 32;
     const int i = t / BWD90_KEYS, r = t % BWD90_KEYS, nk = (int)p.seqlen_k;
     if (i >= ts.tail_items) return;
@@ -127,13 +127,14 @@ __global__ void __launch_bounds__(128)
     const int key = wi.tile * BWD90_KEYS + r;
     if (key >= nk) return;
     const float *part = ts.part + (int64_t)i * ts.splits * P::FLOATS + r * D + C * lane;
-    float dk[C] = {}, dv[C] = {};
+    float g[2][C] = {}, (&dk)[C] = g[0], (&dv)[C] = g[1];
     for (int s = 0; s < ts.splits; s++)
 #pragma unroll
         for (int c = 0; c < C; c++) {
             dk[c] += part[(int64_t)s * P::FLOATS + P::DK + c];
             dv[c] += part[(int64_t)s * P::FLOATS + P::DV + c];
         }
+    if (nonfinite != NULL) flag_if_nonfinite(g, nonfinite); /* a warp a key row: all its lanes are here */
     uint16_t *gk = (uint16_t *)p.dk + wi.b * p.dk_stride[0] + wi.h * p.dk_stride[1] + key * p.dk_stride[2] + C * lane;
     uint16_t *gv = (uint16_t *)p.dv + wi.b * p.dv_stride[0] + wi.h * p.dv_stride[1] + key * p.dv_stride[2] + C * lane;
 #pragma unroll
@@ -159,13 +160,14 @@ AQ_D void store_fragment_rows_f32(const float (&acc)[D / 8][4], float *g, int ro
    (tail_split, not causal), over query steps [u0, u1) of the item's group heads x ceil(Nq / 64) steps, writing its
    dK and dV to a DkdvTailPart for attention_bwd_dkdv_merge_kernel (the main kernel then skips those items).
    Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v (B, Hkv, Nk, D) with boxes of 128 rows; dk, dv
-   (the outputs, written through TMA) with boxes of 16 rows. */
+   (the outputs, written through TMA) with boxes of 16 rows. nonfinite: NULL, or a device flag set when dK or dV came
+   out Inf or NaN (flag_if_nonfinite; a TAIL part's merge checks its rows). */
 template <int D, aq_dtype DT, bool QUANTIZE_DV, bool FUSED_DQ, bool TAIL>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                                    const __grid_constant__ CUtensorMap tm_dk, const __grid_constant__ CUtensorMap tm_dv,
-                                   const aq_attention_bwd_params p, const int *skip_if, const tail_split ts) {
+                                   const aq_attention_bwd_params p, int *nonfinite, const tail_split ts) {
 #if AQ_SM90_ENABLED
     using L = DkdvLayout<D, FUSED_DQ>;
     /* Ping-pong (unquantized only): the two consumer warpgroups take turns at the P part, so that one runs its
@@ -174,7 +176,6 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
        cost more than they gain (102.9 -> 119.0 ms). */
     constexpr bool ping_pong = !QUANTIZE_DV && !FUSED_DQ;
     constexpr int BQ = BWD90_Q_STEP;
-    if (skip_if != NULL && *skip_if) return;
     if (!TAIL && ts.splits > 1 && (int)blockIdx.x >= ts.main_items) return; /* a tail item: the TAIL kernel's */
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = align1024(smem_raw);
@@ -388,6 +389,10 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         store_fragment_rows_f32<D>(dv, part + DkdvTailPart<D>::DV, key0);
         return;
     }
+    if (nonfinite != NULL) {
+        flag_if_nonfinite(dk, nonfinite);
+        flag_if_nonfinite(dv, nonfinite);
+    }
     /* staged where K and V were, then written by TMA (tma_store_warp_rows says why) */
     named_barrier_sync(DKDV_EPILOGUE_BARRIER, 256);
     stage_fragment_rows<D, DT>(dk, ks, BWD90_KEYS, key0);
@@ -404,11 +409,10 @@ template <int D, aq_dtype DT>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     attention_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                                 const aq_attention_bwd_params p, const int *skip_if) {
+                                 const aq_attention_bwd_params p, int *nonfinite) {
 #if AQ_SM90_ENABLED
     using L = DqLayout<D>;
     constexpr int BK = BWD90_K_STEP;
-    if (skip_if != NULL && *skip_if) return;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = align1024(smem_raw);
     unsigned char *qs = smem + L::Q_OFFSET, *dos = smem + L::DO_OFFSET, *ks = smem + L::K_OFFSET,
@@ -503,6 +507,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     for (int n = 0; n < D / 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) dq[n][e] *= p.softmax_scale;
+    if (nonfinite != NULL) flag_if_nonfinite(dq, nonfinite);
     store_fragment_rows<D, DT>(dq, (uint16_t *)p.dq + b * p.dq_stride[0] + h * p.dq_stride[1] +
                                        (q0 + row0) * p.dq_stride[2], p.dq_stride[2], nq - q0 - row0);
 #endif
@@ -512,8 +517,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
    256 threads: warpgroup c converts columns c D/2 .. +D/2 of the step's 64 queries. */
 template <int D, aq_dtype DT>
 __global__ void __launch_bounds__(256)
-    attention_bwd_dq_convert_kernel(const aq_attention_bwd_params p, const int *skip_if) {
-    if (skip_if != NULL && *skip_if) return;
+    attention_bwd_dq_convert_kernel(const aq_attention_bwd_params p, int *nonfinite) {
     constexpr int DH = D / 2;
     const int c = (int)threadIdx.x / 128, t = (int)threadIdx.x % 128, row0 = 16 * (t / 32);
     const int q0 = (int)blockIdx.x * BWD90_Q_STEP, h = (int)blockIdx.y, b = (int)blockIdx.z;
@@ -526,6 +530,7 @@ __global__ void __launch_bounds__(256)
         dq[n][0] = v.x * p.softmax_scale, dq[n][1] = v.y * p.softmax_scale;
         dq[n][2] = v.z * p.softmax_scale, dq[n][3] = v.w * p.softmax_scale;
     }
+    if (nonfinite != NULL) flag_if_nonfinite(dq, nonfinite);
     store_fragment_rows<DH, DT>(dq, (uint16_t *)p.dq + b * p.dq_stride[0] + h * p.dq_stride[1] +
                                         (q0 + row0) * p.dq_stride[2] + c * DH,
                                 p.dq_stride[2], (int)p.seqlen_q - q0 - row0);
@@ -535,10 +540,10 @@ __global__ void __launch_bounds__(256)
    Launcher */
 
 typedef void (*dkdv90_kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
-                              const CUtensorMap, const CUtensorMap, const aq_attention_bwd_params, const int *,
+                              const CUtensorMap, const CUtensorMap, const aq_attention_bwd_params, int *,
                               const tail_split);
 typedef void (*dq90_kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
-                            const aq_attention_bwd_params, const int *);
+                            const aq_attention_bwd_params, int *);
 
 template <int D, aq_dtype DT, bool TAIL>
 static dkdv90_kernel dkdv_sm90_kernel(bool quantize_p_for_dv, bool fused_dq) {
@@ -592,21 +597,12 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
     if (err == cudaSuccess)
         err = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, DqLayout<D>::ALLOC);
     if (err != cudaSuccess) return cudaGetErrorString(err);
-    if (hidden_terms) { /* Q and dO meet hidden terms in dK, K in dQ */
+    if (hidden_terms) { /* a non-finite Q or dO meets hidden terms in dK, K in dQ: the gradients are checked */
         err = cudaMemsetAsync(p->scratch, 0, sizeof(int), stream);
         if (err != cudaSuccess) return cudaGetErrorString(err);
-        const char *msg =
-            launch_flag_nonfinite<DT>(p->q, p->q_stride, p->batch, p->heads_q, p->seqlen_q, D, p->scratch, stream);
-        if (!msg)
-            msg = launch_flag_nonfinite<DT>(p->dout, p->dout_stride, p->batch, p->heads_q, p->seqlen_q, D, p->scratch,
-                                            stream);
-        if (!msg)
-            msg = launch_flag_nonfinite<DT>(p->k, p->k_stride, p->batch, p->heads_kv, p->seqlen_k, D, p->scratch,
-                                            stream);
-        if (msg) return msg;
         *fallback_flag = p->scratch;
     }
-    const int *skip_if = hidden_terms ? p->scratch : NULL;
+    int *nonfinite = hidden_terms ? p->scratch : NULL;
     *taken = true;
     if (fused_dq && p->seqlen_q > 0) {
         err = cudaMemsetAsync(p->dq_accum, 0, dq_accum_floats(p) * sizeof(float), stream);
@@ -617,12 +613,12 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
         ts.part = p->tail_workspace;
         if (ts.part == NULL) ts.splits = 1; /* the caller did not ask aq_attention_bwd_tail_floats */
         const dim3 grid((unsigned)((p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch));
-        dkdv<<<grid, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16, dv16, *p, skip_if, ts);
+        dkdv<<<grid, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16, dv16, *p, nonfinite, ts);
         if (ts.splits > 1) {
             dkdv_tail<<<ts.tail_items * ts.splits, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16,
-                                                                                      dv16, *p, skip_if, ts);
+                                                                                      dv16, *p, nonfinite, ts);
             attention_bwd_dkdv_merge_kernel<D, DT>
-                <<<(ts.tail_items * BWD90_KEYS + 3) / 4, 128, 0, stream>>>(*p, ts, skip_if);
+                <<<(ts.tail_items * BWD90_KEYS + 3) / 4, 128, 0, stream>>>(*p, ts, nonfinite);
         }
         const char *msg = launch_status();
         if (msg) return msg;
@@ -630,12 +626,12 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
     if (p->seqlen_q > 0 && fused_dq) {
         const dim3 grid((unsigned)((p->seqlen_q + BWD90_Q_STEP - 1) / BWD90_Q_STEP), (unsigned)p->heads_q,
                         (unsigned)p->batch);
-        attention_bwd_dq_convert_kernel<D, DT><<<grid, 256, 0, stream>>>(*p, skip_if);
+        attention_bwd_dq_convert_kernel<D, DT><<<grid, 256, 0, stream>>>(*p, nonfinite);
         return launch_status();
     }
     if (p->seqlen_q > 0) {
         const dim3 grid((unsigned)((p->seqlen_q + BWD90_ROWS - 1) / BWD90_ROWS * p->heads_q * p->batch));
-        dq<<<grid, BWD90_THREADS, DqLayout<D>::ALLOC, stream>>>(q128, do128, k64, v64, *p, skip_if);
+        dq<<<grid, BWD90_THREADS, DqLayout<D>::ALLOC, stream>>>(q128, do128, k64, v64, *p, nonfinite);
         return launch_status();
     }
     return NULL;

@@ -13,9 +13,9 @@
    Rows and keys past the sequence arrive as zeros (TMA bounds); their results are masked or never stored.
 
    Not handled here, left to the mma.sync kernel by the launcher: an input whose strides or alignment TMA cannot
-   take, and hidden keys (causal or masked) whose V rows hold Inf or NaN, which must stay absent (numerics.md §8):
-   a pre-pass sets a flag, this kernel then exits at once and the mma.sync kernel, launched behind it, does the
-   work. */
+   take, and hidden keys (causal or masked) whose V rows hold Inf or NaN, which must stay absent (numerics.md §8)
+   where this kernel's P V multiplies them by 0: with hidden keys it flags any output that came out non-finite
+   (flag_if_nonfinite), and the mma.sync kernel, launched behind it, then does the whole call again. */
 #include "attention_sm90.h"
 #include "hopper.cuh"
 
@@ -94,10 +94,9 @@ AQ_D void store_fwd_tail_part(const float (&o)[D / 8][4], const float (&o2)[D / 
    row, lane covering D / 32 columns. */
 template <int D, aq_dtype DT, bool WITH_O_PRIME>
 __global__ void __launch_bounds__(128)
-    attention_fwd_merge_kernel(const aq_attention_fwd_params p, const tail_split ts, const int *skip_if) {
+    attention_fwd_merge_kernel(const aq_attention_fwd_params p, const tail_split ts, int *nonfinite) {
     constexpr int BM = FWD_TAIL_BM, C = D / 32;
     using P = FwdTailPart<D, BM, WITH_O_PRIME>;
-    if (skip_if != NULL && *skip_if) return;
     const int lane = (int)threadIdx.x & 31, t = (int)blockIdx.x * 4 + (int)threadIdx.x / 32;
     const int i = t / BM, r = t % BM, nq = (int)p.seqlen_q, n_qtiles = (nq + BM - 1) / BM;
     if (i >= ts.tail_items) return;
@@ -128,17 +127,21 @@ __global__ void __launch_bounds__(128)
     const float inv_l = 1.0f / lsum;
     const int64_t stat = ((int64_t)b * p.heads_q + h) * nq + q;
     if (lane == 0) p.frame_m[stat] = frame, p.row_sum[stat] = lsum;
+    float out[2][C]; /* O, O' */
+#pragma unroll
+    for (int c = 0; c < C; c++) {
+        out[0][c] = seen ? o[c] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
+        out[1][c] = seen && WITH_O_PRIME ? o2[c] * inv_l : 0.0f;
+    }
+    if (nonfinite != NULL) flag_if_nonfinite(out, nonfinite); /* a warp a row: all its lanes are here */
     uint16_t *og = (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + q * p.o_stride[2] + C * lane;
 #pragma unroll
-    for (int c = 0; c < C; c += 2)
-        *(uint32_t *)(og + c) = pack2<DT>(seen ? o[c] * AQ_P_HEADROOM_INV * inv_l : 0.0f,
-                                          seen ? o[c + 1] * AQ_P_HEADROOM_INV * inv_l : 0.0f);
+    for (int c = 0; c < C; c += 2) *(uint32_t *)(og + c) = pack2<DT>(out[0][c], out[0][c + 1]);
     if constexpr (WITH_O_PRIME) {
         uint16_t *og2 = (uint16_t *)p.o_prime + b * p.o_prime_stride[0] + h * p.o_prime_stride[1] +
                         q * p.o_prime_stride[2] + C * lane;
 #pragma unroll
-        for (int c = 0; c < C; c += 2)
-            *(uint32_t *)(og2 + c) = pack2<DT>(seen ? o2[c] * inv_l : 0.0f, seen ? o2[c + 1] * inv_l : 0.0f);
+        for (int c = 0; c < C; c += 2) *(uint32_t *)(og2 + c) = pack2<DT>(out[1][c], out[1][c + 1]);
     }
 }
 
@@ -150,14 +153,14 @@ __global__ void __launch_bounds__(128)
    attention_fwd_merge_kernel; the main kernel then skips those items.
    128 (NWG + 1) threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of 64 columns x 64 NWG (Q)
    or BN (K, V) tokens; o and o2 (the outputs O and O', boxes of 16 rows: the quantized kernels write them through
-   TMA; o2 unused without O', both unused in bf16 mode). skip_if: NULL, or a device flag that makes the whole CTA
-   exit. */
+   TMA; o2 unused without O', both unused in bf16 mode). nonfinite: NULL, or a device flag set when an output came out
+   Inf or NaN (flag_if_nonfinite; not checked in a TAIL part: its merge checks the rows). */
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME, int NWG, bool PERSISTENT, bool TAIL>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     attention_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                               const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                               const __grid_constant__ CUtensorMap tm_o2, const aq_attention_fwd_params p,
-                              const int *skip_if, const tail_split ts) {
+                              int *nonfinite, const tail_split ts) {
 #if AQ_SM90_ENABLED
     static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
     static_assert(!(TAIL && PERSISTENT), "a tail part is one CTA's");
@@ -166,7 +169,6 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     static_assert(!WITH_O_PRIME || SM90_STAGES * BN >= SM90_BM, "O' is staged in the K ring");
     static_assert(!(QUANTIZE_P && PERSISTENT), "the outputs are staged in Q's and the K ring's shared memory, which a "
                                               "persistent CTA's producer refills for its next item");
-    if (skip_if != NULL && *skip_if) return;
     if (!PERSISTENT && !TAIL && ts.splits > 1 &&
         blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= ts.main_items)
         return; /* a tail item: the TAIL kernel's */
@@ -474,6 +476,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
         const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
         finish_forward_rows<D, WITH_O_PRIME>(o, o2, m, l, seen, QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f,
                                              p.frame_m + stat0, p.row_sum + stat0, q0 + row0, nq);
+        if (nonfinite != NULL) {
+            flag_if_nonfinite(o, nonfinite);
+            if constexpr (WITH_O_PRIME) flag_if_nonfinite(o2, nonfinite);
+        }
         if constexpr (QUANTIZE_P) {
             /* O staged where Q was and O' where the K ring was, once every consumer warp is done with its
                products (a warpgroup's S reads its 64 rows of Q and all of a K slot), then written by TMA */
@@ -525,12 +531,12 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     constexpr int NWG = sm90_consumer_warpgroups(D, QUANTIZE_P);
     constexpr bool PERSISTENT = !QUANTIZE_P;
     using kernel_t = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
-                              const CUtensorMap, const aq_attention_fwd_params, const int *, const tail_split);
+                              const CUtensorMap, const aq_attention_fwd_params, int *, const tail_split);
     kernel_t kernel = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME, NWG, PERSISTENT, false>;
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG, SM90_THREADS = 128 * (NWG + 1);
     if (!sm90_available((const void *)kernel)) return NULL;
     if (!fragment_store_ok(p->o, p->o_stride) || !fragment_store_ok(p->o_prime, p->o_prime_stride)) return NULL;
-    /* hidden keys whose V is not finite would need the mma.sync kernel's scrubbing: check V first */
+    /* hidden keys whose V is not finite need the mma.sync kernel's scrubbing: the outputs are checked */
     const bool hidden_keys = p->causal || p->mask != NULL;
     if (hidden_keys && p->scratch == NULL) return NULL;
     CUtensorMap tm_q, tm_k, tm_v, tm_o, tm_o2;
@@ -564,20 +570,17 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     if (hidden_keys) {
         err = cudaMemsetAsync(p->scratch, 0, sizeof(int), stream);
         if (err != cudaSuccess) return cudaGetErrorString(err);
-        const char *msg =
-            launch_flag_nonfinite<DT>(p->v, p->v_stride, p->batch, p->heads_kv, p->seqlen_k, D, p->scratch, stream);
-        if (msg) return msg;
         *fallback_flag = p->scratch;
     }
-    const int *skip_if = hidden_keys ? p->scratch : NULL;
+    int *nonfinite = hidden_keys ? p->scratch : NULL;
     const dim3 grid = PERSISTENT ? dim3((unsigned)std::min<int64_t>(work, sms))
                                  : dim3((unsigned)q_tiles, (unsigned)p->heads_q, (unsigned)p->batch);
-    kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, tm_o, tm_o2, *p, skip_if, ts);
+    kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, tm_o, tm_o2, *p, nonfinite, ts);
     if (ts.splits > 1) {
         tail_kernel<<<ts.tail_items * ts.splits, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, tm_o, tm_o2, *p,
-                                                                               skip_if, ts);
+                                                                               nonfinite, ts);
         attention_fwd_merge_kernel<D, DT, WITH_O_PRIME>
-            <<<(ts.tail_items * FWD_TAIL_BM + 3) / 4, 128, 0, stream>>>(*p, ts, skip_if);
+            <<<(ts.tail_items * FWD_TAIL_BM + 3) / 4, 128, 0, stream>>>(*p, ts, nonfinite);
     }
     *taken = true;
     return launch_status();

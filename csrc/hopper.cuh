@@ -350,20 +350,25 @@ AQ_D void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t desc_b, i
     else wgmma_m64n128k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
 }
 
-/* ------------------------------------------------------------------------------------------------
-   Host side: launch conditions and TMA descriptors, and the non-finite pre-check. */
-
-/* *flag = 1 when an element of x (B, H, N, D, strided; 16-byte aligned, strides multiples of 8) is Inf or NaN.
-   grid (ceil(N * D / 8 / 256), H, B), 256 threads, one 16-byte chunk each. */
-template <aq_dtype DT>
-__global__ void __launch_bounds__(256) flag_nonfinite_kernel(const uint16_t *x, int64_t stride_b, int64_t stride_h,
-                                                             int64_t stride_n, int n, int d, int *flag) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, chunks = (int64_t)n * (d / 8);
-    if (i >= chunks) return;
-    const int64_t row = i / (d / 8), col = (i % (d / 8)) * 8;
-    const uint16_t *src = x + blockIdx.z * stride_b + blockIdx.y * stride_h + row * stride_n + col;
-    if (chunk8_nonfinite<DT>(*(const uint4 *)src)) *flag = 1;
+/* Sets *flag when one of the warp's values is Inf or NaN (x * 0 + z keeps z = 0 for every finite x and makes it NaN
+   otherwise). The Hopper kernels check their outputs with it where hidden terms could have carried a non-finite
+   input into them (a hidden key's NaN times its P of 0); the launchers then run the mma.sync kernels, which keep
+   hidden terms absent, behind them (attention_fwd_sm90.cu). Called by the whole warp. */
+template <int N, int E>
+AQ_D void flag_if_nonfinite(const float (&x)[N][E], int *flag) {
+    float z[E] = {};
+#pragma unroll
+    for (int n = 0; n < N; n++)
+#pragma unroll
+        for (int e = 0; e < E; e++) z[e] = __fmaf_rn(x[n][e], 0.0f, z[e]);
+    bool bad = false;
+#pragma unroll
+    for (int e = 0; e < E; e++) bad |= z[e] != z[e];
+    if (__any_sync(0xFFFFFFFFu, bad) && ((int)threadIdx.x & 31) == 0) *flag = 1;
 }
+
+/* ------------------------------------------------------------------------------------------------
+   Host side: launch conditions and TMA descriptors. */
 
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
     static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
@@ -463,17 +468,4 @@ static bool sm90_available(const void *kernel) {
         return false;
     }
     return attr.binaryVersion >= 90;
-}
-
-
-/* Sets *flag (not cleared here) when x (B, H, N, D), TMA-eligible, holds an Inf or NaN. */
-template <aq_dtype DT>
-static const char *launch_flag_nonfinite(const void *x, const int64_t stride[3], int64_t batch, int64_t heads,
-                                         int64_t tokens, int head_dim, int *flag, cudaStream_t stream) {
-    if (tokens == 0) return NULL;
-    const int64_t chunks = tokens * head_dim / 8;
-    const dim3 grid((unsigned)((chunks + 255) / 256), (unsigned)heads, (unsigned)batch);
-    flag_nonfinite_kernel<DT><<<grid, 256, 0, stream>>>((const uint16_t *)x, stride[0], stride[1], stride[2],
-                                                        (int)tokens, head_dim, flag);
-    return launch_status();
 }

@@ -226,6 +226,40 @@ def test_nan_row_is_not_finite_garbage(device):
     assert not bad.any(), "NaN leaked into other rows"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hide", ["causal", "mask"])
+@pytest.mark.parametrize("where", ["v", "k", "q", "dout"])
+def test_nonfinite_values_under_hidden_terms(device, hide, where):
+    # docs/numerics.md §8: a term a query cannot see contributes nothing, even where the key, value, query or
+    # gradient row behind it holds NaN or Inf; the Hopper kernels multiply such terms by a P of 0 and hand the call
+    # to the mma.sync kernels when an output comes out non-finite. Which outputs are finite, and their values, must
+    # be the reference's, forward and backward.
+    n, d = 160, 128 if hide == "causal" else 64
+    q, k, v, dout = make_inputs(1, 2, 2, n, n, d, torch.bfloat16, "cpu")
+    mask = None
+    if hide == "mask":  # rows 0..49 see keys 0..99 only
+        mask = torch.ones(n, n, dtype=torch.bool)
+        mask[:50, 100:] = False
+    bad = {"v": (v, 130), "k": (k, 130), "q": (q, 70), "dout": (dout, 70)}
+    t, row = bad[where]
+    t[0, 0, row, 5] = float("nan")
+    t[0, 1, row, 9] = float("inf")
+    causal = "top_left" if hide == "causal" else None
+    ours = run(*(x.to(device) for x in (q, k, v, dout)), mask=None if mask is None else mask.to(device),
+               causal=causal)
+    ref = (reference.attention(q, k, v, attn_mask=mask, causal=causal),) + tuple(
+        reference.attention_backward(q, k, v, dout, attn_mask=mask, causal=causal))
+    for name, x, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        x = x.double().cpu()
+        # Which non-finite value is not the contract's: a visible P^F of 0 times an Inf in dO is NaN in the reference,
+        # and the CPU kernel, which sums only the nonzero terms, gives Inf. A NaN value leaves no dK finite (delta
+        # spreads it to every later row, each of which sees every earlier key).
+        finite = r.isfinite()
+        assert torch.equal(x.isfinite(), finite), f"{name}: non-finite where the reference is finite, or the reverse"
+        assert not finite.any() or rel_error(x[finite], r[finite]) <= (FWD_TOL if name == "out" else BWD_TOL), name
+    assert ours[0].isfinite().any() and any(x.isnan().any() for x in ours), "the case tests nothing"
+
+
 @contextlib.contextmanager
 def deterministic_algorithms():
     """torch.use_deterministic_algorithms(True) for the block: the backward then sums dQ without atomics."""
