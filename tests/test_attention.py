@@ -227,28 +227,60 @@ def test_nan_row_is_not_finite_garbage(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["attn_qat", "bf16", "deterministic", "split"])
 @pytest.mark.parametrize("hide", ["causal", "mask"])
 @pytest.mark.parametrize("where", ["v", "k", "q", "dout"])
-def test_nonfinite_values_under_hidden_terms(device, hide, where):
-    # docs/numerics.md §8: a term a query cannot see contributes nothing, even where the key, value, query or
-    # gradient row behind it holds NaN or Inf; the Hopper kernels multiply such terms by a P of 0 and hand the call
-    # to the mma.sync kernels when an output comes out non-finite. Which outputs are finite, and their values, must
-    # be the reference's, forward and backward.
-    n, d = 160, 128 if hide == "causal" else 64
-    q, k, v, dout = make_inputs(1, 2, 2, n, n, d, torch.bfloat16, "cpu")
-    mask = None
-    if hide == "mask":  # rows 0..49 see keys 0..99 only
-        mask = torch.ones(n, n, dtype=torch.bool)
-        mask[:50, 100:] = False
-    bad = {"v": (v, 130), "k": (k, 130), "q": (q, 70), "dout": (dout, 70)}
-    t, row = bad[where]
+def test_nonfinite_values_under_hidden_terms(monkeypatch, device, variant, hide, where):
+    # docs/numerics.md §8: a term no query can see contributes nothing, even where the key, value, query or gradient
+    # row behind it holds NaN or Inf. The Hopper kernels multiply such terms by a P of 0 and, where an output comes out
+    # non-finite, have the mma.sync kernels redo the call: every output must come out finite and the reference's.
+    # The poisoned rows are hidden from every query (keys past the last query's causal reach or masked for all rows,
+    # queries with no visible key), so any NaN or Inf that reaches an output is a leak. Variants: the bf16-mode
+    # kernels, the deterministic dQ kernel, and (masked only: the split is not causal) a forced last-wave split.
+    if hide == "causal":
+        # top-left with 144 queries and 160 keys: keys 144..159 (one whole V block) are nobody's; bottom-right with
+        # 176 queries: rows 0..15 see no key
+        nq, nk, causal, api = (144, 160, "top_left", "sdpa") if where in ("v", "k") else (176, 160, "bottom_right",
+                                                                                         "attention")
+        mask = None
+    else:
+        nq, nk, causal, api = 176, 160, None, "sdpa"
+        mask = torch.ones(nq, nk, dtype=torch.bool)
+        mask[:, 96:112] = False  # keys 96..111 (a whole V block) hidden from every row
+        mask[5] = False  # row 5 sees no key
+    q, k, v, dout = make_inputs(1, 2, 2, nq, nk, 128, torch.bfloat16, "cpu")
+    t, row = {"v": (v, 150 if hide == "causal" else 100), "k": (k, 150 if hide == "causal" else 100),
+              "q": (q, 5), "dout": (dout, 5)}[where]
     t[0, 0, row, 5] = float("nan")
     t[0, 1, row, 9] = float("inf")
-    causal = "top_left" if hide == "causal" else None
-    ours = run(*(x.to(device) for x in (q, k, v, dout)), mask=None if mask is None else mask.to(device),
-               causal=causal)
-    ref = (reference.attention(q, k, v, attn_mask=mask, causal=causal),) + tuple(
-        reference.attention_backward(q, k, v, dout, attn_mask=mask, causal=causal))
+    mode = "bf16" if variant == "bf16" else "attn_qat"
+    if variant == "split":
+        monkeypatch.setenv("ATTN_QAT_TAIL_SPLIT", "2,2")
+    with deterministic_algorithms() if variant == "deterministic" else contextlib.nullcontext():
+        ours = run(*(x.to(device) for x in (q, k, v, dout)), mode=mode, mask=None if mask is None else mask.to(device),
+                   causal=causal, api=api)
+    ref = (reference.attention(q, k, v, attn_mask=mask, causal=causal, mode=mode),) + tuple(
+        reference.attention_backward(q, k, v, dout, attn_mask=mask, causal=causal, mode=mode))
+    for name, x, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        x = x.double().cpu()
+        assert r.isfinite().all(), f"the case hides nothing: the reference's {name} is not finite"
+        assert x.isfinite().all(), f"{name}: a hidden NaN or Inf leaked into {(~x.isfinite()).sum().item()} values"
+        assert rel_error(x, r) <= (FWD_TOL if name == "out" else BWD_TOL), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["v", "k", "q", "dout"])
+def test_nonfinite_values_seen_spread_like_the_reference(device, where):
+    # The other side of §8: NaN and Inf that some query does see reach exactly the outputs the reference says
+    # (causal, so the same rows are also hidden from earlier queries), and the finite values are the reference's.
+    n = 160
+    q, k, v, dout = make_inputs(1, 2, 2, n, n, 128, torch.bfloat16, "cpu")
+    t, row = {"v": (v, 130), "k": (k, 130), "q": (q, 70), "dout": (dout, 70)}[where]
+    t[0, 0, row, 5] = float("nan")
+    t[0, 1, row, 9] = float("inf")
+    ours = run(*(x.to(device) for x in (q, k, v, dout)), causal="top_left")
+    ref = (reference.attention(q, k, v, causal="top_left"),) + tuple(
+        reference.attention_backward(q, k, v, dout, causal="top_left"))
     for name, x, r in zip(("out", "dq", "dk", "dv"), ours, ref):
         x = x.double().cpu()
         # Which non-finite value is not the contract's: a visible P^F of 0 times an Inf in dO is NaN in the reference,
