@@ -511,18 +511,19 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
    Launcher */
 
 /* The forward's tail split (plan_tail_split): the quantized kernels' items of 128 query rows, not causal (those
-   items differ in length and run longest first), parts of FWD_TAIL_KEYS-key units. The inference forward splits
-   only a grid of less than one wave: on the H200 its kernel took as long without the last wave's 4 items as with
-   them ((2, 16, 16384, 128): 8873 and 8877 us), where the training forward's went 13055 -> 12880 us
-   (performance.md v14). */
+   items differ in length and run longest first), parts of FWD_TAIL_KEYS-key units. The D = 64 inference forward
+   splits only a grid of less than one wave, where the parts fill idle SMs: with more waves its split measured 1-2%
+   slower on the H200, the D = 128 one's 1-1.5% faster (4k, Wan 1.3B; performance.md v19). */
 static tail_split fwd_tail_plan(const aq_attention_fwd_params *p) {
     static_assert(64 * sm90_consumer_warpgroups(64, true) == FWD_TAIL_BM &&
                       64 * sm90_consumer_warpgroups(128, true) == FWD_TAIL_BM,
                   "the quantized kernels' items are FWD_TAIL_BM query rows");
     const int64_t items = (p->seqlen_q + FWD_TAIL_BM - 1) / FWD_TAIL_BM * p->heads_q * p->batch;
     int sms = 0;
-    if (!p->quantize_p || p->causal || sm_count(&sms) != cudaSuccess) return {(int)items, 0, 1, NULL};
-    return plan_tail_split(items, (p->seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS, sms, p->o_prime != NULL);
+    if (!p->quantize_p || p->causal || sm_count(&sms) != cudaSuccess ||
+        (p->head_dim == 64 && p->o_prime == NULL && items >= sms))
+        return {(int)items, 0, 1, NULL};
+    return plan_tail_split(items, (p->seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS, sms);
 }
 
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
