@@ -560,7 +560,8 @@ static tail_split dkdv_tail_plan(const aq_attention_bwd_params *p) {
     const int64_t items = (p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch;
     int sms = 0;
     if (p->causal || p->seqlen_q == 0 || sm_count(&sms) != cudaSuccess) return {(int)items, 0, 1, NULL};
-    return plan_tail_split(items, p->heads_q / p->heads_kv * ((p->seqlen_q + BWD90_Q_STEP - 1) / BWD90_Q_STEP), sms);
+    return plan_tail_split(items, p->heads_q / p->heads_kv * ((p->seqlen_q + BWD90_Q_STEP - 1) / BWD90_Q_STEP), sms,
+                           true);
 }
 
 template <int D, aq_dtype DT>

@@ -520,10 +520,9 @@ static tail_split fwd_tail_plan(const aq_attention_fwd_params *p) {
                   "the quantized kernels' items are FWD_TAIL_BM query rows");
     const int64_t items = (p->seqlen_q + FWD_TAIL_BM - 1) / FWD_TAIL_BM * p->heads_q * p->batch;
     int sms = 0;
-    if (!p->quantize_p || p->causal || sm_count(&sms) != cudaSuccess ||
-        (p->head_dim == 64 && p->o_prime == NULL && items >= sms))
-        return {(int)items, 0, 1, NULL};
-    return plan_tail_split(items, (p->seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS, sms);
+    if (!p->quantize_p || p->causal || sm_count(&sms) != cudaSuccess) return {(int)items, 0, 1, NULL};
+    return plan_tail_split(items, (p->seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS, sms,
+                           p->o_prime != NULL || p->head_dim == 128);
 }
 
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>

@@ -423,9 +423,10 @@ typedef struct {
 } tail_split;
 
 /* The split for W = items items whose reduction axis has `units` units: the tail is W mod sms when it fills at most
-   half an SM wave, split into sms / tail parts of at least 2 units. ATTN_QAT_TAIL_SPLIT overrides it, for tests:
-   "0" never splits, "T,S" splits the last T items into S parts (at most one a unit). */
-static tail_split plan_tail_split(int64_t items, int64_t units, int sms) {
+   half an SM wave, split into sms / tail parts of at least 2 units; only when W < sms (one partial wave) unless
+   full_grids. ATTN_QAT_TAIL_SPLIT overrides it, for tests: "0" never splits, "T,S" splits the last T items into S
+   parts (at most one a unit). */
+static tail_split plan_tail_split(int64_t items, int64_t units, int sms, bool full_grids) {
     tail_split t = {(int)items, 0, 1, NULL};
     int64_t tail = items % sms, splits = tail > 0 ? sms / tail : 0, min_units = 2;
     const char *env = getenv("ATTN_QAT_TAIL_SPLIT");
@@ -433,7 +434,7 @@ static tail_split plan_tail_split(int64_t items, int64_t units, int sms) {
         long forced_tail = 0, forced_splits = 0;
         if (sscanf(env, "%ld,%ld", &forced_tail, &forced_splits) != 2) return t; /* "0" or anything else */
         tail = std::min<int64_t>(forced_tail, items), splits = forced_splits, min_units = 1;
-    } else if (tail == 0 || 2 * tail > sms) {
+    } else if (tail == 0 || 2 * tail > sms || (!full_grids && items >= sms)) {
         return t;
     }
     splits = std::min<int64_t>(splits, units / min_units);
