@@ -95,12 +95,12 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(aq_quantize_params p
 // when known at compile time, else 0): quantized in registers, its scale and codes stored, raw updated in
 // place with the fake-quantized values.
 template <typename T, int N>
-__device__ __forceinline__ void quantize_token_column(const aq_quantize_params &p, uint32_t (&raw)[AQ_BLOCK], int n,
+__device__ __forceinline__ void quantize_token_column(const aq_quantize_params &p, uint32_t (&raw)[AQ_BLOCK][1], int n,
                                                       int shift, int64_t scale_at, int64_t codes_at) {
     if (N) n = N;
     float v[AQ_BLOCK];
 #pragma unroll
-    for (int i = 0; i < AQ_BLOCK; i++) v[i] = to_float<T>(from_bits<T>(raw[i] >> shift)); // rows >= n are 0
+    for (int i = 0; i < AQ_BLOCK; i++) v[i] = to_float<T>(from_bits<T>(raw[i][0] >> shift)); // rows >= n are 0
     const float s = aq_block_scale(v, n);
     if (p.scales) p.scales[scale_at] = aq_e4m3_encode(s);
     if (p.codes) {
@@ -114,12 +114,12 @@ __device__ __forceinline__ void quantize_token_column(const aq_quantize_params &
         aq_block_fake_quantize(v, n, s);
         const uint32_t keep = sizeof(T) == 4 ? 0u : ~(0xFFFFu << shift);
 #pragma unroll
-        for (int i = 0; i < AQ_BLOCK; i++) raw[i] = (raw[i] & keep) | (to_bits<T>(from_float<T>(v[i])) << shift);
+        for (int i = 0; i < AQ_BLOCK; i++) raw[i][0] = (raw[i][0] & keep) | (to_bits<T>(from_float<T>(v[i])) << shift);
     }
 }
 
 // The tokens layout's unit of work (quantize_tokens_kernel, fake_quantize_tokens_kernel): thread idx takes the
-// 16-row block blk of outer index o, the 4 bytes of inner columns from in0 (4 / sizeof(T) columns), n <= 16 rows.
+// 16-row block blk of outer index o, W 32-bit words of inner columns from in0 (4 W / sizeof(T) columns), n <= 16 rows.
 template <typename I>
 struct TokenBlock {
     I o, blk;
@@ -127,11 +127,12 @@ struct TokenBlock {
     int n;
 };
 
-// Thread idx's block (false past the end) and its rows' 32-bit words in raw, 0 past row n.
-template <typename T, typename I>
+// Thread idx's block (false past the end) and its rows' W words in raw (one load a row), 0 past row n.
+template <typename T, typename I, int W>
 __device__ __forceinline__ bool load_token_block(const aq_quantize_params &p, I nblocks, TokenBlock<I> *tb,
-                                                 uint32_t (&raw)[AQ_BLOCK]) {
-    constexpr int per_vec = 4 / sizeof(T);
+                                                 uint32_t (&raw)[AQ_BLOCK][W]) {
+    using Vec = typename Bytes<4 * W>::type;
+    constexpr int per_vec = 4 * W / sizeof(T);
     const I chunks = (I)(p.inner / per_vec);
     const I idx = blockIdx.x * (I)blockDim.x + threadIdx.x;
     if (idx >= (I)(p.outer[0] * p.outer[1] * p.outer[2]) * nblocks * chunks) return false;
@@ -141,18 +142,24 @@ __device__ __forceinline__ bool load_token_block(const aq_quantize_params &p, I 
     tb->n = (int)min((int64_t)AQ_BLOCK, p.axis_len - tb->a0);
     const T *src = (const T *)p.x + outer_offset(p, tb->o) + tb->a0 * p.stride_axis + tb->in0;
 #pragma unroll
-    for (int i = 0; i < AQ_BLOCK; i++) raw[i] = i < tb->n ? __ldg((const uint32_t *)(src + i * p.stride_axis)) : 0u;
+    for (int i = 0; i < AQ_BLOCK; i++) {
+        if (i < tb->n) *(Vec *)raw[i] = __ldg((const Vec *)(src + i * p.stride_axis));
+        else
+#pragma unroll
+            for (int w = 0; w < W; w++) raw[i][w] = 0u;
+    }
     return true;
 }
 
 // The block's rows back into p.fake ((outer, axis_len, inner) contiguous).
-template <typename T, typename I>
+template <typename T, typename I, int W>
 __device__ __forceinline__ void store_token_block(const aq_quantize_params &p, const TokenBlock<I> &tb,
-                                                  const uint32_t (&raw)[AQ_BLOCK]) {
+                                                  const uint32_t (&raw)[AQ_BLOCK][W]) {
+    using Vec = typename Bytes<4 * W>::type;
     T *dst = (T *)p.fake + ((int64_t)tb.o * p.axis_len + tb.a0) * p.inner + tb.in0;
 #pragma unroll
     for (int i = 0; i < AQ_BLOCK; i++)
-        if (i < tb.n) *(uint32_t *)(dst + i * p.inner) = raw[i];
+        if (i < tb.n) *(Vec *)(dst + i * p.inner) = *(const Vec *)raw[i];
 }
 
 // Blocked axis not innermost, inner axis contiguous (V along tokens): a thread takes one 16-row block of
@@ -167,8 +174,8 @@ __global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params
     constexpr int per_vec = 4 / sizeof(T);
     const I nblocks = (I)((p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK);
     TokenBlock<I> tb;
-    uint32_t raw[AQ_BLOCK];
-    if (!load_token_block<T>(p, nblocks, &tb, raw)) return;
+    uint32_t raw[AQ_BLOCK][1];
+    if (!load_token_block<T, I, 1>(p, nblocks, &tb, raw)) return;
     const int64_t packed_len = (p.axis_len + 1) / 2;
 #pragma unroll 1 /* one column at a time (two at once took 124 registers), picked out by shifts, not indexing */
     for (int c = 0; c < per_vec; c++) {
@@ -177,44 +184,50 @@ __global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params
         if (tb.n == AQ_BLOCK) quantize_token_column<T, AQ_BLOCK>(p, raw, tb.n, 8 * (int)sizeof(T) * c, scale_at, codes_at);
         else quantize_token_column<T, 0>(p, raw, tb.n, 8 * (int)sizeof(T) * c, scale_at, codes_at);
     }
-    if (p.fake) store_token_block<T>(p, tb, raw);
+    if (p.fake) store_token_block<T, I, 1>(p, tb, raw);
 }
 
-// The V pre-pass's fake quantization (16-bit T, no codes or scales), laid out as quantize_tokens_kernel: a thread
-// per 16-row block of two columns. Both columns at once, each value taken from and put back into its 32-bit word:
-// the amaxes of both from one 16x2-bit integer max a row (the bits of |x| order like the values, NaN above Inf),
-// y = min(|x| r, 6) rounded by aq_e2m1_round_nonneg_unclamped, times s, and the sign back. ~12 instructions an
-// element where the general path's aq_fake_quantize_element took ~20, and 16 words of registers: the general
-// kernel ran at 49% of a copy's speed here (performance.md v16). Same values: zero blocks give +0 (the sign is
-// kept only where s > 0), and a NaN or Inf in a block gives a NaN scale, hence NaN (r = 0 there; an Inf's
+// The V pre-pass's fake quantization (16-bit T, no codes or scales), laid out as quantize_tokens_kernel but with 16
+// bytes of columns a thread (eight 16-bit columns, four 32-bit words a row: one 16-byte load and store a row). Each
+// word's two columns at once, each value taken from and put back into its word: the amaxes of both from one 16x2-bit
+// integer max a row (the bits of |x| order like the values, NaN above Inf), y = min(|x| r, 6) rounded by
+// aq_e2m1_round_nonneg_unclamped, times s, and the sign back. ~12 instructions an element where the general path's
+// aq_fake_quantize_element took ~20: the general kernel ran at 49% of a copy's speed here (performance.md v16); with
+// 4 bytes of columns a thread this one ran at 70-73%, with 16 at 84-87% (v20). Same values: zero blocks give +0 (the
+// sign is kept only where s > 0), and a NaN or Inf in a block gives a NaN scale, hence NaN (r = 0 there; an Inf's
 // Inf * 0 = NaN becomes 6 in fminf, within the rounding's domain, and its product with the NaN scale is NaN).
 template <typename T, typename I>
 __global__ void __launch_bounds__(256) fake_quantize_tokens_kernel(aq_quantize_params p) {
     static_assert(sizeof(T) == 2, "two 16-bit columns a 32-bit word");
+    constexpr int W = 4;
     TokenBlock<I> tb;
-    uint32_t raw[AQ_BLOCK], amax2 = 0;
-    if (!load_token_block<T>(p, (I)((p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK), &tb, raw)) return;
+    uint32_t raw[AQ_BLOCK][W];
+    if (!load_token_block<T, I, W>(p, (I)((p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK), &tb, raw)) return;
 #pragma unroll
-    for (int i = 0; i < AQ_BLOCK; i++) amax2 = __vmaxu2(amax2, raw[i] & 0x7FFF7FFFu);
-    float s[2], r[2];
-    uint32_t sign[2];
+    for (int w = 0; w < W; w++) {
+        uint32_t amax2 = 0;
 #pragma unroll
-    for (int c = 0; c < 2; c++) {
-        const float amax = to_float<T>(from_bits<T>(amax2 >> (16 * c) & 0xFFFFu));
-        s[c] = aq_block_scale_from_amax_bits(__float_as_uint(amax));
-        r[c] = s[c] > 0.0f ? __frcp_rn(s[c]) : 0.0f;
-        sign[c] = s[c] > 0.0f ? 0x80000000u : 0u;
+        for (int i = 0; i < AQ_BLOCK; i++) amax2 = __vmaxu2(amax2, raw[i][w] & 0x7FFF7FFFu);
+        float s[2], r[2];
+        uint32_t sign[2];
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const float amax = to_float<T>(from_bits<T>(amax2 >> (16 * c) & 0xFFFFu));
+            s[c] = aq_block_scale_from_amax_bits(__float_as_uint(amax));
+            r[c] = s[c] > 0.0f ? __frcp_rn(s[c]) : 0.0f;
+            sign[c] = s[c] > 0.0f ? 0x80000000u : 0u;
+        }
+        auto fake = [&](float x, int c) {
+            const float q = aq_e2m1_round_nonneg_unclamped(fminf(__fmul_rn(fabsf(x), r[c]), 6.0f));
+            return __uint_as_float(__float_as_uint(__fmul_rn(q, s[c])) | (__float_as_uint(x) & sign[c]));
+        };
+#pragma unroll
+        for (int i = 0; i < AQ_BLOCK; i++) {
+            const float lo = to_float<T>(from_bits<T>(raw[i][w] & 0xFFFFu)), hi = to_float<T>(from_bits<T>(raw[i][w] >> 16));
+            raw[i][w] = to_bits<T>(from_float<T>(fake(lo, 0))) | (to_bits<T>(from_float<T>(fake(hi, 1))) << 16);
+        }
     }
-    auto fake = [&](float x, int c) {
-        const float q = aq_e2m1_round_nonneg_unclamped(fminf(__fmul_rn(fabsf(x), r[c]), 6.0f));
-        return __uint_as_float(__float_as_uint(__fmul_rn(q, s[c])) | (__float_as_uint(x) & sign[c]));
-    };
-#pragma unroll
-    for (int i = 0; i < AQ_BLOCK; i++) {
-        const float lo = to_float<T>(from_bits<T>(raw[i] & 0xFFFFu)), hi = to_float<T>(from_bits<T>(raw[i] >> 16));
-        raw[i] = to_bits<T>(from_float<T>(fake(lo, 0))) | (to_bits<T>(from_float<T>(fake(hi, 1))) << 16);
-    }
-    store_token_block<T>(p, tb, raw);
+    store_token_block<T, I, W>(p, tb, raw);
 }
 
 // Any other layout: one thread per (outer, block, inner column), inner fastest.
@@ -331,16 +344,17 @@ static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
         if (grid * (int64_t)threads < ((int64_t)1 << 32)) quantize_rows_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
         else quantize_rows_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
     } else if (tokens) {
-        const int64_t work = outer * nblocks * (p->inner / (4 / (int)sizeof(T)));
-        const unsigned grid = grid_for(work, threads);
-        const bool small = grid * (int64_t)threads < ((int64_t)1 << 32);
         if constexpr (sizeof(T) == 2) {
-            if (p->fake && !p->codes && !p->scales) {
-                if (small) fake_quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
+            if (p->fake && !p->codes && !p->scales) { /* 16 bytes of columns a thread: inner % per_vec == 0 */
+                const unsigned grid = grid_for(outer * nblocks * (p->inner / per_vec), threads);
+                if (grid * (int64_t)threads < ((int64_t)1 << 32)) fake_quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
                 else fake_quantize_tokens_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
                 return;
             }
         }
+        const int64_t work = outer * nblocks * (p->inner / (4 / (int)sizeof(T)));
+        const unsigned grid = grid_for(work, threads);
+        const bool small = grid * (int64_t)threads < ((int64_t)1 << 32);
         if (small) quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
         else quantize_tokens_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
     } else {

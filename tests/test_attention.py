@@ -491,6 +491,26 @@ def test_longer_sequences_cuda(n):
 
 
 @requires_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+def test_fused_dq_chunks_complete(d, causal):
+    """The fused dQ (dK/dV kernel adding each key tile's dS K into fp32 chunks of 64 queries, then converted) under
+    causal masks, where each key tile's loop starts at another chunk, and bottom-right with Nq > Nk leaves whole
+    chunks that no key tile reaches (here the first 384 rows: 400 see no key), whose dQ must still be written as
+    zeros (the allocator is poisoned). The deterministic dQ kernel must agree."""
+    for nq, nk in ((1000, 600), (600, 1000)):
+        q, k, v, dout = make_inputs(2, 6, 2, nq, nk, d, torch.bfloat16, "cuda")
+        api = "sdpa" if causal == "top_left" else "attention"
+        check(q, k, v, dout, causal=causal, api=api, label=f"fused dQ, {nq} x {nk}")
+        dq = run(q, k, v, dout, causal=causal, api=api)[1]
+        with deterministic_algorithms():
+            dq_deterministic = run(q, k, v, dout, causal=causal, api=api)[1]
+        assert rel_error(dq, dq_deterministic) < 1e-3
+        if causal == "bottom_right" and nq > nk:
+            assert not dq[:, :, : nq - nk].any()
+
+
+@requires_cuda
 @pytest.mark.parametrize("kernels", ["default", "deterministic", "mma_sync"])
 def test_causal_backward_order_covers_every_tile(monkeypatch, kernels):
     """A short causal backward grid goes longest first across chunks of heads (work_item_at in

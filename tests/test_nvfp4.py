@@ -204,7 +204,7 @@ def test_cuda_dequantize_layouts(dtype):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_tokens_fake_quantize_every_16_bit_value(dtype):
-    """The V pre-pass's kernel (blocks along an outer axis, two 16-bit columns a thread: fake_quantize_tokens_kernel
+    """The V pre-pass's kernel (blocks along an outer axis, eight 16-bit columns a thread: fake_quantize_tokens_kernel
     in quantize_cuda.cu, with its own rounding path) on every 16-bit pattern (NaN, Inf, subnormals, -0), in blocks
     of neighbouring magnitudes and of mixed ones, then a block of -0 and a partial last block, the output poisoned
     first: bit for bit the CPU kernel's values."""
