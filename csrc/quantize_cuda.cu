@@ -193,9 +193,10 @@ __global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params
 // integer max a row (the bits of |x| order like the values, NaN above Inf), y = min(|x| r, 6) rounded by
 // aq_e2m1_round_nonneg_unclamped, times s, and the sign back. ~12 instructions an element where the general path's
 // aq_fake_quantize_element took ~20: the general kernel ran at 49% of a copy's speed here (performance.md v16); with
-// 4 bytes of columns a thread this one ran at 70-73%, with 16 at 84-87% (v20). Same values: zero blocks give +0 (the
-// sign is kept only where s > 0), and a NaN or Inf in a block gives a NaN scale, hence NaN (r = 0 there; an Inf's
-// Inf * 0 = NaN becomes 6 in fminf, within the rounding's domain, and its product with the NaN scale is NaN).
+// 4 bytes of columns a thread this one ran at 70-73%, with 16 at 86-95% (performance.md, quantizers v7). Same
+// values: zero blocks give +0 (the sign is kept only where s > 0), and a NaN or Inf in a block gives a NaN scale,
+// hence NaN (r = 0 there; an Inf's Inf * 0 = NaN becomes 6 in fminf, within the rounding's domain, and its product
+// with the NaN scale is NaN).
 template <typename T, typename I>
 __global__ void __launch_bounds__(256) fake_quantize_tokens_kernel(aq_quantize_params p) {
     static_assert(sizeof(T) == 2, "two 16-bit columns a 32-bit word");
@@ -347,8 +348,10 @@ static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
         if constexpr (sizeof(T) == 2) {
             if (p->fake && !p->codes && !p->scales) { /* 16 bytes of columns a thread: inner % per_vec == 0 */
                 const unsigned grid = grid_for(outer * nblocks * (p->inner / per_vec), threads);
-                if (grid * (int64_t)threads < ((int64_t)1 << 32)) fake_quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
-                else fake_quantize_tokens_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
+                if (grid * (int64_t)threads < ((int64_t)1 << 32))
+                    fake_quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
+                else
+                    fake_quantize_tokens_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
                 return;
             }
         }
