@@ -143,10 +143,12 @@ __device__ __forceinline__ bool load_token_block(const aq_quantize_params &p, I 
     const T *src = (const T *)p.x + outer_offset(p, tb->o) + tb->a0 * p.stride_axis + tb->in0;
 #pragma unroll
     for (int i = 0; i < AQ_BLOCK; i++) {
-        if (i < tb->n) *(Vec *)raw[i] = __ldg((const Vec *)(src + i * p.stride_axis));
-        else
+        if (i < tb->n) {
+            *(Vec *)raw[i] = __ldg((const Vec *)(src + i * p.stride_axis));
+        } else {
 #pragma unroll
             for (int w = 0; w < W; w++) raw[i][w] = 0u;
+        }
     }
     return true;
 }
@@ -197,10 +199,11 @@ __global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params
 // values: zero blocks give +0 (the sign is kept only where s > 0), and a NaN or Inf in a block gives a NaN scale,
 // hence NaN (r = 0 there; an Inf's Inf * 0 = NaN becomes 6 in fminf, within the rounding's domain, and its product
 // with the NaN scale is NaN).
+#define FAKE_TOKENS_WORDS 4 /* 32-bit words of columns a thread and row: the launcher's tokens checks allow 16 bytes */
 template <typename T, typename I>
 __global__ void __launch_bounds__(256) fake_quantize_tokens_kernel(aq_quantize_params p) {
     static_assert(sizeof(T) == 2, "two 16-bit columns a 32-bit word");
-    constexpr int W = 4;
+    constexpr int W = FAKE_TOKENS_WORDS;
     TokenBlock<I> tb;
     uint32_t raw[AQ_BLOCK][W];
     if (!load_token_block<T, I, W>(p, (I)((p.axis_len + AQ_BLOCK - 1) / AQ_BLOCK), &tb, raw)) return;
@@ -346,8 +349,10 @@ static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
         else quantize_rows_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
     } else if (tokens) {
         if constexpr (sizeof(T) == 2) {
-            if (p->fake && !p->codes && !p->scales) { /* 16 bytes of columns a thread: inner % per_vec == 0 */
-                const unsigned grid = grid_for(outer * nblocks * (p->inner / per_vec), threads);
+            if (p->fake && !p->codes && !p->scales) {
+                static_assert(4 * FAKE_TOKENS_WORDS <= 16, "tokens checks 16-byte alignment, no more");
+                const unsigned grid =
+                    grid_for(outer * nblocks * (p->inner / (4 * FAKE_TOKENS_WORDS / (int)sizeof(T))), threads);
                 if (grid * (int64_t)threads < ((int64_t)1 << 32))
                     fake_quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
                 else
