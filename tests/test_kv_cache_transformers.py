@@ -15,6 +15,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from packaging.version import Version  # noqa: E402
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import attn_qat  # noqa: E402
@@ -28,6 +29,9 @@ PAD = VOCAB - 1  # never in a document, so generate() builds no padding mask fro
 # tokens' V blocks as later tokens join them, which the cache (rightly) never does. Observed max 0.34 on
 # the CPU (both head dims) at logits up to ~12; the top-2 margins of these models are > 6.
 LOGIT_TOL = 0.75
+# generate()'s keyword for the cache: transformers 5.24 renamed past_key_values to cache (the old name warns
+# until 6.0, which drops it); the lent GPU machines have 5.17.
+CACHE = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 
 
 def _train(head_dim: int, seed: int = 0):
@@ -67,7 +71,7 @@ def head_dim(request):
 def generate(model, ids, attention_mask=None, steps=STEPS, max_cache_len=64, **kwargs):
     """Greedy decoding through a fresh NVFP4Cache: (sequences, logits (B, steps, V) float32)."""
     cache = attn_qat.NVFP4Cache(model.config, max_cache_len=max_cache_len)
-    out = model.generate(ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps,
+    out = model.generate(ids, attention_mask=attention_mask, **{CACHE: cache}, max_new_tokens=steps,
                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD, **kwargs)
     return out.sequences, torch.stack(out.logits, dim=1).float()
 
@@ -160,7 +164,7 @@ def test_batch_of_one_and_sampling(device):
     assert torch.equal(sequences, expected)
     torch.manual_seed(0)
     cache = attn_qat.NVFP4Cache(model.config, max_cache_len=40)
-    sampled = model.generate(docs[:, :PROMPT], past_key_values=cache, max_new_tokens=5, do_sample=True, top_k=4,
+    sampled = model.generate(docs[:, :PROMPT], **{CACHE: cache}, max_new_tokens=5, do_sample=True, top_k=4,
                              pad_token_id=PAD)
     assert sampled.shape == (2, PROMPT + 5) and cache.get_seq_length() == PROMPT + 4
 
@@ -168,12 +172,12 @@ def test_batch_of_one_and_sampling(device):
 def test_reset_and_reuse(device):
     model, docs = trained(64, device)
     cache = attn_qat.NVFP4Cache(model.config, max_cache_len=64)
-    first = model.generate(docs[:, :PROMPT], past_key_values=cache, max_new_tokens=4, do_sample=False,
+    first = model.generate(docs[:, :PROMPT], **{CACHE: cache}, max_new_tokens=4, do_sample=False,
                            pad_token_id=PAD)
     assert cache.get_seq_length() == PROMPT + 3 and cache.get_max_length() == 64
     cache.reset()
     assert cache.get_seq_length() == 0
-    again = model.generate(docs[:, :PROMPT], past_key_values=cache, max_new_tokens=4, do_sample=False,
+    again = model.generate(docs[:, :PROMPT], **{CACHE: cache}, max_new_tokens=4, do_sample=False,
                            pad_token_id=PAD)
     assert torch.equal(first, again)
 
@@ -220,5 +224,5 @@ def test_unsupported_uses_raise(device):
     with pytest.raises(NotImplementedError, match="full-attention"):
         attn_qat.NVFP4Cache(sliding, max_cache_len=64)
     # Other caches are untouched by the integration.
-    out = model.generate(prompt, past_key_values=DynamicCache(), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    out = model.generate(prompt, **{CACHE: DynamicCache()}, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     assert out.shape == (2, PROMPT + 2)

@@ -5,9 +5,9 @@ bf16), read by the "attn_qat" attention implementation.
     attn_qat.register_transformers()
     model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16, attn_implementation="attn_qat")
     cache = attn_qat.NVFP4Cache(model.config, max_cache_len=prompt_len + max_new_tokens)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens)  # < 5.24: past_key_values=
 
-How a step runs. transformers calls `past_key_values.update(k, v, layer_idx)` and hands what it returns to
+How a step runs. transformers calls the cache's `update(k, v, layer_idx)` and hands what it returns to
 the attention function. `update` cannot quantize yet: which tokens are padding is only known from the
 attention mask, which reaches the attention function, not the cache. So `update` keeps the step's bf16
 K/V pending and returns them tagged with the layer; the "attn_qat" attention function finds the tag
