@@ -331,6 +331,15 @@ __global__ void dequantize_kernel(aq_dequantize_params p) {
 
 static unsigned grid_for(int64_t work, int threads) { return (unsigned)((work + threads - 1) / threads); }
 
+// launch(grid, index) for `work` threads, index a uint32_t when every thread index fits in 32 bits (cheaper index
+// arithmetic in the memory-bound quantize kernels), else an int64_t: its type is the kernels' I.
+template <typename Launch>
+static void launch_indexed(int64_t work, int threads, Launch launch) {
+    const unsigned grid = grid_for(work, threads);
+    if (grid * (int64_t)threads < ((int64_t)1 << 32)) launch(grid, uint32_t());
+    else launch(grid, int64_t());
+}
+
 template <typename T>
 static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
     const int threads = 256;
@@ -344,31 +353,27 @@ static void launch_quantize(const aq_quantize_params *p, cudaStream_t stream) {
     const bool tokens = p->stride_inner == 1 && p->inner % per_vec == 0 && p->stride_axis % per_vec == 0 &&
                         aligned_outer && (uintptr_t)p->x % 16 == 0 && (uintptr_t)p->fake % 16 == 0;
     if (rows) {
-        const unsigned grid = grid_for(outer * nblocks, threads);
-        if (grid * (int64_t)threads < ((int64_t)1 << 32)) quantize_rows_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
-        else quantize_rows_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
+        launch_indexed(outer * nblocks, threads, [&](unsigned grid, auto index) {
+            quantize_rows_kernel<T, decltype(index)><<<grid, threads, 0, stream>>>(*p);
+        });
     } else if (tokens) {
         if constexpr (sizeof(T) == 2) {
             if (p->fake && !p->codes && !p->scales) {
                 static_assert(4 * FAKE_TOKENS_WORDS <= 16, "tokens checks 16-byte alignment, no more");
-                const unsigned grid =
-                    grid_for(outer * nblocks * (p->inner / (4 * FAKE_TOKENS_WORDS / (int)sizeof(T))), threads);
-                if (grid * (int64_t)threads < ((int64_t)1 << 32))
-                    fake_quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
-                else
-                    fake_quantize_tokens_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
+                launch_indexed(outer * nblocks * (p->inner / (4 * FAKE_TOKENS_WORDS / (int)sizeof(T))), threads,
+                               [&](unsigned grid, auto index) {
+                                   fake_quantize_tokens_kernel<T, decltype(index)><<<grid, threads, 0, stream>>>(*p);
+                               });
                 return;
             }
         }
-        const int64_t work = outer * nblocks * (p->inner / (4 / (int)sizeof(T)));
-        const unsigned grid = grid_for(work, threads);
-        const bool small = grid * (int64_t)threads < ((int64_t)1 << 32);
-        if (small) quantize_tokens_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
-        else quantize_tokens_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
+        launch_indexed(outer * nblocks * (p->inner / (4 / (int)sizeof(T))), threads, [&](unsigned grid, auto index) {
+            quantize_tokens_kernel<T, decltype(index)><<<grid, threads, 0, stream>>>(*p);
+        });
     } else {
-        const unsigned grid = grid_for(outer * nblocks * p->inner, threads);
-        if (grid * (int64_t)threads < ((int64_t)1 << 32)) quantize_strided_kernel<T, uint32_t><<<grid, threads, 0, stream>>>(*p);
-        else quantize_strided_kernel<T, int64_t><<<grid, threads, 0, stream>>>(*p);
+        launch_indexed(outer * nblocks * p->inner, threads, [&](unsigned grid, auto index) {
+            quantize_strided_kernel<T, decltype(index)><<<grid, threads, 0, stream>>>(*p);
+        });
     }
 }
 
