@@ -8,7 +8,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, mode_code, positive_scale, ops
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, mode_code, ops, positive_scale, v_along_tokens
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LN2 = math.log(2.0)
@@ -102,10 +102,10 @@ def _kernel_mask(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> t
                          f"(batch, heads, query tokens, key tokens) = {shape}") from None
 
 
-def _run(q, k, v, mask, scale, causal, mode):
+def _run(q, k, v, mask, scale, causal, mode, along_tokens):
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     q, scale = positive_scale(q, scale)
-    return ops.attention_forward(q, k, v, mask, scale, causal, mode_code(mode), need_grad)
+    return ops.attention_forward(q, k, v, mask, scale, causal, mode_code(mode), need_grad, along_tokens)
 
 
 def scaled_dot_product_attention(
@@ -119,6 +119,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     mode: str = "attn_qat",
+    v_block_axis: str = "auto",
 ) -> torch.Tensor:
     """Drop-in replacement for `torch.nn.functional.scaled_dot_product_attention` with 4-bit attention.
 
@@ -128,6 +129,9 @@ def scaled_dot_product_attention(
     (True = attend) or additive float, broadcastable to (B, H, Nq, Nk). H != H_kv needs
     `enable_gqa=True`, as in SDPA. Dropout is not supported. `mode` picks the numerics (numerics.md §5):
     "attn_qat" (default), "high_precision_p", "low_precision_o", "drop_in" or "bf16" (no quantization).
+    `v_block_axis` ("auto", "tokens" or "head_dim") is the axis of V's 16-value blocks (numerics.md §2): "auto"
+    blocks along tokens when every query sees every key and along head_dim under `is_causal` or `attn_mask`, so
+    that a key a query cannot see changes nothing it computes; "tokens" under a mask lets hidden keys leak.
     """
     fn = "scaled_dot_product_attention"
     if dropout_p != 0.0:
@@ -142,9 +146,10 @@ def scaled_dot_product_attention(
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"attn_qat.{fn}: query has {query.shape[1]} heads and key/value {key.shape[1]}; pass "
                          "enable_gqa=True for grouped-query attention (as in SDPA)")
+    along_tokens = v_along_tokens(v_block_axis, is_causal or attn_mask is not None, fn)
     mask = None if attn_mask is None else _kernel_mask(attn_mask, query, key)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    out = _run(query, key, value, mask, scale, CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, mode)[0]
+    out = _run(query, key, value, mask, scale, CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, mode, along_tokens)[0]
     return out.squeeze(0) if unbatched else out
 
 
@@ -158,6 +163,7 @@ def attention(
     layout: str = "bshd",
     mode: str = "attn_qat",
     return_lse: bool = False,
+    v_block_axis: str = "auto",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """FlashAttention-style 4-bit attention.
 
@@ -165,12 +171,14 @@ def attention(
     `layout="bhsd"`: the heads before the tokens. Grouped KV heads need H % H_kv == 0.
     `causal` aligns bottom-right like FlashAttention (key j visible to query i iff j <= i + Nk - Nq).
     With `return_lse`, also returns the natural-log log-sum-exp of the scores, (B, H, Nq) float32
-    (-inf for a row with no visible key); it is not differentiable.
+    (-inf for a row with no visible key); it is not differentiable. `v_block_axis` as in
+    `scaled_dot_product_attention`: "auto" blocks V along head_dim when `causal`, along tokens otherwise.
     """
     fn = "attention"
     if layout not in ("bshd", "bhsd"):
         raise ValueError(f"attn_qat.{fn}: layout must be 'bshd' or 'bhsd', got {layout!r}")
-    mode_code(mode)  # a bad mode fails here, before any work
+    mode_code(mode)  # a bad mode or axis fails here, before any work
+    along_tokens = v_along_tokens(v_block_axis, causal, fn)
     if layout == "bshd":
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -179,7 +187,8 @@ def attention(
     q, k, v = _check_qkv(q, k, v, fn)
     _check_heads(q, k, v, fn)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, _, frame, row_sum, *_ = _run(q, k, v, None, scale, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, mode)
+    out, _, frame, row_sum, *_ = _run(q, k, v, None, scale, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, mode,
+                                      along_tokens)
     if layout == "bshd":
         out = out.transpose(1, 2)
     if not return_lse:

@@ -1,15 +1,13 @@
 """NVFP4 KV cache for decoding: keys and values stored as 4-bit E2M1 codes with E4M3 block scales,
-3.56x smaller than bf16, and attention computed on them (issue 5).
+3.56x smaller than bf16, and attention computed on them.
 
-Storage (numerics.md §2; blocks of 16 along the contraction axis of each product, E4M3 scales, the
-layout Blackwell's block-scaled FP4 MMA consumes), in pages of `page_size` tokens (a multiple of 16):
+Storage (numerics.md §2: a decoding query does not see every key, so K and V are both blocked along head_dim,
+16 channels of one token, E4M3 scales), in pages of `page_size` tokens (a multiple of 16):
 
-- K, blocked along head_dim, one token at a time: ``k_codes`` (num_pages, Hkv, page_size, D/2) uint8 (channel 2i
-  in the low nibble, 2i+1 in the high one) and ``k_scales`` (num_pages, Hkv, page_size, D/16) uint8 E4M3 bytes.
-- V, blocked along tokens: ``v_codes`` (num_pages, Hkv, page_size/2, D) uint8 (token 2k of a channel in the low
-  nibble, token 2k+1 in the high one) and ``v_scales`` (num_pages, Hkv, page_size/16, D). A block is quantized
-  once, when its 16th token arrives, and never again; until then the sequence's incomplete last block stays
-  unquantized in ``v_tail`` (B, Hkv, 16, D), in the cache's dtype.
+- K: ``k_codes`` (num_pages, Hkv, page_size, D/2) uint8 (channel 2i in the low nibble, 2i+1 in the high one) and
+  ``k_scales`` (num_pages, Hkv, page_size, D/16) uint8 E4M3 bytes.
+- V: ``v_codes`` and ``v_scales``, laid out as K's. Each token is quantized once, when it is appended, and never
+  again: the cache holds exactly the K^F and V^F the training forward of a causal model computes with.
 - ``block_table`` (B, capacity / page_size) int32: token j of sequence b lives at token j % page_size of page
   block_table[b, j // page_size] (-1: no page yet).
 
@@ -18,10 +16,9 @@ are (B, Hkv, capacity, ...). Paged (`page_size=`), the sequences draw pages from
 they grow and give them back on `reset`: memory follows the tokens held, not batch x capacity.
 
 Numerics: `attention` computes numerics.md §3 (inference, no O') on Q^F (the queries fake-quantized along
-D), K^F and a V whose complete blocks are V^F and whose incomplete last block is the raw values: P is
-quantized as in training (fq16(P̂ * 2^11) * 2^-11 in 16-key blocks counted from key 0). It is the training
-forward's O except for the tail block, which the training forward would quantize (numerics.md §8 explains
-why a cache cannot reproduce that exactly). `attn_qat.reference.attention_forward(...,
+D), K^F and V^F: P is quantized as in training (fq16(P̂ * 2^11) * 2^-11 in 16-key blocks counted from the
+sequence's first key). For a causal prefix it is the training forward's O (`attn_qat.attention(...,
+causal=True)`), up to the fp32 summation order of the kernels. `attn_qat.reference.attention_forward(...,
 operands_quantized=True)` is the float64 definition the tests compare with.
 
 Paths: on CUDA with 1 to 16 query tokens the decode kernel (csrc/decode_cuda.cu) reads the packed cache
@@ -37,7 +34,7 @@ import torch
 
 from . import _C
 from .attention import SUPPORTED_HEAD_DIMS
-from .ops import CAUSAL_NONE, positive_scale, ops
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, ops, positive_scale
 
 BLOCK = 16
 MAX_KERNEL_QUERIES = 16  # query tokens the CUDA decode kernel takes; more use the composite path
@@ -88,9 +85,8 @@ class NVFP4KVCache:
         zeros = dict(dtype=torch.uint8, device=self.device)
         self.k_codes = torch.zeros(p, h, n, d // 2, **zeros)
         self.k_scales = torch.zeros(p, h, n, d // BLOCK, **zeros)
-        self.v_codes = torch.zeros(p, h, n // 2, d, **zeros)
-        self.v_scales = torch.zeros(p, h, n // BLOCK, d, **zeros)
-        self.v_tail = torch.zeros(self.batch, h, BLOCK, d, dtype=dtype, device=self.device)
+        self.v_codes = torch.zeros(p, h, n, d // 2, **zeros)
+        self.v_scales = torch.zeros(p, h, n, d // BLOCK, **zeros)
         self._lengths = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self._host_lengths = [0] * self.batch  # the same numbers, so no call needs to read them back from the device
         # The pages of each sequence in token order (host copy of block_table's rows), and the free pages.
@@ -135,8 +131,7 @@ class NVFP4KVCache:
     def nbytes(self) -> int:
         """Bytes of device memory the cache holds."""
         return sum(t.numel() * t.element_size() for t in
-                   (self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.v_tail, self._lengths,
-                    self.block_table))
+                   (self.k_codes, self.k_scales, self.v_codes, self.v_scales, self._lengths, self.block_table))
 
     @property
     def bytes_per_token(self) -> int:
@@ -183,8 +178,8 @@ class NVFP4KVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor, lengths: Union[torch.Tensor, Sequence[int], None] = None):
         """Appends new tokens: k, v (batch, heads_kv, T, head_dim) in the cache's dtype and device.
         `lengths` (int tensor or list, (batch,)) says how many of the T tokens are real for each sequence
-        (the first lengths[b]; default all T), so sequences can grow unequally. Keys are quantized at once;
-        values join their sequence's unquantized tail and are quantized one full 16-token block at a time."""
+        (the first lengths[b]; default all T), so sequences can grow unequally. Each token's key and value are
+        quantized at once, along head_dim."""
         self._check_new("k", k)
         self._check_new("v", v)
         if k.shape != v.shape:
@@ -222,41 +217,15 @@ class NVFP4KVCache:
         self._lengths.copy_(torch.tensor(self._host_lengths, dtype=torch.long))
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, counts: list) -> None:
-        held = self._host_lengths
-        rem = [n % BLOCK for n in held]  # tokens in each tail
-        ps = self.page_size
-        # Every real (sequence, token) pair: its place in k / v, in the cache (page, token in the page), and in
-        # the tail-plus-new buffer.
-        pairs = [(b, t, self._pages[b][(held[b] + t) // ps], (held[b] + t) % ps, rem[b] + t)
+        held, ps = self._host_lengths, self.page_size
+        # Every real (sequence, token) pair: its place in k / v, and in the cache (page, token in the page).
+        pairs = [(b, t, self._pages[b][(held[b] + t) // ps], (held[b] + t) % ps)
                  for b, c in enumerate(counts) for t in range(c)]
-        b_idx, t_idx, page, slot, work_pos = torch.tensor(pairs, dtype=torch.long).t().to(self.device).unbind(0)
-
-        codes, scales = ops.nvfp4_quantize(k, 3)
-        self.k_codes[page, :, slot] = codes[b_idx, :, t_idx]
-        self.k_scales[page, :, slot] = scales.view(torch.uint8)[b_idx, :, t_idx]
-
-        full = [(r + c) // BLOCK for r, c in zip(rem, counts)]  # blocks completed per sequence
-        if not any(full):  # the new values only extend the tails
-            self.v_tail[b_idx, :, work_pos] = v[b_idx, :, t_idx]
-            return
-        # work[b] = tail tokens, then the new ones; its first full[b] blocks are quantized and stored, what
-        # follows them is the new tail. Blocks past full[b] hold stale or zero values and are not stored.
-        width = BLOCK * (max(full) + 1)
-        work = v.new_zeros(self.batch, self.heads_kv, width, self.head_dim)
-        work[:, :, :BLOCK] = self.v_tail
-        work[b_idx, :, work_pos] = v[b_idx, :, t_idx]
-        codes, scales = ops.nvfp4_quantize(work, 2)
-        # Block j of work[b] starts at token BLOCK * (held[b] // BLOCK + j) of the sequence: in a page, at a block.
-        starts = [(b, j, BLOCK * (held[b] // BLOCK + j)) for b in range(self.batch) for j in range(full[b])]
-        blocks = [(b, j, self._pages[b][start // ps], start % ps // BLOCK) for b, j, start in starts]
-        b_blk, src_blk, page_blk, dst_blk = torch.tensor(blocks, dtype=torch.long).t().to(self.device).unbind(0)
-        pair_rows = BLOCK // 2  # rows of two tokens per block
-        self.v_codes.view(self.num_pages, self.heads_kv, -1, pair_rows, self.head_dim)[page_blk, :, dst_blk] = \
-            codes.view(self.batch, self.heads_kv, -1, pair_rows, self.head_dim)[b_blk, :, src_blk]
-        self.v_scales[page_blk, :, dst_blk] = scales.view(torch.uint8)[b_blk, :, src_blk]
-        start = torch.tensor([BLOCK * f for f in full], dtype=torch.long).to(self.device)
-        tail_pos = (start[:, None] + torch.arange(BLOCK, device=self.device))[:, None, :, None]
-        self.v_tail.copy_(work.gather(2, tail_pos.expand(self.batch, self.heads_kv, BLOCK, self.head_dim)))
+        b_idx, t_idx, page, slot = torch.tensor(pairs, dtype=torch.long).t().to(self.device).unbind(0)
+        for x, codes_pool, scales_pool in ((k, self.k_codes, self.k_scales), (v, self.v_codes, self.v_scales)):
+            codes, scales = ops.nvfp4_quantize(x, 3)
+            codes_pool[page, :, slot] = codes[b_idx, :, t_idx]
+            scales_pool[page, :, slot] = scales.view(torch.uint8)[b_idx, :, t_idx]
 
     # ------------------------------------------------------------------------------------------
     # Attention
@@ -288,30 +257,21 @@ class NVFP4KVCache:
                 q, scale = positive_scale(q, scale)  # the kernel takes scale > 0 (ops.positive_scale)
                 if not q.is_contiguous() or q.data_ptr() % 16:  # the kernel reads q's rows 16 bytes at a time
                     q = q.clone(memory_format=torch.contiguous_format)
-                return ops.kv_cache_decode(q, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.v_tail,
-                                           self._lengths, self.block_table, max(self._host_lengths), scale,
-                                           bool(causal))
+                return ops.kv_cache_decode(q, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self._lengths,
+                                           self.block_table, max(self._host_lengths), scale, bool(causal))
             return self._attention_composite(q, scale, bool(causal))
 
     def dequantized(self):
-        """(K, V) as (batch, heads_kv, max(lengths), head_dim) tensors in the cache's dtype: K^F, and V^F for
-        the complete blocks followed by each sequence's unquantized tail. Positions at or past a sequence's
-        length hold stale values."""
+        """(K, V) as (batch, heads_kv, max(lengths), head_dim) tensors in the cache's dtype: K^F and V^F. Positions
+        at or past a sequence's length hold stale values."""
         n = max(self._host_lengths)
-        b, h, d = self.batch, self.heads_kv, self.head_dim
+        d = self.head_dim
         if n == 0:
-            return (self.v_tail.new_empty(b, h, 0, d),) * 2
-        k = ops.nvfp4_dequantize(self._by_sequence(self.k_codes, n), self._by_sequence(self.k_scales, n).view(
-            torch.float8_e4m3fn), 3, d, self.dtype)
-        blocks = -(-n // BLOCK)
-        v = ops.nvfp4_dequantize(self._by_sequence(self.v_codes, blocks * BLOCK // 2),
-                                 self._by_sequence(self.v_scales, blocks).view(torch.float8_e4m3fn), 2, blocks * BLOCK,
-                                 self.dtype)
-        v = torch.cat([v, v.new_zeros(b, h, BLOCK, d)], dim=2)  # room for a tail that starts at `blocks`
-        start = torch.tensor([BLOCK * (m // BLOCK) for m in self._host_lengths], dtype=torch.long).to(self.device)
-        tail_pos = (start[:, None] + torch.arange(BLOCK, device=self.device))[:, None, :, None]
-        v.scatter_(2, tail_pos.expand(b, h, BLOCK, d), self.v_tail)
-        return k, v[:, :, :n]
+            return tuple(torch.empty(self.batch, self.heads_kv, 0, d, dtype=self.dtype, device=self.device)
+                         for _ in range(2))
+        return tuple(ops.nvfp4_dequantize(self._by_sequence(codes, n), self._by_sequence(scales, n).view(
+            torch.float8_e4m3fn), 3, d, self.dtype) for codes, scales in ((self.k_codes, self.k_scales),
+                                                                         (self.v_codes, self.v_scales)))
 
     def _by_sequence(self, pool: torch.Tensor, rows: int) -> torch.Tensor:
         """The first `rows` rows of each sequence from a pool buffer (num_pages, Hkv, rows a page, X), as
@@ -325,11 +285,17 @@ class NVFP4KVCache:
         return x.reshape(self.batch, self.heads_kv, count * per_page, -1)[:, :, :rows]
 
     def _attention_composite(self, q: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-        """The attention forward kernel on the dequantized cache, a mask carrying the lengths."""
+        """The attention forward kernel on the dequantized cache: with the causal flag alone when every sequence
+        holds the same number of tokens (the call the training forward makes, so on the CPU the result is that
+        forward's bit for bit), else with a mask carrying the lengths."""
         n = max(self._host_lengths)
         if n == 0:
             return q.new_zeros(q.shape)
         k, v = self.dequantized()
+        q_fq, scale = positive_scale(ops.nvfp4_fake_quantize(q, 3), scale)
+        if min(self._host_lengths) == n:
+            return ops.attention_forward_prequantized(q_fq, k, v, None, scale,
+                                                      CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE)[0]
         batch, heads_q, tq, _ = q.shape
         keys = torch.arange(n, device=self.device)
         length = self._lengths[:, None, None]
@@ -338,5 +304,4 @@ class NVFP4KVCache:
             visible = visible & (keys <= length - tq + torch.arange(tq, device=self.device)[:, None])
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=self.device).masked_fill(~visible, float("-inf"))
         mask = mask[:, None].expand(batch, heads_q, tq, n)
-        q_fq, scale = positive_scale(ops.nvfp4_fake_quantize(q, 3), scale)
         return ops.attention_forward_prequantized(q_fq, k, v, mask, scale, CAUSAL_NONE)[0]

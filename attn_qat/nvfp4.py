@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import ops
+from .ops import ops, v_along_tokens
 
 BLOCK = 16
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,12 +86,16 @@ def fake_quantize(x: torch.Tensor, block_axis: int = -1, *, partial_last_block: 
     return ops.nvfp4_fake_quantize(x, axis)
 
 
-def fake_quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def fake_quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                      v_block_axis: str = "auto"):
     """The attention pre-pass of numerics.md §2 on (batch, heads, tokens, head_dim) tensors: Q and K
-    blocked along head_dim, V along tokens (its last block partial when tokens % 16 != 0). Outputs
-    keep each input's memory layout; the gradient is passed straight through."""
+    blocked along head_dim, V along tokens (its last block partial when tokens % 16 != 0) for attention
+    in which every query sees every key, along head_dim when `causal` (pass it for any attention that
+    hides keys from a query: causal or masked); `v_block_axis` "tokens" or "head_dim" forces V's axis.
+    Outputs keep each input's memory layout; the gradient is passed straight through."""
+    along_tokens = v_along_tokens(v_block_axis, causal, "fake_quantize_qkv")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_input(t, -1, "fake_quantize_qkv")
         if t.dim() != 4:
             raise ValueError(f"attn_qat.fake_quantize_qkv: {name} must be 4-D (batch, heads, tokens, head_dim)")
-    return ops.fake_quantize_qkv(q, k, v)
+    return ops.fake_quantize_qkv(q, k, v, along_tokens)

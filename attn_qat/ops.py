@@ -10,6 +10,18 @@ ops = torch.ops.attn_qat
 MODES = ("attn_qat", "high_precision_p", "low_precision_o", "drop_in", "bf16")
 # Causal codes of csrc/ops.cpp: none, top-left (SDPA), bottom-right (FlashAttention).
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+# The axis V's blocks run along (numerics.md §2): "auto" picks by whether every query sees every key.
+V_BLOCK_AXES = ("auto", "tokens", "head_dim")
+
+
+def v_along_tokens(v_block_axis: str, hides_keys: bool, fn: str) -> bool:
+    """Whether V is blocked along tokens (numerics.md §2): under "auto" only when no query is denied a key (no causal
+    alignment, no mask), so that a key a query cannot see never sets a block scale of what it does see; "tokens" or
+    "head_dim" forces the axis ("tokens" on a causal or masked call lets hidden values move visible outputs)."""
+    if v_block_axis not in V_BLOCK_AXES:
+        raise ValueError(f"attn_qat.{fn}: v_block_axis must be one of {', '.join(map(repr, V_BLOCK_AXES))}; "
+                         f"got {v_block_axis!r}")
+    return not hides_keys if v_block_axis == "auto" else v_block_axis == "tokens"
 
 
 def _quantized_backward(mode: int) -> bool:
@@ -74,12 +86,12 @@ def _(codes, scales, axis, axis_len, dtype):
 
 
 @torch.library.register_fake("attn_qat::fake_quantize_qkv")
-def _(q, k, v):
+def _(q, k, v, v_along_tokens):
     return tuple(_empty_like_layout(t, *t.shape) for t in (q, k, v))
 
 
 @torch.library.register_fake("attn_qat::attention_forward")
-def _(q, k, v, mask, scale, causal, mode, need_grad):
+def _(q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens):
     b, h, n, d = q.shape
     out = _empty_like_layout(q, b, h, n, d)
     out_prime = _empty_like_layout(q, b, h, n, d) if need_grad and _delta_from_out_prime(mode) else q.new_empty(0)
@@ -90,7 +102,7 @@ def _(q, k, v, mask, scale, causal, mode, need_grad):
 
 
 @torch.library.register_fake("attn_qat::attention_backward")
-def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode, deterministic,
+def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode, deterministic, v_along_tokens,
       operands_quantized=False):
     return (_empty_like_layout(q, *q.shape), _empty_like_layout(k, *k.shape), _empty_like_layout(v, *v.shape))
 
@@ -103,7 +115,7 @@ def _(q, k, v, mask, scale, causal):
 
 
 @torch.library.register_fake("attn_qat::kv_cache_decode")
-def _(q, k_codes, k_scales, v_codes, v_scales, v_tail, lengths, block_table, max_length, scale, causal):
+def _(q, k_codes, k_scales, v_codes, v_scales, lengths, block_table, max_length, scale, causal):
     return q.new_empty(q.shape)
 
 
@@ -116,14 +128,14 @@ torch.library.register_autograd("attn_qat::nvfp4_fake_quantize", _fake_quantize_
 
 
 def _qkv_backward(ctx, grad_q, grad_k, grad_v):
-    return grad_q, grad_k, grad_v
+    return grad_q, grad_k, grad_v, None
 
 
 torch.library.register_autograd("attn_qat::fake_quantize_qkv", _qkv_backward)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, mode, need_grad = inputs
+    q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens = inputs
     out, out_prime, frame, row_sum, q_fq, k_fq, v_fq = output
     # The backward takes Q^F, K^F, V^F where the op returned them (as csrc/ops.cpp decides).
     ctx.operands_quantized = need_grad and _quantized_backward(mode)
@@ -134,7 +146,7 @@ def _attention_setup_context(ctx, inputs, output):
     # instead of zero-filling an O'-sized tensor every backward (marking them non-differentiable alone does not)
     ctx.mark_non_differentiable(out_prime, frame, row_sum, q_fq, k_fq, v_fq)
     ctx.set_materialize_grads(False)
-    ctx.scale, ctx.causal, ctx.mode = scale, causal, mode
+    ctx.scale, ctx.causal, ctx.mode, ctx.v_along_tokens = scale, causal, mode, v_along_tokens
 
 
 def _attention_backward(ctx, grad_out, *unused_grads):
@@ -148,8 +160,8 @@ def _attention_backward(ctx, grad_out, *unused_grads):
     # The gradients of Q^F, K^F, V^F are those of q, k, v: the straight-through estimator (numerics.md §4).
     dq, dk, dv = ops.attention_backward(grad_out.to(q.dtype), q, k, v, out, out_prime, mask, frame, row_sum,
                                         ctx.scale, ctx.causal, ctx.mode, torch.are_deterministic_algorithms_enabled(),
-                                        ctx.operands_quantized)
-    return dq, dk, dv, None, None, None, None, None
+                                        ctx.v_along_tokens, ctx.operands_quantized)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 torch.library.register_autograd("attn_qat::attention_forward", _attention_backward,

@@ -1,12 +1,13 @@
-"""Attention on packed NVFP4 operands: the prefill of a model served in NVFP4 (issue 5, item 1).
+"""Attention on packed NVFP4 operands: the prefill of a model served in NVFP4.
 
-    qp, kp, vp = attn_qat.quantize_qkv(q, k, v)            # NVFP4Tensors: Q, K along D, V along tokens
-    out = attn_qat.nvfp4_attention(qp, kp, vp, causal=True)  # == attention(q, k, v, causal=True) under no_grad
+    qp, kp, vp = attn_qat.quantize_qkv(q, k, v, causal=True)  # NVFP4Tensors: Q, K and (causal) V along D
+    out = attn_qat.nvfp4_attention(qp, kp, vp, causal=True)    # == attention(q, k, v, causal=True) under no_grad
 
 `nvfp4_attention` takes each of Q, K, V either packed (an `NVFP4Tensor` blocked as numerics.md §2
-says: Q and K along head_dim, V along tokens) or as a bf16/fp16 tensor that it quantizes the same
-way, and returns the inference output of numerics.md §3: exactly what `attn_qat.attention(...,
-mode="attn_qat")` returns under no_grad for the tensors the packed operands stand for. Packing once
+says: Q and K along head_dim, V along head_dim for causal attention and along tokens otherwise) or as a
+bf16/fp16 tensor that it quantizes the same way, and returns the inference output of numerics.md §3:
+exactly what `attn_qat.attention(..., mode="attn_qat")` returns under no_grad for the tensors the packed
+operands stand for. Packing once
 and attending many times is the point: a served model keeps K and V (and a diffusion model its
 cross-attention K/V across steps) at 4.5 bits per value instead of 16.
 
@@ -25,7 +26,7 @@ import torch
 
 from .attention import SUPPORTED_HEAD_DIMS, attention
 from .nvfp4 import BLOCK, NVFP4Tensor, dequantize, fake_quantize, quantize
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, positive_scale, ops
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, ops, positive_scale, v_along_tokens
 
 _DTYPES = (torch.bfloat16, torch.float16)
 Operand = Union[torch.Tensor, NVFP4Tensor]
@@ -40,31 +41,34 @@ def _axes(layout: str, fn: str) -> Tuple[int, int]:
     raise ValueError(f"attn_qat.{fn}: layout must be 'bshd' or 'bhsd', got {layout!r}")
 
 
-def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 layout: str = "bshd") -> Tuple[NVFP4Tensor, NVFP4Tensor, NVFP4Tensor]:
-    """Packs attention operands as numerics.md §2 blocks them: Q and K along head_dim, V along tokens
-    (its last block partial when the token count is not a multiple of 16). The inputs' shapes and
-    `layout` ("bshd": (batch, tokens, heads, head_dim); "bhsd": heads first) carry over to the
-    NVFP4Tensors, ready for `nvfp4_attention`. Not differentiable."""
-    tokens, dim = _axes(layout, "quantize_qkv")
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bshd", causal: bool = False,
+                 v_block_axis: str = "auto") -> Tuple[NVFP4Tensor, NVFP4Tensor, NVFP4Tensor]:
+    """Packs attention operands as numerics.md §2 blocks them for attention that is `causal` or not: Q and K
+    along head_dim, V along head_dim for causal attention and along tokens otherwise (its last block partial
+    when the token count is not a multiple of 16); `v_block_axis` "tokens" or "head_dim" forces V's axis. The
+    inputs' shapes and `layout` ("bshd": (batch, tokens, heads, head_dim); "bhsd": heads first) carry over to
+    the NVFP4Tensors, ready for `nvfp4_attention` with the same `causal`. Not differentiable."""
+    fn = "quantize_qkv"
+    tokens, dim = _axes(layout, fn)
+    along_tokens = v_along_tokens(v_block_axis, causal, fn)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"attn_qat.quantize_qkv: {name} must be a 4-D tensor in layout {layout!r}")
-    return (quantize(q, block_axis=dim), quantize(k, block_axis=dim),
-            quantize(v, block_axis=tokens, partial_last_block=True))
+            raise ValueError(f"attn_qat.{fn}: {name} must be a 4-D tensor in layout {layout!r}")
+    vp = quantize(v, block_axis=tokens, partial_last_block=True) if along_tokens else quantize(v, block_axis=dim)
+    return quantize(q, block_axis=dim), quantize(k, block_axis=dim), vp
 
 
-def _check_operand(name: str, t: Operand, block_axis: int, layout: str, fn: str):
+def _check_operand(name: str, t: Operand, block_axis: int, layout: str, fn: str, why: str = ""):
     """Metadata checks common to packed and plain operands; returns (shape, dtype, device)."""
     if isinstance(t, NVFP4Tensor):
         shape, dtype = tuple(t.shape), t.dtype
         if len(shape) != 4:
             raise ValueError(f"attn_qat.{fn}: {name} must be 4-D in layout {layout!r}, got shape {shape}")
         if t.block_axis != block_axis:
-            along = "tokens" if name == "v" else "head_dim"
-            raise ValueError(f"attn_qat.{fn}: the packed {name} must be blocked along {along} (block_axis "
+            along = "head_dim" if block_axis == 3 else "tokens"
+            raise ValueError(f"attn_qat.{fn}: the packed {name} must be blocked along {along}{why} (block_axis "
                              f"{block_axis} in layout {layout!r}, numerics.md §2), got block_axis {t.block_axis}; "
-                             "pack it with attn_qat.quantize_qkv")
+                             "pack it with attn_qat.quantize_qkv and the same causal")
         if dtype not in _DTYPES:
             raise TypeError(f"attn_qat.{fn}: the packed {name} stands for a {dtype} tensor; attention runs in "
                             "bfloat16 or float16, so quantize a bfloat16 or float16 tensor")
@@ -80,22 +84,27 @@ def _check_operand(name: str, t: Operand, block_axis: int, layout: str, fn: str)
 
 
 def nvfp4_attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False,
-                    softmax_scale: Optional[float] = None, layout: str = "bshd") -> torch.Tensor:
+                    softmax_scale: Optional[float] = None, layout: str = "bshd",
+                    v_block_axis: str = "auto") -> torch.Tensor:
     """4-bit attention inference on packed NVFP4 operands (or bf16/fp16 ones, quantized here).
 
     `layout="bshd"`: q (B, Nq, H, D), k and v (B, Nk, H_kv, D), output (B, Nq, H, D); `"bhsd"`: the
     heads before the tokens. Each of q, k, v is an `NVFP4Tensor` of that logical shape, Q and K blocked
-    along D (block_axis 3) and V along tokens (block_axis 1 in "bshd", 2 in "bhsd"), as
-    `quantize_qkv` packs them, or a bfloat16/float16 tensor. All must stand for one dtype, which the
-    output has. D in {64, 128}; grouped KV heads need H % H_kv == 0; `causal` aligns bottom-right like
-    `attn_qat.attention`. The result equals `attn_qat.attention(q, k, v, mode="attn_qat")` under
-    no_grad on the unpacked inputs (numerics.md §3); it carries no gradient (train with `attention`).
+    along D (block_axis 3), V along D when `causal` and along tokens otherwise (block_axis 1 in "bshd",
+    2 in "bhsd"; `v_block_axis` "tokens" or "head_dim" forces one), as `quantize_qkv(..., causal=causal)`
+    packs them, or a bfloat16/float16 tensor. All must stand for one dtype, which the output has. D in
+    {64, 128}; grouped KV heads need H % H_kv == 0; `causal` aligns bottom-right like `attn_qat.attention`.
+    The result equals `attn_qat.attention(q, k, v, causal=causal, mode="attn_qat")` under no_grad on the
+    unpacked inputs (numerics.md §3); it carries no gradient (train with `attention`).
     """
     fn = "nvfp4_attention"
     tokens_axis, dim_axis = _axes(layout, fn)
+    along_tokens = v_along_tokens(v_block_axis, causal, fn)
+    v_axis = tokens_axis if along_tokens else dim_axis
+    why = "" if v_block_axis != "auto" else (" for causal attention" if causal else " for attention without causal")
     (qs, qt, qd), (ks, kt, kd), (vs, vt, vd) = (
         _check_operand("q", q, dim_axis, layout, fn), _check_operand("k", k, dim_axis, layout, fn),
-        _check_operand("v", v, tokens_axis, layout, fn))
+        _check_operand("v", v, v_axis, layout, fn, why))
     if not (qt == kt == vt):
         raise TypeError(f"attn_qat.{fn}: q, k and v must stand for one dtype; got {qt}, {kt}, {vt}")
     if not (qd == kd == vd):
@@ -119,12 +128,13 @@ def nvfp4_attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False,
     if not any(isinstance(t, NVFP4Tensor) for t in (q, k, v)):
         # Nothing packed: the fused pre-pass quantizes, exactly as the training forward does.
         with torch.no_grad():
-            return attention(q, k, v, causal=causal, softmax_scale=scale, layout=layout, mode="attn_qat")
+            return attention(q, k, v, causal=causal, softmax_scale=scale, layout=layout, mode="attn_qat",
+                             v_block_axis=v_block_axis)
 
     with torch.no_grad():
         qf = dequantize(q) if isinstance(q, NVFP4Tensor) else fake_quantize(q, dim_axis)
         kf = dequantize(k) if isinstance(k, NVFP4Tensor) else fake_quantize(k, dim_axis)
-        vf = dequantize(v) if isinstance(v, NVFP4Tensor) else fake_quantize(v, tokens_axis, partial_last_block=True)
+        vf = dequantize(v) if isinstance(v, NVFP4Tensor) else fake_quantize(v, v_axis, partial_last_block=along_tokens)
         if layout == "bshd":  # (B, H, S, D) views of (B, S, H, D) memory, which the kernels take as they are
             qf, kf, vf = qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2)
         out = attention_prequantized(qf, kf, vf, scale, causal)

@@ -33,6 +33,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MODES = ("attn_qat", "high_precision_p", "low_precision_o", "drop_in", "bf16")
 CAUSAL_ALIGNMENTS = (None, "top_left", "bottom_right")
+V_BLOCK_AXES = ("auto", "tokens", "head_dim")
 
 # E2M1 magnitudes indexed by the 3-bit magnitude code.
 _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -213,12 +214,23 @@ def _visibility(attn_mask, causal, batch, heads, n_q, n_k) -> tuple[Tensor, Tens
     return visible, additive
 
 
-def _forward(q, k, v, attn_mask, causal, scale, quantize, operands_quantized=False) -> dict:
+def v_along_tokens(v_block_axis: str, attn_mask, causal) -> bool:
+    """numerics.md §2: V is blocked along tokens only when every query sees every key (no causal alignment, no
+    mask), along head_dim otherwise; "tokens" or "head_dim" overrides the rule."""
+    if v_block_axis not in V_BLOCK_AXES:
+        raise ValueError(f"v_block_axis must be one of {V_BLOCK_AXES}, got {v_block_axis!r}")
+    if v_block_axis == "auto":
+        return causal is None and attn_mask is None
+    return v_block_axis == "tokens"
+
+
+def _forward(q, k, v, attn_mask, causal, scale, quantize, operands_quantized=False, v_block_axis="auto") -> dict:
     """The forward of numerics.md §3 with every intermediate the backward needs.
 
     Operands come back with the KV heads already expanded to the query heads (float64). With
     ``operands_quantized`` q, k, v are used as given and ``quantize`` applies to P alone.
     """
+    along_tokens = v_along_tokens(v_block_axis, attn_mask, causal)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D (batch, heads, tokens, head_dim)")
     batch, heads_q, n_q, head_dim = q.shape
@@ -233,7 +245,7 @@ def _forward(q, k, v, attn_mask, causal, scale, quantize, operands_quantized=Fal
     if quantize and not operands_quantized:
         q_op = fake_quantize(q, -1)
         k_op = fake_quantize(k, -1)
-        v_op = fake_quantize(v, -2, partial_last_block=True)  # V is blocked along tokens [ours]
+        v_op = fake_quantize(v, -2, partial_last_block=True) if along_tokens else fake_quantize(v, -1)
     else:
         q_op, k_op, v_op = q.double(), k.double(), v.double()
     # Query head h reads kv head h // group: repeat_interleave lays the heads out that way.
@@ -280,6 +292,7 @@ def attention_forward(
     scale: float | None = None,
     quantize: bool = True,
     operands_quantized: bool = False,
+    v_block_axis: str = "auto",
 ) -> dict:
     """Attention forward of numerics.md §3, in float64.
 
@@ -288,20 +301,21 @@ def attention_forward(
     j <= i) or "bottom_right" (j <= i + Nk - Nq). ``attn_mask`` is boolean (True = attend) or additive
     float, broadcastable to (B, Hq, Nq, Nk). ``scale`` defaults to 1 / sqrt(D).
 
-    With ``quantize`` Q and K are fake-quantized along D, V along tokens (trailing partial block
-    allowed) and P as fq16(P̂ * 2^11) * 2^-11 in blocks of 16 keys counted from key 0. Without it this
-    is plain attention with the same frame and normaliser.
+    With ``quantize`` Q and K are fake-quantized along D, V as numerics.md §2 says (``v_block_axis``:
+    "auto" blocks it along tokens, trailing partial block allowed, when there is neither a causal
+    alignment nor a mask, along D otherwise; "tokens" or "head_dim" forces one) and P as
+    fq16(P̂ * 2^11) * 2^-11 in blocks of 16 keys counted from key 0. Without it this is plain attention
+    with the same frame and normaliser.
 
     ``operands_quantized`` says q, k, v already hold the values the kernel computes with, so they are
-    used as given and only P is quantized (with ``quantize``). This is the decode of an NVFP4 KV
-    cache (attn_qat.NVFP4KVCache): Q^F, K^F, and a V whose complete 16-token blocks are V^F while the
-    incomplete last block is still the raw bf16/fp16 values.
+    used as given and only P is quantized (with ``quantize``): the decode of an NVFP4 KV cache
+    (attn_qat.NVFP4KVCache), or attention on packed operands.
 
     Returns a dict of float64 tensors: ``out`` O (B, Hq, Nq, D), ``out_prime`` O' (computed with
     unquantized P̂; equals O without quantize), ``frame`` M, ``row_sum`` l and ``lse`` (B, Hq, Nq).
     A row with no visible key has O = O' = 0, M = -inf, l = 0, LSE = -inf.
     """
-    result = _forward(q, k, v, attn_mask, causal, scale, quantize, operands_quantized)
+    result = _forward(q, k, v, attn_mask, causal, scale, quantize, operands_quantized, v_block_axis)
     return {name: result[name] for name in ("out", "out_prime", "frame", "row_sum", "lse")}
 
 
@@ -321,6 +335,7 @@ def attention_backward(
     attn_mask: Tensor | None = None,
     causal: str | None = None,
     scale: float | None = None,
+    v_block_axis: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv), float64, of the original q, k, v for a training mode of numerics.md §5.
 
@@ -328,11 +343,12 @@ def attention_backward(
     with D = dO·O. ``drop_in``: the plain softmax backward on the unquantized q, k, v, with D = dO·O
     where O is the FP4 forward's output. ``bf16``: plain attention backward, no quantization anywhere.
     The quantizers pass gradients straight through; with grouped KV heads dk, dv sum over the query
-    heads of each group; masks get no gradient; rows with no visible key get zero gradients.
+    heads of each group; masks get no gradient; rows with no visible key get zero gradients. V is
+    blocked as in :func:`attention_forward` (``v_block_axis``).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    forward = _forward(q, k, v, attn_mask, causal, scale, quantize=mode != "bf16")
+    forward = _forward(q, k, v, attn_mask, causal, scale, quantize=mode != "bf16", v_block_axis=v_block_axis)
 
     if mode in ("drop_in", "bf16"):
         # Softmax backward of unquantized attention; only the correction D sees the FP4 output.
@@ -373,10 +389,11 @@ def attention(
     causal: str | None = None,
     scale: float | None = None,
     mode: str = "attn_qat",
+    v_block_axis: str = "auto",
 ) -> Tensor:
     """Forward output O (float64) of a mode: "bf16" is unquantized, every other mode is §3."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return attention_forward(
-        q, k, v, attn_mask=attn_mask, causal=causal, scale=scale, quantize=mode != "bf16"
+        q, k, v, attn_mask=attn_mask, causal=causal, scale=scale, quantize=mode != "bf16", v_block_axis=v_block_axis
     )["out"]

@@ -2,12 +2,12 @@
 in bf16 on a bf16 cache of the same tokens, in one process.
 
 Bytes: the decode kernel reads each sequence's packed K and V (codes + E4M3 scales, 144 bytes per token and KV
-head at D = 128) plus its unquantized V tail; SDPA reads the bf16 K and V (512 bytes per token and KV head).
+head at D = 128); SDPA reads the bf16 K and V (512 bytes per token and KV head).
 GB/s counts those bytes, and is compared with a bf16 device-to-device copy measured in the same process and
 with the GPU's nominal HBM bandwidth (--peak-gbs). SDPA runs with enable_gqa=True (bottom-right causal mask when
 Tq > 1); for one query token it also runs with the query heads of a KV group folded into the query rows, the
 fastest way to call it for GQA decode, and the ratio uses the faster of the two. SDPA reads every sequence
-at full context (no mask); the NVFP4 cache's last sequence is 13 tokens shorter, so its V tail is in use.
+at full context (no mask); the NVFP4 cache's last sequence is 13 tokens shorter, so it ends in a partial unit.
 Times are CUDA-event medians of the replay of a CUDA graph of CALLS calls alternating between two caches, so no
 call finds the previous call's cache in L2 and neither side's host launch overhead is counted (common.graph_ms):
 on the lent H100 machines a decode call spends 50-60 us in Python checks and op dispatch, more than the kernels
@@ -45,7 +45,7 @@ PAGE_SIZE = 16  # the paged cache's pages, vLLM's default block size: the most b
 
 def make_caches(b, hkv, ctx, d, copies=2):
     """`copies` tuples of (NVFP4 cache, paged NVFP4 cache, bf16 K, bf16 V) holding the same random tokens; the
-    last sequence is 13 tokens shorter, so every V tail is in use."""
+    last sequence is 13 tokens shorter, so it ends in a partial 16-token unit."""
     lengths = [ctx] * (b - 1) + [ctx - 13] if b > 1 else [ctx - 13]
     out = []
     for _ in range(copies):
@@ -72,8 +72,7 @@ def bench_shape(name, shape, repeat, copy_gbs, peak_gbs):
     caches, lengths = make_caches(b, hkv, ctx, d)
     qs = [torch.randn(b, hq, tq, d, device="cuda", dtype=torch.bfloat16) for _ in caches]
     cache = caches[0][0]
-    tail_bytes = sum(n % 16 for n in lengths) * hkv * d * 2
-    packed_bytes = sum(lengths) * cache.bytes_per_token + tail_bytes
+    packed_bytes = sum(lengths) * cache.bytes_per_token
     rows = {}
 
     def add(label, fns, nbytes, graph=True):
@@ -191,7 +190,7 @@ def main():
         print(f"| {r['shape']} | {k['ms']:.3f} | {k['GB/s']:.0f} ({100 * k['of_copy']:.0f}%) | "
               f"{min(sdpa) if sdpa else float('nan'):.3f} | {r['speedup_vs_best_sdpa'] or float('nan'):.2f}x |")
     write_json(args.out, {**meta, "copy_GB/s": copy_gbs, "peak_GB/s": args.peak_gbs,
-                          "bytes": "packed K and V codes + scales + V tails (decode), bf16 K and V (SDPA)",
+                          "bytes": "packed K and V codes + scales (decode), bf16 K and V (SDPA)",
                           "shapes": results})
     plot(results, os.path.splitext(args.out)[0] + ".png")
 

@@ -32,12 +32,12 @@ OURS_BF16 = "attn_qat inference fwd (bf16 in)"
 CUDNN, FA2 = "cuDNN fwd (bf16)", "FA2 fwd (bf16)"
 
 
-def make_set(b, hq, hkv, n, d):
-    """One input set in (B, S, H, D) layout, bf16 and packed."""
+def make_set(b, hq, hkv, n, d, causal):
+    """One input set in (B, S, H, D) layout, bf16 and packed (V blocked as `causal` attention blocks it)."""
     q = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16)
-    return {"bf16": (q, k, v), "packed": attn_qat.quantize_qkv(q, k, v)}
+    return {"bf16": (q, k, v), "packed": attn_qat.quantize_qkv(q, k, v, causal=causal)}
 
 
 def peak_extra_mib(fn) -> float:
@@ -52,7 +52,7 @@ def peak_extra_mib(fn) -> float:
 
 def bench_shape(name, shape, repeat):
     b, hq, hkv, n, d, causal = shape
-    sets = [make_set(b, hq, hkv, n, d) for _ in range(2)]
+    sets = [make_set(b, hq, hkv, n, d, causal) for _ in range(2)]
     flops = forward_flops(b, hq, n, n, d, causal)
 
     def packed(s):
@@ -87,7 +87,7 @@ def bench_shape(name, shape, repeat):
         torch.cuda.empty_cache()
 
     # Packing is paid once per operand (a KV cache or a diffusion model's cross-attention K/V reuse it).
-    pack_ms = timed(lambda s: (lambda: attn_qat.quantize_qkv(*s["bf16"])), sets, repeat)
+    pack_ms = timed(lambda s: (lambda: attn_qat.quantize_qkv(*s["bf16"], causal=causal)), sets, repeat)
     # Sanity: the packed path computes the inference forward (the same kernel; fp32 order may differ).
     with torch.no_grad():
         expected = attn_qat.attention(*sets[0]["bf16"], causal=causal, mode="attn_qat")

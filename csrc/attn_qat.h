@@ -125,17 +125,15 @@ int64_t aq_attention_bwd_dq_accum_floats(const aq_attention_bwd_params *p);
 int64_t aq_attention_bwd_tail_floats(const aq_attention_bwd_params *p);
 
 /* ---------------------------------------------------------------------------------------------
-   Decode on an NVFP4 KV cache (attn_qat/kv_cache.py): numerics.md §3 without O' on Q^F, K^F and a V whose
-   complete 16-token blocks are V^F and whose incomplete last block is still the raw bf16/fp16 values.
+   Decode on an NVFP4 KV cache (attn_qat/kv_cache.py): numerics.md §3 without O' on Q^F, K^F and V^F, K and V
+   both blocked along D (numerics.md §2: a decoding query does not see every key).
    Sequence b holds L_b = lengths[b] tokens (0 <= L_b <= max_length <= capacity = pages_per_seq * page_size) in
    pages of page_size tokens (a multiple of 16) from pools of num_pages pages:
-     k_codes  (num_pages, Hkv, page_size, D/2)   K blocked along D: codes of channels 2i (low nibble), 2i+1 (high)
+     k_codes  (num_pages, Hkv, page_size, D/2)   K: codes of channels 2i (low nibble), 2i+1 (high) of each token
      k_scales (num_pages, Hkv, page_size, D/16)  their E4M3 bytes
-     v_codes  (num_pages, Hkv, page_size/2, D)   V blocked along tokens: byte (k, c) holds tokens 2k (low), 2k+1
-     v_scales (num_pages, Hkv, page_size/16, D)  their E4M3 bytes; a block is read only when it is complete
+     v_codes, v_scales                           V, laid out as K
      block_table (B, pages_per_seq) int32        token j of sequence b is token j % page_size of page
                                                  block_table[b][j / page_size]; entries past L_b are not read
-     v_tail   (B, Hkv, 16, D), dtype             tokens 16 * floor(L_b / 16) .. L_b - 1, unquantized
    An unpaged cache is the case num_pages = B, page_size = capacity, block_table[b] = {b}. A block-table entry
    outside [0, num_pages) that the kernel meets makes the rows of that sequence NaN; nothing outside the pools is
    read. q (B, Hq, Tq, D) contiguous holds the raw queries (the kernel makes Q^F, blocked along D, itself); query
@@ -147,7 +145,6 @@ typedef struct {
     const void *q;
     const uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
     const int32_t *block_table;
-    const void *v_tail;
     const int64_t *lengths;
     void *out;
     float *workspace;

@@ -21,8 +21,8 @@
    Q^F, 2^-14 K^F, 2^-14 V^F and fq16(P̂ * 2^11) are exact in fp16 (numerics.md §1, §3; 2^-14 K^F and 2^-14 V^F
    reach the fp16 subnormals, which the tensor cores take exactly), and so are the products formed below. The
    2^-14 is undone where it costs nothing: in the factor that turns scores into log2 logits, and in the factor
-   that stores the partial O. Only the unquantized V tail, at most one unit per sequence, multiplies in the
-   cache dtype, with P^F * 2^-3 so that it lands in the same 2^-14 frame.
+   that stores the partial O. K and V are both blocked along D, one token at a time (numerics.md §2), so every
+   cached token is packed and the last unit of a sequence differs from the others only in its hidden keys.
 
    Dequantization (e2m1x8_to_f16) uses no convert instruction and no table: an E2M1 code s e1 e0 m placed in an
    fp16 as sign s and bits e1 e0 m at 11 .. 9 (exponent field e1 e0, top mantissa bit m) reads as its value
@@ -45,17 +45,15 @@
      the 8 lanes sharing t.
    - O^T = V^T P^T, channels as M and query rows as N, NB n-blocks as above. With queries as M, as in the forward,
      one query token would fill 4 of the 16 rows of every P V product; this way the product count halves and so
-     do the O registers. Row m of m-tile mt is channel (m % 8) * D/8 + 2 mt + m / 8. Lane (g, t) needs pair rows t
-     and t + 4 of the V block (tokens 2t, 2t + 1 and 2t + 8, 2t + 9, one byte per channel) for channels
-     [g * D/8, (g + 1) * D/8): D/8 contiguous bytes per row. The k index 2t + i stands for token 2t + 8i and
-     2t + 8 + i for token 2t + 1 + 8i: a code word holding the bytes of channels c, c + 1 from row t (low half)
-     and row t + 4 (high half) pairs codes 16 bits apart, which are tokens 2t + e and 2t + 8 + e of one channel.
-     P^T's B fragments come from S^T's C fragments by one movmatrix per 8 keys (natural order: keys 2t, 2t + 1
-     and 2t + 8, 2t + 9 of query row 8 nb + g) and one PRMT pair into the token order above. The lane's O
-     elements o[mt][nb][e] are channel g * D/8 + 2 mt + (e >> 1), query row 8 nb + 2t + (e & 1): the rows
-     whose softmax state the lane keeps.
-   - Units with hidden keys (pv_checked) and the unquantized tail use the natural token pairing (2t, 2t + 1),
-     (2t + 8, 2t + 9) on both operands instead, V rearranged by PRMT. */
+     do the O registers. Row m of m-tile mt is channel (m % 8) * D/8 + 2 mt + m / 8, and the k index is the token
+     (natural order). Lane (g, t) needs tokens 2t, 2t + 1, 2t + 8, 2t + 9 of channels [g * D/8, (g + 1) * D/8):
+     D/16 contiguous code bytes of each token, inside one 16-channel block, so one scale a token. Half j of the
+     code words of tokens 2t and 2t + 1 side by side is a word whose codes i and i + 4 are channel 4j + i of the
+     two tokens: e2m1x8_to_f16 turns it into the A registers of channels 4j .. 4j + 3, each times the two tokens'
+     scales in one fp16 product. P^T's B fragments come from S^T's C fragments by one movmatrix per 8 keys (keys
+     2t, 2t + 1 and 2t + 8, 2t + 9 of query row 8 nb + g). The lane's O elements o[mt][nb][e] are channel
+     g * D/8 + 2 mt + (e >> 1), query row 8 nb + 2t + (e & 1): the rows whose softmax state the lane keeps.
+   - Units with hidden keys (pv_checked) take the same fragments, with non-finite V values set aside. */
 #include "attention_common.cuh"
 
 #define DEC_WARPS 4
@@ -66,17 +64,17 @@
 #define DEC_MAX_CHUNK 4096
 #define DEC_FRAME 16384.0f                    /* K^F and V^F are dequantized times 1 / DEC_FRAME (file comment) */
 
-/* One unit in shared memory: the bytes of its global rows, in order. V's 8 pair rows are padded by 32 bytes, so the
-   row-t, column-(g * D/8) reads of one load phase fall into distinct banks (D = 128: 8 lanes x 16 bytes, row
-   offsets 8t words apart mod 32; D = 64: 16 lanes x 8 bytes, 24t words apart). */
+/* One unit in shared memory: the bytes of its global rows, in order. V's 16 token rows are padded by 16 bytes, so the
+   token-2t, column-(g * D/16) reads of one load phase fall into distinct banks (D = 128: 16 lanes x 8 bytes, row
+   offsets 40t words apart, 8t mod 32; D = 64: 32 lanes x 4 bytes, 24t words apart). */
 template <int D>
 struct UnitLayout {
     static constexpr int K_CODES = 0;                            /* 16 keys x D/2 */
     static constexpr int K_SCALES = K_CODES + DEC_UNIT * D / 2;  /* 16 keys x D/16 */
-    static constexpr int V_ROW = D + 32;
-    static constexpr int V_CODES = K_SCALES + DEC_UNIT * D / 16; /* 8 pair rows x V_ROW (D used) */
-    static constexpr int V_SCALES = V_CODES + 8 * V_ROW;         /* D */
-    static constexpr int BYTES = V_SCALES + D;
+    static constexpr int V_ROW = D / 2 + 16;
+    static constexpr int V_CODES = K_SCALES + DEC_UNIT * D / 16; /* 16 tokens x V_ROW (D/2 used) */
+    static constexpr int V_SCALES = V_CODES + DEC_UNIT * V_ROW;  /* 16 tokens x D/16 */
+    static constexpr int BYTES = V_SCALES + DEC_UNIT * D / 16;
     static_assert(K_SCALES % 16 == 0 && V_CODES % 16 == 0 && V_SCALES % 16 == 0 && BYTES % 16 == 0,
                   "cp.async writes 16-byte chunks");
 };
@@ -97,13 +95,15 @@ AQ_D void cp_async_wait() {
 /* N 32-bit words from shared memory aligned to 4N bytes, in one access. */
 template <int N>
 AQ_D void load_words(uint32_t (&w)[N], const unsigned char *p) {
-    static_assert(N == 2 || N == 4, "8- or 16-byte accesses");
+    static_assert(N == 1 || N == 2 || N == 4, "4-, 8- or 16-byte accesses");
     if constexpr (N == 4) {
         const uint4 v = *(const uint4 *)p;
         w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-    } else {
+    } else if constexpr (N == 2) {
         const uint2 v = *(const uint2 *)p;
         w[0] = v.x, w[1] = v.y;
+    } else {
+        w[0] = *(const uint32_t *)p;
     }
 }
 
@@ -236,37 +236,48 @@ AQ_D void unit_scores(float (&s)[NB][4], const uint2 (&qf)[D / 16][NB][32], cons
     }
 }
 
-/* The A fragments of V^T for m-tiles 2j + h (channels g * D/8 + 4j + 2h, row g, and + 1, row g + 8) from word j
-   of the lane's pair rows t (r0) and t + 4 (r1) and of its scales (sw), in the token order of the file comment:
-   a[h] = {channel 4j + 2h tokens 2t, 2t + 8; channel 4j + 2h + 1 tokens 2t, 2t + 8; channel 4j + 2h tokens
-   2t + 1, 2t + 9; channel 4j + 2h + 1 tokens 2t + 1, 2t + 9}. The code word of m-tile 2j + h is bytes 2h, 2h + 1
-   of r0 and then of r1: its codes i and i + 4 are one channel's tokens 2t + e and 2t + 8 + e. */
-AQ_D void packed_v_word(uint32_t (&a)[2][4], uint32_t r0, uint32_t r1, uint32_t sw) {
+/* The lane's V of a unit (file comment): channels [g * D/8, (g + 1) * D/8) (D/16 code bytes, within one 16-channel
+   block) of tokens 2t, 2t + 1, 2t + 8, 2t + 9 (codes[k], k = 0 .. 3), and those tokens' block scales as fp16 pairs:
+   scales[0] = (token 2t, token 2t + 1), scales[1] = (token 2t + 8, token 2t + 9). */
+template <int D>
+struct VWords {
+    uint32_t codes[4][D / 64];
+    uint32_t scales[2];
+};
+
+template <int D>
+AQ_D void load_v_words(VWords<D> &v, const unsigned char *st, int g, int t) {
+    using U = UnitLayout<D>;
+    uint32_t sc[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int token = 2 * t + (k & 1) + 8 * (k >> 1);
+        load_words<D / 64>(v.codes[k], st + U::V_CODES + token * U::V_ROW + g * (D / 16));
+        sc[k] = st[U::V_SCALES + token * (D / 16) + g * D / 128];
+    }
+    v.scales[0] = e4m3x2_to_f16x2(sc[0] | (sc[1] << 8));
+    v.scales[1] = e4m3x2_to_f16x2(sc[2] | (sc[3] << 8));
+}
+
+/* Channels 4j .. 4j + 3 of the lane's range as B-fragment registers in the natural token order, times 2^-14:
+   c[h][i] = channel 4j + i of tokens 2t + 8h (low half) and 2t + 8h + 1. Half j of two tokens' code words put side by
+   side is one word whose codes i and i + 4 are one channel of the two tokens (e2m1x8_to_f16's pairs), so one plain
+   fp16 product with the tokens' two scales makes each register. */
+template <int D>
+AQ_D void v_channel_quad(uint32_t (&c)[2][4], const VWords<D> &v, int j) {
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const uint32_t sc = e4m3x2_to_f16x2(sw >> (16 * h)); /* channels 4j + 2h (low half) and 4j + 2h + 1 */
-        uint32_t c[4]; /* channel 4j + 2h: c[0] tokens 2t, 2t + 8, c[1] 2t + 1, 2t + 9; channel + 1: c[2], c[3] */
-        e2m1x8_to_f16(__byte_perm(r0, r1, h ? 0x7632 : 0x5410), c);
-        a[h][0] = hmul2_by_half(c[0], sc, 0);
-        a[h][1] = hmul2_by_half(c[2], sc, 1);
-        a[h][2] = hmul2_by_half(c[1], sc, 0);
-        a[h][3] = hmul2_by_half(c[3], sc, 1);
+        const uint32_t a = v.codes[2 * h][j / 2], b = v.codes[2 * h + 1][j / 2];
+        e2m1x8_to_f16(__byte_perm(a, b, j % 2 ? 0x7632 : 0x5410), c[h]);
+#pragma unroll
+        for (int i = 0; i < 4; i++) asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(c[h][i]) : "r"(v.scales[h]));
     }
 }
 
-template <int D>
-AQ_D void load_v_words(uint32_t (&r0)[D / 32], uint32_t (&r1)[D / 32], uint32_t (&sw)[D / 32],
-                       const unsigned char *st, int g, int t) {
-    using U = UnitLayout<D>;
-    load_words<D / 32>(r0, st + U::V_CODES + t * U::V_ROW + g * (D / 8));
-    load_words<D / 32>(r1, st + U::V_CODES + (t + 4) * U::V_ROW + g * (D / 8));
-    load_words<D / 32>(sw, st + U::V_SCALES + g * (D / 8));
-}
-
-/* The A fragment of V^T for m-tile mt from the B-style registers of channels g * D/8 + 2 mt (b[0]) and + 1 (b[1]):
-   rows t (tokens 2t, 2t + 1) and t + 4 (2t + 8, 2t + 9). */
-AQ_D void v_a_fragment(uint32_t (&a)[4], uint32_t c0_row_t, uint32_t c1_row_t, uint32_t c0_row_t4, uint32_t c1_row_t4) {
-    a[0] = c0_row_t, a[1] = c1_row_t, a[2] = c0_row_t4, a[3] = c1_row_t4;
+/* The A fragment of V^T for m-tile mt from the B-style registers of channels g * D/8 + 2 mt (c0) and + 1 (c1): rows
+   g and g + 8 are those channels, tokens 2t, 2t + 1 (row_t) and 2t + 8, 2t + 9 (row_t8). */
+AQ_D void v_a_fragment(uint32_t (&a)[4], uint32_t c0_row_t, uint32_t c1_row_t, uint32_t c0_row_t8, uint32_t c1_row_t8) {
+    a[0] = c0_row_t, a[1] = c1_row_t, a[2] = c0_row_t8, a[3] = c1_row_t8;
 }
 
 /* movmatrix: the transpose of an 8x8 matrix of 16-bit values held one row a lane quad (lane (g, t): row g,
@@ -277,97 +288,58 @@ AQ_D uint32_t transpose_8x8(uint32_t x) {
     return r;
 }
 
-/* P^T's B fragments (DT) in the natural token order, from values of P in S^T's C layout (p[nb][e]: key g + 8 (e >> 1),
+/* P^T's B fragments (fp16) in the natural token order, from values of P in S^T's C layout (p[nb][e]: key g + 8 (e >> 1),
    query row 8 nb + 2t + (e & 1)): pb[nb][k] = keys 8k + 2t, 8k + 2t + 1 of query row 8 nb + g. Packing a lane's
    key-row pair gives one 8x8 block of P^T row-major by keys; its transpose is the B register. */
-template <int NB, aq_dtype DT>
+template <int NB>
 AQ_D void p_b_fragments(uint32_t (&pb)[NB][2], const float (&p)[NB][4]) {
 #pragma unroll
     for (int nb = 0; nb < NB; nb++)
 #pragma unroll
-        for (int k = 0; k < 2; k++) pb[nb][k] = transpose_8x8(pack2<DT>(p[nb][2 * k], p[nb][2 * k + 1]));
+        for (int k = 0; k < 2; k++) pb[nb][k] = transpose_8x8(pack2<AQ_FLOAT16>(p[nb][2 * k], p[nb][2 * k + 1]));
 }
 
-/* The same in the token order of pv_packed (file comment): {keys 2t, 2t + 8; keys 2t + 1, 2t + 9}. */
-template <int NB>
-AQ_D void token_pair_p_fragments(uint32_t (&pb)[NB][2]) {
-#pragma unroll
-    for (int nb = 0; nb < NB; nb++) {
-        const uint32_t lo = pb[nb][0], hi = pb[nb][1];
-        pb[nb][0] = __byte_perm(lo, hi, 0x5410);
-        pb[nb][1] = __byte_perm(lo, hi, 0x7632);
-    }
-}
-
-/* O^T += V^T P^F^T for a unit whose every key each query row sees: no hidden term, so a plain product. */
+/* O^T += V^T P^F^T for a unit whose every key each query row sees: no hidden term, so a plain product, a channel quad
+   (two m-tiles) at a time. */
 template <int D, int NB>
-AQ_D void pv_packed(float (&o)[D / 16][NB][4], const uint32_t (&pb)[NB][2], const uint32_t (&r0)[D / 32],
-                    const uint32_t (&r1)[D / 32], const uint32_t (&sw)[D / 32]) {
+AQ_D void pv_packed(float (&o)[D / 16][NB][4], const uint32_t (&pb)[NB][2], const VWords<D> &v) {
 #pragma unroll
     for (int j = 0; j < D / 32; j++) {
-        uint32_t a[2][4]; /* m-tiles 2j, 2j + 1 */
-        packed_v_word(a, r0[j], r1[j], sw[j]);
+        uint32_t c[2][4];
+        v_channel_quad<D>(c, v, j);
 #pragma unroll
-        for (int h = 0; h < 2; h++)
+        for (int h = 0; h < 2; h++) { /* m-tile 2j + h: channels 4j + 2h, 4j + 2h + 1 */
+            uint32_t a[4];
+            v_a_fragment(a, c[0][2 * h], c[0][2 * h + 1], c[1][2 * h], c[1][2 * h + 1]);
 #pragma unroll
-            for (int nb = 0; nb < NB; nb++) mma_16816<AQ_FLOAT16>(o[2 * j + h][nb], a[h], pb[nb][0], pb[nb][1]);
-    }
-}
-
-/* All B fragments of a packed V unit in the natural token order, for pv_checked: vb[n][0] = tokens 2t, 2t + 1 and
-   vb[n][1] = tokens 2t + 8, 2t + 9 of channel g * D/8 + n. */
-template <int D>
-AQ_D void packed_v_fragments(uint32_t (&vb)[D / 8][2], const uint32_t (&r0)[D / 32], const uint32_t (&r1)[D / 32],
-                             const uint32_t (&sw)[D / 32]) {
-#pragma unroll
-    for (int j = 0; j < D / 32; j++) {
-        uint32_t a[2][4];
-        packed_v_word(a, r0[j], r1[j], sw[j]);
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int c = 0; c < 2; c++) { /* channel 4j + 2h + c: a[h][c] tokens 2t, 2t + 8, a[h][c + 2] the others */
-                vb[4 * j + 2 * h + c][0] = __byte_perm(a[h][c], a[h][c + 2], 0x5410);
-                vb[4 * j + 2 * h + c][1] = __byte_perm(a[h][c], a[h][c + 2], 0x7632);
-            }
-    }
-}
-
-/* The B fragments (cache dtype) of the unquantized tail: rows 0 .. valid-1 of v_tail (16, D) are tokens; later
-   rows are not read and count as 0. Lane (g, t) reads channels [g * D/8, (g + 1) * D/8) of rows 2t, 2t + 1 (for
-   vb[.][0]) and 2t + 8, 2t + 9 (vb[.][1]); n-block nb takes channel g * D/8 + nb of each. */
-template <int D>
-AQ_D void tail_v_fragments(uint32_t (&vb)[D / 8][2], const uint16_t *tail, int valid, int g, int t) {
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-        uint32_t w[2][D / 16] = {}; /* rows 2t + 8k and 2t + 8k + 1, two channels per word */
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int row = 2 * t + 8 * k + i;
-            if (row >= valid) continue;
-            const uint4 *src = (const uint4 *)(tail + row * D + g * (D / 8));
-#pragma unroll
-            for (int c = 0; c < D / 64; c++) {
-                const uint4 v = src[c];
-                w[i][4 * c] = v.x, w[i][4 * c + 1] = v.y, w[i][4 * c + 2] = v.z, w[i][4 * c + 3] = v.w;
-            }
+            for (int nb = 0; nb < NB; nb++) mma_16816<AQ_FLOAT16>(o[2 * j + h][nb], a, pb[nb][0], pb[nb][1]);
         }
-#pragma unroll
-        for (int nb = 0; nb < D / 8; nb++) /* low halves for even channels, high halves for odd ones */
-            vb[nb][k] = __byte_perm(w[0][nb / 2], w[1][nb / 2], nb % 2 ? 0x7632 : 0x5410);
     }
 }
 
-/* O^T += V^T P^T for a unit with hidden terms (the causal edge or the tail's end), keeping them absent rather than
-   0 * x (numerics.md §8): V values that are Inf or NaN (MT's exponent all ones) are zeroed before the product,
-   and afterwards acc[row, channel] becomes NaN where a key visible to the row had one in that channel.
-   vis[nb][c]: bit i = key i of the unit is visible to this lane's query row 8 nb + 2t + c; pb: P^T's B fragments in
-   the natural token order (p_b_fragments). Rare: only the last units of a sequence
-   come here, and the NaN bookkeeping runs only if some value is not finite. */
-template <int D, int NB, aq_dtype MT>
+/* All of the lane's V registers of a unit, for pv_checked: vb[n][0] = tokens 2t, 2t + 1 and vb[n][1] = tokens 2t + 8,
+   2t + 9 of channel g * D/8 + n. */
+template <int D>
+AQ_D void packed_v_fragments(uint32_t (&vb)[D / 8][2], const VWords<D> &v) {
+#pragma unroll
+    for (int j = 0; j < D / 32; j++) {
+        uint32_t c[2][4];
+        v_channel_quad<D>(c, v, j);
+#pragma unroll
+        for (int i = 0; i < 4; i++) vb[4 * j + i][0] = c[0][i], vb[4 * j + i][1] = c[1][i];
+    }
+}
+
+/* O^T += V^T P^T for a unit with hidden terms (the causal edge or the sequence's end, where a page's later tokens hold
+   stale values), keeping them absent rather than 0 * x (numerics.md §8): V values that are Inf or NaN (an fp16
+   exponent all ones) are zeroed before the product, and afterwards acc[row, channel] becomes NaN where a key visible
+   to the row had one in that channel. vis[nb][c]: bit i = key i of the unit is visible to this lane's query row
+   8 nb + 2t + c; pb: P^T's B fragments (p_b_fragments). Rare: only the last units of a sequence come here, and the
+   NaN bookkeeping runs only if some value is not finite. */
+template <int D, int NB>
 AQ_D void pv_checked(float (&o)[D / 16][NB][4], const uint32_t (&pb)[NB][2], uint32_t (&vb)[D / 8][2],
                      const uint32_t (&vis)[NB][2], int t) {
-    constexpr uint32_t EXP = MT == AQ_BFLOAT16 ? 0x7F80u : 0x7C00u;
+    constexpr uint32_t EXP = 0x7C00u;
     uint32_t bad[D / 8], any = 0; /* bad[n]: unit keys with a non-finite value in the lane's channel g * D/8 + n */
 #pragma unroll
     for (int nb = 0; nb < D / 8; nb++) {
@@ -390,7 +362,7 @@ AQ_D void pv_checked(float (&o)[D / 16][NB][4], const uint32_t (&pb)[NB][2], uin
         uint32_t a[4];
         v_a_fragment(a, vb[2 * mt][0], vb[2 * mt + 1][0], vb[2 * mt][1], vb[2 * mt + 1][1]);
 #pragma unroll
-        for (int nb = 0; nb < NB; nb++) mma_16816<MT>(o[mt][nb], a, pb[nb][0], pb[nb][1]);
+        for (int nb = 0; nb < NB; nb++) mma_16816<AQ_FLOAT16>(o[mt][nb], a, pb[nb][0], pb[nb][1]);
     }
     if (!__any_sync(AQ_FULL_MASK, any != 0)) return;
 #pragma unroll
@@ -500,11 +472,11 @@ AQ_D void fake_quantize_p_step(float (&s)[SU][NB][4]) {
    warp's lanes) into st. A pool unit is 16 tokens of one (page, KV head): its K and V codes are 8 D bytes each and
    its K and V scales D bytes each, at slot * 8 D and slot * D of the pools, and chunk c of every block is 16 c bytes
    in, so the lane's chunks lane + 32 j of all four buffers come from two offsets. In V's padded stage rows, chunk c
-   is row c / (D/16), column 16 (c % (D/16)). */
+   is token c / (D/32), column 16 (c % (D/32)). */
 template <int D>
 AQ_D void load_unit(unsigned char *st, const page_pools &pools, uint32_t slot, int lane) {
     using U = UnitLayout<D>;
-    constexpr int CHUNKS = 8 * D / 16 / 32, ROW_CHUNKS = D / 16; /* a lane's chunks of a code block; a V row's */
+    constexpr int CHUNKS = 8 * D / 16 / 32, ROW_CHUNKS = D / 32; /* a lane's chunks of a code block; a V row's */
     const uint64_t codes = (uint64_t)slot * (8 * D) + 16 * lane, scales = (uint64_t)slot * D + 16 * lane;
     unsigned char *v_stage = st + U::V_CODES + (lane / ROW_CHUNKS) * U::V_ROW + 16 * (lane % ROW_CHUNKS);
 #pragma unroll
@@ -543,9 +515,7 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
 #endif
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int tq_count = (int)p.seqlen_q, group = (int)(p.heads_q / p.heads_kv), rows = group * tq_count;
-    const int full_units = L / DEC_UNIT; /* units below have a packed V block; unit full_units is the tail */
     const int u_begin = c0 / DEC_UNIT, u_end = (min(c0 + chunk, L) + DEC_UNIT - 1) / DEC_UNIT;
-    const int64_t kv_head = (int64_t)b * p.heads_kv + hk;
 
     const page_pools pools = {p.k_codes, p.k_scales, p.v_codes, p.v_scales};
 
@@ -640,7 +610,7 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
         for (int su = 0; su < SU; su++) {
             const int i = i0 + su, u = u_begin + warp + DEC_WARPS * i, key0 = u * DEC_UNIT;
             present[su] = i < count; /* the last step of an odd count has one unit */
-            masked[su] = !present[su] || u == full_units || (p.causal && key0 + DEC_UNIT - 1 > L - tq_count);
+            masked[su] = !present[su] || key0 + DEC_UNIT > L || (p.causal && key0 + DEC_UNIT - 1 > L - tq_count);
             if (present[su]) unit_scores<D, NB>(s[su], q_frag, ring + (i % DEC_STAGES) * U::BYTES, g, t);
             if (masked[su])
 #pragma unroll
@@ -657,34 +627,21 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
             if (!present[su]) continue;
             const int i = i0 + su, u = u_begin + warp + DEC_WARPS * i, key0 = u * DEC_UNIT;
             const unsigned char *st = ring + (i % DEC_STAGES) * U::BYTES;
-            uint32_t pb[NB][2], r0[D / 32], r1[D / 32], sw[D / 32]; /* P^T's B fragments; the unit's V words */
+            uint32_t pb[NB][2]; /* P^T's B fragments */
+            VWords<D> v;
+            p_b_fragments<NB>(pb, s[su]);
+            load_v_words<D>(v, st, g, t);
             if (!masked[su]) {
-                p_b_fragments<NB, AQ_FLOAT16>(pb, s[su]);
-                token_pair_p_fragments<NB>(pb);
-                load_v_words<D>(r0, r1, sw, st, g, t);
-                pv_packed<D, NB>(o, pb, r0, r1, sw);
+                pv_packed<D, NB>(o, pb, v);
                 continue;
             }
-            uint32_t vis[NB][2];
+            uint32_t vis[NB][2], vb[D / 8][2];
 #pragma unroll
             for (int nb = 0; nb < NB; nb++)
 #pragma unroll
                 for (int c = 0; c < 2; c++) vis[nb][c] = (1u << min(max(lim[nb][c] - key0 + 1, 0), DEC_UNIT)) - 1u;
-            uint32_t vb[D / 8][2];
-            if (u != full_units) {
-                p_b_fragments<NB, AQ_FLOAT16>(pb, s[su]);
-                load_v_words<D>(r0, r1, sw, st, g, t);
-                packed_v_fragments<D>(vb, r0, r1, sw);
-                pv_checked<D, NB, AQ_FLOAT16>(o, pb, vb, vis, t);
-            } else {
-#pragma unroll
-                for (int nb = 0; nb < NB; nb++) /* P^F * 2^-3 (exact in DT): the tail's V is not in the 2^-14 frame */
-#pragma unroll
-                    for (int e = 0; e < 4; e++) s[su][nb][e] *= 1.0f / DEC_FRAME;
-                p_b_fragments<NB, DT>(pb, s[su]);
-                tail_v_fragments<D>(vb, (const uint16_t *)p.v_tail + kv_head * DEC_UNIT * D, L - key0, g, t);
-                pv_checked<D, NB, DT>(o, pb, vb, vis, t);
-            }
+            packed_v_fragments<D>(vb, v);
+            pv_checked<D, NB>(o, pb, vb, vis, t);
         }
         __syncwarp(); /* every lane is done with the step's stages before the next step refills them */
     }
@@ -859,7 +816,7 @@ const char *aq_kv_cache_decode_cuda(const aq_decode_params *p, void *stream) {
     if (p->batch == 0) return NULL;
     if (p->chunk < DEC_MIN_CHUNK || p->chunk % DEC_MIN_CHUNK || p->chunk > DEC_MAX_CHUNK)
         return "kv_cache_decode: call aq_kv_cache_decode_plan_cuda first";
-    const void *ptrs[] = {p->q, p->k_codes, p->k_scales, p->v_codes, p->v_scales, p->v_tail, p->workspace};
+    const void *ptrs[] = {p->q, p->k_codes, p->k_scales, p->v_codes, p->v_scales, p->workspace};
     if (!p->block_table) return "kv_cache_decode: block_table is required";
     for (const void *ptr : ptrs)
         if (!aligned16(ptr)) return "kv_cache_decode: every buffer must be 16-byte aligned";

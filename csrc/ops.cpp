@@ -212,9 +212,9 @@ Tensor empty_like_layout(const Tensor &like, int64_t b, int64_t h, int64_t n, in
     return torch::stable::new_empty(like, {b, h, n, d});
 }
 
-// The Q/K/V pre-pass of numerics.md §2: Q and K blocked along D, V along tokens (the last block
-// partial). Each is quantized in its memory order so the kernel reads coalesced and the result keeps
-// the input's layout.
+// The Q/K/V pre-pass of numerics.md §2: Q and K blocked along D, V along tokens (the last block partial) when
+// every query sees every key, else along D like K. Each is quantized in its memory order so the kernel reads
+// coalesced and the result keeps the input's layout.
 Tensor fake_quantize_operand(const Tensor &x, bool along_tokens) {
     const bool tm = token_major(x);
     Tensor mem = tm ? torch::stable::transpose(x, 1, 2) : x; // dims in memory order
@@ -224,11 +224,12 @@ Tensor fake_quantize_operand(const Tensor &x, bool along_tokens) {
 }
 
 // The whole pre-pass, for callers that want the fake-quantized operands themselves.
-std::tuple<Tensor, Tensor, Tensor> fake_quantize_qkv(Tensor q, Tensor k, Tensor v) {
+std::tuple<Tensor, Tensor, Tensor> fake_quantize_qkv(Tensor q, Tensor k, Tensor v, bool v_along_tokens) {
     STD_TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "attn_qat: query, key and value must be 4-D (batch, heads, tokens, head_dim)");
-    STD_TORCH_CHECK(q.size(3) % 16 == 0 && k.size(3) % 16 == 0, "attn_qat: head_dim must be a multiple of 16");
-    return {fake_quantize_operand(q, false), fake_quantize_operand(k, false), fake_quantize_operand(v, true)};
+    STD_TORCH_CHECK(q.size(3) % 16 == 0 && k.size(3) % 16 == 0 && (v_along_tokens || v.size(3) % 16 == 0),
+                    "attn_qat: head_dim must be a multiple of 16");
+    return {fake_quantize_operand(q, false), fake_quantize_operand(k, false), fake_quantize_operand(v, v_along_tokens)};
 }
 
 void copy_strides(const Tensor &t, int64_t out[3]) {
@@ -360,13 +361,13 @@ bool delta_from_out_prime(int64_t mode) { return mode == MODE_ATTN_QAT || mode =
 // microseconds of host time in its autograd wrapper (performance.md v16).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
 attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, double scale, int64_t causal, int64_t mode,
-                  bool need_grad) {
+                  bool need_grad, bool v_along_tokens) {
     check_mode(mode);
     const AttentionShape s = check_attention_inputs(q, k, v);
     const bool quantize = mode != MODE_BF16;
     Tensor qf = quantize ? fake_quantize_operand(q, false) : q;
     Tensor kf = quantize ? fake_quantize_operand(k, false) : k;
-    Tensor vf = quantize ? fake_quantize_operand(v, true) : v;
+    Tensor vf = quantize ? fake_quantize_operand(v, v_along_tokens) : v;
     Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
     const bool with_prime = need_grad && delta_from_out_prime(mode);
     const bool with_operands = need_grad && quantized_backward(mode);
@@ -383,7 +384,8 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
 std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                                       Tensor out_prime, std::optional<Tensor> mask, Tensor frame,
                                                       Tensor row_sum, double scale, int64_t causal, int64_t mode,
-                                                      bool deterministic, bool operands_quantized) {
+                                                      bool deterministic, bool v_along_tokens,
+                                                      bool operands_quantized) {
     check_mode(mode);
     check_scale(scale);
     const AttentionShape s = check_attention_inputs(q, k, v);
@@ -399,7 +401,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                     "attn_qat: this mode's backward needs O' from the forward (need_grad=True)");
     Tensor qo = quantized_operands ? fake_quantize_operand(q, false) : q;
     Tensor ko = quantized_operands ? fake_quantize_operand(k, false) : k;
-    Tensor vo = quantized_operands ? fake_quantize_operand(v, true) : v;
+    Tensor vo = quantized_operands ? fake_quantize_operand(v, v_along_tokens) : v;
     if (mode == MODE_DROP_IN) {
         // Drop-in QAT differentiates plain softmax attention of the unquantized operands: its P needs
         // the unquantized scores' frame and sum, which the FP4 forward did not compute.
@@ -468,8 +470,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
 // ---------------------------------------------------------------------------------------------
 // NVFP4 KV cache (attn_qat/kv_cache.py)
 
-// The forward of numerics.md §3 on operands the caller has already made: nothing is quantized but P. The
-// KV cache's composite path dequantizes its K and V (whose incomplete last block is unquantized) itself.
+// The forward of numerics.md §3 on operands the caller has already made: nothing is quantized but P (the KV cache's
+// composite path and attention on packed operands dequantize theirs).
 // Returns (out, frame, row_sum).
 std::tuple<Tensor, Tensor, Tensor> attention_forward_prequantized(Tensor q, Tensor k, Tensor v,
                                                                   std::optional<Tensor> mask, double scale,
@@ -488,10 +490,10 @@ const char *kv_cache_decode_no_cpu(const aq_decode_params *) {
 }
 
 // Decode on the packed cache (attn_qat.h's aq_decode_params): q (B, Hq, Tq, D) raw (the kernel fake-quantizes
-// it); the page pools and the per-sequence tails as NVFP4KVCache holds them; lengths (B,) int64; block_table
-// (B, pages_per_seq) int32; max_length >= every length.
-Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, Tensor v_tail,
-                       Tensor lengths, Tensor block_table, int64_t max_length, double scale, bool causal) {
+// it); the page pools as NVFP4KVCache holds them; lengths (B,) int64; block_table (B, pages_per_seq) int32;
+// max_length >= every length.
+Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, Tensor lengths,
+                       Tensor block_table, int64_t max_length, double scale, bool causal) {
     check_scale(scale);
     STD_TORCH_CHECK(q.dim() == 4, "attn_qat: kv_cache_decode: q must be (batch, heads_q, tokens, head_dim)");
     const int64_t batch = q.size(0), heads_q = q.size(1), tokens = q.size(2), dim = q.size(3);
@@ -499,9 +501,8 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
                     "attn_qat: kv_cache_decode: k_codes must be (num_pages, heads_kv, page_size, head_dim / 2)");
     const int64_t pages = k_codes.size(0), heads_kv = k_codes.size(1), page_size = k_codes.size(2);
     const std::vector<std::pair<const Tensor *, std::vector<int64_t>>> buffers = {
-        {&k_codes, {pages, heads_kv, page_size, dim / 2}},     {&k_scales, {pages, heads_kv, page_size, dim / 16}},
-        {&v_codes, {pages, heads_kv, page_size / 2, dim}},     {&v_scales, {pages, heads_kv, page_size / 16, dim}},
-        {&v_tail, {batch, heads_kv, 16, dim}},
+        {&k_codes, {pages, heads_kv, page_size, dim / 2}}, {&k_scales, {pages, heads_kv, page_size, dim / 16}},
+        {&v_codes, {pages, heads_kv, page_size, dim / 2}}, {&v_scales, {pages, heads_kv, page_size, dim / 16}},
     };
     for (const auto &[t, shape] : buffers) {
         STD_TORCH_CHECK(t->dim() == 4 && std::vector<int64_t>(t->sizes().begin(), t->sizes().end()) == shape &&
@@ -509,8 +510,7 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
                         "attn_qat: kv_cache_decode: the cache buffers must be contiguous, shaped as NVFP4KVCache's");
         STD_TORCH_CHECK(t->is_cuda() && q.is_cuda() && t->get_device_index() == q.get_device_index(),
                         "attn_qat: kv_cache_decode: q and the cache must be on one CUDA device");
-        STD_TORCH_CHECK(t == &v_tail ? t->scalar_type() == q.scalar_type() : t->scalar_type() == ScalarType::Byte,
-                        "attn_qat: kv_cache_decode: codes and scales are uint8, v_tail has q's dtype");
+        STD_TORCH_CHECK(t->scalar_type() == ScalarType::Byte, "attn_qat: kv_cache_decode: codes and scales are uint8");
     }
     for (const Tensor *t : {&lengths, &block_table})
         STD_TORCH_CHECK(t->is_contiguous() && t->is_cuda() && t->get_device_index() == q.get_device_index(),
@@ -528,7 +528,6 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
     p.k_scales = static_cast<const uint8_t *>(k_scales.data_ptr());
     p.v_codes = static_cast<const uint8_t *>(v_codes.data_ptr());
     p.v_scales = static_cast<const uint8_t *>(v_scales.data_ptr());
-    p.v_tail = v_tail.data_ptr();
     p.block_table = static_cast<const int32_t *>(block_table.data_ptr());
     p.lengths = static_cast<const int64_t *>(lengths.data_ptr());
     p.batch = batch;
@@ -563,18 +562,18 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
     m.def("nvfp4_quantize(Tensor x, int axis) -> (Tensor codes, Tensor scales)");
     m.def("nvfp4_fake_quantize(Tensor x, int axis) -> Tensor");
     m.def("nvfp4_dequantize(Tensor codes, Tensor scales, int axis, int axis_len, ScalarType dtype) -> Tensor");
-    m.def("fake_quantize_qkv(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor, Tensor)");
+    m.def("fake_quantize_qkv(Tensor q, Tensor k, Tensor v, bool v_along_tokens) -> (Tensor, Tensor, Tensor)");
     m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal, int mode, "
-          "bool need_grad) -> (Tensor out, Tensor out_prime, Tensor frame, Tensor row_sum, Tensor q_fq, "
-          "Tensor k_fq, Tensor v_fq)");
+          "bool need_grad, bool v_along_tokens) -> (Tensor out, Tensor out_prime, Tensor frame, Tensor row_sum, "
+          "Tensor q_fq, Tensor k_fq, Tensor v_fq)");
     m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor out_prime, "
           "Tensor? mask, Tensor frame, Tensor row_sum, float scale, int causal, int mode, bool deterministic, "
-          "bool operands_quantized=False) "
+          "bool v_along_tokens, bool operands_quantized=False) "
           "-> (Tensor dq, Tensor dk, Tensor dv)");
     m.def("attention_forward_prequantized(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal) "
           "-> (Tensor out, Tensor frame, Tensor row_sum)");
     m.def("kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
-          "Tensor v_tail, Tensor lengths, Tensor block_table, int max_length, float scale, bool causal) -> Tensor");
+          "Tensor lengths, Tensor block_table, int max_length, float scale, bool causal) -> Tensor");
 }
 
 // The same functions serve both devices: `launch` picks the kernel from the tensors' device.

@@ -414,17 +414,19 @@ def test_opcheck(device):
     q, k, v, dout = make_inputs(1, 4, 2, 24, 40, 64, torch.bfloat16, device, layout="bshd")
     mask = torch.zeros(1, 4, 24, 40, device=device)
     fwd = torch.ops.attn_qat.attention_forward.default
-    for mode, need_grad in ((0, True), (2, True), (3, True), (4, True), (0, False)):
+    for mode, need_grad, along_tokens in ((0, True, False), (2, True, True), (3, True, False), (4, True, False),
+                                          (0, False, True)):
         # need_grad=False returns no O' or Q^F, K^F, V^F, so nothing differentiates through such a call
-        args = tuple(t.detach().requires_grad_(need_grad) for t in (q, k, v)) + (mask, 0.125, 1, mode, need_grad)
+        args = tuple(t.detach().requires_grad_(need_grad) for t in (q, k, v)) + (mask, 0.125, 1, mode, need_grad,
+                                                                                along_tokens)
         torch.library.opcheck(fwd, args)
     q, k, v = q.detach(), k.detach(), v.detach()  # the backward op has no double backward
-    out, out_prime, frame, row_sum, qf, kf, vf = fwd(q, k, v, None, 0.125, 2, 0, True)
+    out, out_prime, frame, row_sum, qf, kf, vf = fwd(q, k, v, None, 0.125, 2, 0, True, False)
     assert qf.shape == q.shape and kf.shape == k.shape and vf.shape == v.shape
     torch.library.opcheck(torch.ops.attn_qat.attention_backward.default,
-                          (dout, q, k, v, out, out_prime, None, frame, row_sum, 0.125, 2, 0, False))
+                          (dout, q, k, v, out, out_prime, None, frame, row_sum, 0.125, 2, 0, False, False))
     torch.library.opcheck(torch.ops.attn_qat.attention_backward.default,
-                          (dout, qf, kf, vf, out, out_prime, None, frame, row_sum, 0.125, 2, 0, False, True))
+                          (dout, qf, kf, vf, out, out_prime, None, frame, row_sum, 0.125, 2, 0, False, False, True))
 
 
 class TinyAttention(torch.nn.Module):
@@ -527,7 +529,7 @@ def test_causal_backward_order_covers_every_tile(monkeypatch, kernels):
 def forward_op(q, k, v):
     """The attention op's (out, O', frame, row sum) for the training forward of attn_qat mode, no mask."""
     return torch.ops.attn_qat.attention_forward(q, k, v, None, q.shape[-1] ** -0.5, 0, attn_qat.MODES.index("attn_qat"),
-                                                True)[:4]
+                                                True, True)[:4]
 
 
 @requires_cuda
@@ -610,10 +612,10 @@ def test_softmax_scale_against_reference(device, scale):
         for name, ours, r in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), grads):
             assert rel_error(ours, r) <= BWD_TOL, f"{name}, scale {scale}, causal {causal}"
     with pytest.raises(RuntimeError, match="scale > 0"):
-        attn_qat.ops.ops.attention_forward(q, k, v, None, -0.5, 0, 0, False)
+        attn_qat.ops.ops.attention_forward(q, k, v, None, -0.5, 0, 0, False, True)
     for unusable in (1e-50, 1e39):  # 0 as a float; scale * log2(e) not finite as a float
         with pytest.raises(RuntimeError, match="outside what the kernels take as a float"):
-            attn_qat.ops.ops.attention_forward(q, k, v, None, unusable, 0, 0, False)
+            attn_qat.ops.ops.attention_forward(q, k, v, None, unusable, 0, 0, False, True)
 
 
 def test_scale_default_is_inverse_sqrt_d():

@@ -34,13 +34,16 @@ def qkv(b, hq, hkv, nq, nk, d, device):
 def ring(q, k, v, chunk, mode, causal_last=False):
     """Attention of q over k, v folded chunk by chunk through merge_attention_states, the running output
     kept in float32 as a ring loop would. With `causal_last`, the last chunk is the diagonal block of a
-    causal ring (queries = its tokens): causal there, every earlier chunk fully visible."""
+    causal ring (queries = its tokens): causal there, every earlier chunk fully visible; every part then
+    blocks V along head_dim, as the causal call over all keys does (numerics.md §2), although the earlier
+    parts on their own hide no key."""
     out = lse = None
     starts = range(0, k.shape[1], chunk)
+    axis = "head_dim" if causal_last else "auto"
     for start in starts:
         causal = causal_last and start == starts[-1]
         part, part_lse = attn_qat.attention(q, k[:, start:start + chunk], v[:, start:start + chunk], causal=causal,
-                                            mode=mode, return_lse=True)
+                                            mode=mode, return_lse=True, v_block_axis=axis)
         out, lse = (part.float(), part_lse) if out is None else merge_attention_states(out, lse, part, part_lse)
     return out, lse
 

@@ -3,13 +3,13 @@ decode kernel and the composite path) against the float64 reference at numerics.
 random inputs with poisoned outputs.
 
 The reference of the cache's attention is attn_qat.reference.attention_forward(..., operands_quantized=True) on
-Q^F, K^F and, for V, V^F over each sequence's complete 16-token blocks followed by its raw tail, per sequence
-with bottom-right causal alignment (query t of a sequence of L tokens sees keys j <= L - Tq + t)."""
+Q^F, K^F and V^F (K and V blocked along head_dim, numerics.md §2), per sequence with bottom-right causal alignment
+(query t of a sequence of L tokens sees keys j <= L - Tq + t)."""
 import pytest
 import torch
 
+import attn_qat
 from attn_qat import NVFP4KVCache, reference
-from attn_qat.kv_cache import BLOCK
 from attn_qat.ops import ops
 from conftest import DEVICES, rel_error, requires_cuda
 from test_attention import FWD_TOL, forward_error, fresh_generator, poison_cuda_allocator
@@ -52,12 +52,9 @@ class Filled:
             if n == 0:
                 outs.append(torch.zeros(q.shape[1:], dtype=torch.float64))
                 continue
-            full = BLOCK * (n // BLOCK)
-            v_mixed = v.double()
-            if full:
-                v_mixed[:, :full] = reference.fake_quantize(v[:, :full], -2)
             q_fq = reference.fake_quantize(q[b].cpu(), -1)
-            out = reference.attention_forward(q_fq[None], reference.fake_quantize(k, -1)[None], v_mixed[None],
+            out = reference.attention_forward(q_fq[None], reference.fake_quantize(k, -1)[None],
+                                              reference.fake_quantize(v, -1)[None],
                                               causal="bottom_right" if causal else None, scale=scale,
                                               operands_quantized=True)["out"]
             outs.append(out[0])
@@ -83,8 +80,8 @@ def check(f, q, causal=True, label="", scale=None):
     return out, ref
 
 
-# Appends with unequal lengths per sequence: prompts of 37, 16, 5 tokens (odd, one full block, partial), then
-# single decode steps, then a few tokens at a time, so tails fill, flush into blocks and start again.
+# Appends with unequal lengths per sequence: prompts of 37, 16, 5 tokens (odd, one full unit, partial), then
+# single decode steps, then a few tokens at a time, so the 16-token units the kernel reads fill and start again.
 UNEQUAL = [(37, [37, 16, 5]), (1, None), (1, [1, 0, 1]), (12, [12, 3, 11]), (1, None)]
 
 
@@ -118,7 +115,7 @@ def test_softmax_scale(device):
     f = fill(2, 2, 128, [(40, [40, 29])], device=device)
     check(f, f.query(4, 2), scale=0.3, label="scale 0.3")
     # The kernel takes scale > 0; attention passes a negative one as -q and a zero one as zero queries. Hidden
-    # keys (the tail, the causal edge, the absent second unit of a step) must still count as absent.
+    # keys (past the length, the causal edge, the absent second unit of a step) must still count as absent.
     for length in (20, 32, 77):
         f = fill(2, 2, 64, [(length, [length, length - 7])], device=device)
         for tq in (1, 3):
@@ -146,7 +143,7 @@ def test_extreme_block_scales(device):
     f = Filled(2, 2, 128, 64, torch.bfloat16, device)
     magnitudes = torch.tensor([0.0, 1e-4, 3e-3, 0.05, 1.0, 30.0, 3000.0, 1.0])
     channel_scale = magnitudes.repeat_interleave(16)  # one magnitude per 16-channel block of K
-    token_scale = magnitudes.repeat(8)[:50, None]     # V blocks along tokens: mixed magnitudes in each
+    token_scale = magnitudes.repeat(8)[:50, None]     # one magnitude per V token, times a spread over channels
     k = (torch.randn(2, 2, 50, 128, generator=g) * channel_scale * 0.01).bfloat16()
     v = (torch.randn(2, 2, 50, 128, generator=g) * token_scale * torch.rand(128, generator=g)).bfloat16()
     f.append(50, [50, 37], k=k, v=v)
@@ -155,24 +152,23 @@ def test_extreme_block_scales(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("where", ["v_tail", "k_tail", "v_block"])
+@pytest.mark.parametrize("where", ["v_partial_unit", "k_partial_unit", "v_full_unit"])
 def test_nonfinite_values_under_hidden_keys(device, where):
     # numerics.md §8: a key a query cannot see contributes nothing, even when its value or key is NaN. Token
-    # 19 (in the unquantized tail of a 20-token sequence) or 31 (in the last full block of a 32-token one) is
-    # hidden from the first 3 of 4 causal queries.
-    n = 32 if where == "v_block" else 20
+    # 19 (in the partial last unit of a 20-token sequence) or 31 (in the last full unit of a 32-token one) is
+    # hidden from the first 3 of 4 causal queries; with V blocked along head_dim its NaN reaches no other token.
+    n = 32 if where == "v_full_unit" else 20
     f = Filled(1, 1, 64, 32, torch.bfloat16, device)
     g = fresh_generator()
     k = torch.randn(1, 1, n, 64, generator=g).bfloat16()
     v = torch.randn(1, 1, n, 64, generator=g).bfloat16()
-    (k if where == "k_tail" else v)[0, 0, n - 1, 5] = float("nan")
+    (k if where == "k_partial_unit" else v)[0, 0, n - 1, 5] = float("nan")
     f.append(n, k=k, v=v)
     q = f.query(2, 4)
     out = f.cache.attention(q).cpu()
     ref = f.reference(q)
     assert torch.equal(out.isnan(), ref.isnan()), f"NaN pattern {out.isnan().any(-1)} vs {ref.isnan().any(-1)}"
-    if where != "v_block":  # the hidden NaN leaves the first three rows finite
-        assert out[:, :, :3].isfinite().all() and out[:, :, 3].isnan().any()
+    assert out[:, :, :3].isfinite().all() and out[:, :, 3].isnan().any()  # only the row that sees the NaN
     finite = ref.isfinite()
     assert rel_error(out[finite], ref[finite]) <= FWD_TOL
 
@@ -200,44 +196,77 @@ def test_chunked_append_equals_single_append(device):
         done = [d + t for d, t in zip(done, take)]
     assert done == final and pieces.lengths.tolist() == final
     for b, n in enumerate(final):
-        assert torch.equal(once.k_codes[b, :, :n], pieces.k_codes[b, :, :n])
-        assert torch.equal(once.k_scales[b, :, :n], pieces.k_scales[b, :, :n])
-        full = n // BLOCK
-        assert torch.equal(once.v_codes[b, :, :full * BLOCK // 2], pieces.v_codes[b, :, :full * BLOCK // 2])
-        assert torch.equal(once.v_scales[b, :, :full], pieces.v_scales[b, :, :full])
-        assert torch.equal(once.v_tail[b, :, :n % BLOCK], pieces.v_tail[b, :, :n % BLOCK])
+        for pool in ("k_codes", "k_scales", "v_codes", "v_scales"):
+            assert torch.equal(getattr(once, pool)[b, :, :n], getattr(pieces, pool)[b, :, :n]), pool
     q = torch.randn(3, 4, 2, 64, generator=g).bfloat16().to(device)
     assert torch.equal(once.attention(q), pieces.attention(q))
 
 
+# Largest relative error between the CUDA decode kernel and the training forward on the same causal prefix: the two
+# kernels sum the same fp32 products in different orders (numerics.md §8, "Train = infer"); on the CPU they are
+# bit-identical.
+DECODE_VS_TRAINING_TOL = 2e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_causal_prefix_train_equals_infer(device, head_dim):
+    """numerics.md §8: for a causal prefix (45 tokens, so units and P blocks end mid-way; 8 query / 2 KV heads),
+    the training forward, nvfp4_attention on the packed prefix, and the cache's attention after one append or
+    after 45 one-token appends give the same rows; the two caches hold the same bytes."""
+    g = fresh_generator()
+    b, hq, hkv, n, d = 2, 8, 2, 45, head_dim
+    q = torch.randn(b, hq, n, d, generator=g).bfloat16().to(device)
+    k, v = (torch.randn(b, hkv, n, d, generator=g).bfloat16().to(device) for _ in range(2))
+    training = attn_qat.attention(q.clone().requires_grad_(), k, v, causal=True, layout="bhsd").detach()
+    with torch.no_grad():
+        packed = attn_qat.nvfp4_attention(*attn_qat.quantize_qkv(q, k, v, layout="bhsd", causal=True), causal=True,
+                                          layout="bhsd")
+    assert torch.equal(packed, training)  # the same forward kernel on the same FP4 values
+
+    once, stepwise = NVFP4KVCache(b, hkv, d, 64, device=device), NVFP4KVCache(b, hkv, d, 64, device=device)
+    once.append(k, v)
+    rows = []
+    for t in range(n):
+        stepwise.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        rows.append(stepwise.attention(q[:, :, t:t + 1]))  # decoding token t
+    for pool in ("k_codes", "k_scales", "v_codes", "v_scales"):
+        assert torch.equal(getattr(once, pool), getattr(stepwise, pool)), pool
+    decoded = {"token by token": torch.cat(rows, dim=2)}
+    for tq in (1, 5, 16):
+        decoded[f"last {tq}"] = once.attention(q[:, :, n - tq:])
+    for label, out in decoded.items():
+        expected = training[:, :, n - out.shape[2]:]
+        if device == "cpu":
+            assert torch.equal(out, expected), label
+        else:
+            assert rel_error(out, expected) <= DECODE_VS_TRAINING_TOL, (label, rel_error(out, expected))
+
+
 def test_storage_is_the_nvfp4_format():
-    # K blocked along head_dim per token and V along tokens, as attn_qat.quantize packs them; the tail raw.
+    # K and V blocked along head_dim per token (numerics.md §2), as attn_qat.quantize packs them.
     g = fresh_generator()
     k = torch.randn(1, 2, 40, 64, generator=g).bfloat16()
     v = torch.randn(1, 2, 40, 64, generator=g).bfloat16()
     cache = NVFP4KVCache(1, 2, 64, 48)
     cache.append(k[:, :, :7], v[:, :, :7])
     cache.append(k[:, :, 7:], v[:, :, 7:])
-    kq = ops.nvfp4_quantize(k, 3)
-    vq = ops.nvfp4_quantize(v[:, :, :32], 2)
-    assert torch.equal(cache.k_codes[:, :, :40], kq[0])
-    assert torch.equal(cache.k_scales[:, :, :40], kq[1].view(torch.uint8))
-    assert torch.equal(cache.v_codes[:, :, :16], vq[0])
-    assert torch.equal(cache.v_scales[:, :, :2], vq[1].view(torch.uint8))
-    assert torch.equal(cache.v_tail[:, :, :8], v[:, :, 32:])
+    for x, codes, scales in ((k, cache.k_codes, cache.k_scales), (v, cache.v_codes, cache.v_scales)):
+        xq = ops.nvfp4_quantize(x, 3)
+        assert torch.equal(codes[:, :, :40], xq[0])
+        assert torch.equal(scales[:, :, :40], xq[1].view(torch.uint8))
     k_deq, v_deq = cache.dequantized()
     assert torch.equal(k_deq.double(), reference.fake_quantize(k, -1))
-    assert torch.equal(v_deq[:, :, :32].double(), reference.fake_quantize(v[:, :, :32], -2))
-    assert torch.equal(v_deq[:, :, 32:], v[:, :, 32:])
+    assert torch.equal(v_deq.double(), reference.fake_quantize(v, -1))
 
 
 def test_sizes():
     cache = NVFP4KVCache(8, 8, 128, 1000)
-    assert cache.capacity == 1008  # rounded up to whole 16-token blocks
+    assert cache.capacity == 1008  # rounded up to whole 16-token units
     assert cache.bytes_per_token == 8 * 2 * (64 + 8)
     assert abs(8 * 2 * 128 * 2 / cache.bytes_per_token - 3.56) < 0.01  # vs a bf16 cache
     packed = 8 * 1008 * cache.bytes_per_token
-    assert cache.nbytes == packed + 8 * 8 * 16 * 128 * 2 + 8 * 8 + 8 * 4  # + the tails, lengths, block table
+    assert cache.nbytes == packed + 8 * 8 + 8 * 4  # + lengths, block table
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -312,7 +341,7 @@ def test_device_mismatch_raises():
 @pytest.mark.parametrize("tq", [1, 5])
 def test_paged_matches_reference_and_unpaged(device, page_size, head_dim, tq):
     # UNEQUAL's appends interleave the sequences' page grabs, so each sequence's pages are scattered in the pool,
-    # and blocks, tails and pages end at different tokens.
+    # and units and pages end at different tokens.
     paged = Filled(3, 2, head_dim, 80, torch.bfloat16, device, page_size=page_size)
     unpaged = Filled(3, 2, head_dim, 80, torch.bfloat16, device)
     unpaged.g.set_state(paged.g.get_state())  # the same tokens in both
@@ -374,7 +403,7 @@ def test_paged_sizes_and_misuse():
     pool = NVFP4KVCache(8, 8, 128, 4096, page_size=256, num_pages=40)  # room for 10k tokens, not 32k
     assert pool.capacity == 4096 and pool.block_table.shape == (8, 16)
     assert pool.bytes_per_token == unpaged.bytes_per_token
-    assert pool.nbytes < unpaged.nbytes * 40 / 128 + 8 * 8 * 16 * 128 * 2 + 1024
+    assert pool.nbytes < unpaged.nbytes * 40 / 128 + 1024
     assert NVFP4KVCache(2, 1, 64, 100, page_size=48).capacity == 144  # whole pages
     with pytest.raises(ValueError, match="page_size"):
         NVFP4KVCache(2, 1, 64, 100, page_size=24)
@@ -393,7 +422,7 @@ def test_paged_sizes_and_misuse():
 def kernel(f, q, causal=True, block_table=None, scale=None):
     c = f.cache
     poison_cuda_allocator()
-    return ops.kv_cache_decode(q, c.k_codes, c.k_scales, c.v_codes, c.v_scales, c.v_tail, c.lengths,
+    return ops.kv_cache_decode(q, c.k_codes, c.k_scales, c.v_codes, c.v_scales, c.lengths,
                                c.block_table if block_table is None else block_table, max(c.lengths.tolist()),
                                q.shape[-1] ** -0.5 if scale is None else scale, causal)
 
@@ -411,8 +440,8 @@ def test_kernel_rejects_nonpositive_scale():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kernel_long_context_many_splits(dtype, head_dim):
-    # ~5k keys of unequal lengths: many chunks per sequence, the merges across warps and chunks, the tail
-    # unit in the middle of a chunk; 32 query / 8 KV heads as in the benchmark.
+    # ~5k keys of unequal lengths: many chunks per sequence, the merges across warps and chunks, a partial
+    # last unit in the middle of a chunk; 32 query / 8 KV heads as in the benchmark.
     f = fill(2, 8, head_dim, [(5000, [5000, 3333]), (1, None)], dtype, "cuda")
     q = f.query(32, 1)
     out = kernel(f, q)

@@ -135,6 +135,13 @@ def test_fake_quantize_qkv_axes(device):
     assert same_bits(kf, reference.fake_quantize(k.cpu(), -1))
     assert same_bits(vf, reference.fake_quantize(k.cpu(), 2, partial_last_block=True))
     assert vf.stride(1) < vf.stride(2), "the pre-pass keeps a token-major input token-major"
+    # causal attention blocks V along head_dim (numerics.md §2), like K; either axis can be forced
+    _, _, vf_causal = attn_qat.fake_quantize_qkv(q, k, k, causal=True)
+    assert same_bits(vf_causal, kf) and vf_causal.stride(1) < vf_causal.stride(2)
+    assert same_bits(attn_qat.fake_quantize_qkv(q, k, k, v_block_axis="head_dim")[2], kf)
+    assert same_bits(attn_qat.fake_quantize_qkv(q, k, k, causal=True, v_block_axis="tokens")[2], vf)
+    with pytest.raises(ValueError, match="v_block_axis"):
+        attn_qat.fake_quantize_qkv(q, k, k, v_block_axis="channels")
 
 
 def test_bad_inputs():
@@ -166,7 +173,8 @@ def test_opcheck(device):
     torch.library.opcheck(ops.nvfp4_dequantize.default, (codes, scales, 1, 32, torch.float16),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     q = torch.randn(2, 2, 20, 64, device=device, dtype=torch.bfloat16)
-    torch.library.opcheck(ops.fake_quantize_qkv.default, (q, q.requires_grad_(), q))
+    for along_tokens in (True, False):
+        torch.library.opcheck(ops.fake_quantize_qkv.default, (q, q.requires_grad_(), q, along_tokens))
 
 
 @requires_cuda

@@ -47,7 +47,7 @@ def reference_out(q, k, v, layout, causal):
 def test_packed_matches_reference_and_inference_forward(device, shape, causal, layout):
     _, b, hq, hkv, nq, nk, d = shape
     q, k, v = make(b, hq, hkv, nq, nk, d, device, layout)
-    packed = attn_qat.quantize_qkv(q, k, v, layout=layout)
+    packed = attn_qat.quantize_qkv(q, k, v, layout=layout, causal=causal)
     out = attn_qat.nvfp4_attention(*packed, causal=causal, layout=layout)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
     error, _ = forward_error(out, reference_out(q, k, v, layout, causal))
@@ -61,7 +61,7 @@ def test_packed_matches_reference_and_inference_forward(device, shape, causal, l
 
 def test_mixed_operands_fp16_and_scale(device):
     q, k, v = make(1, 4, 2, 45, 70, 128, device, dtype=torch.float16)
-    qp, kp, vp = attn_qat.quantize_qkv(q, k, v)
+    qp, kp, vp = attn_qat.quantize_qkv(q, k, v, causal=True)
     all_packed = attn_qat.nvfp4_attention(qp, kp, vp, causal=True, softmax_scale=0.05)
     assert all_packed.dtype == torch.float16
     for operands in ((q, kp, vp), (qp, k, vp), (qp, kp, v)):
@@ -89,7 +89,7 @@ def test_packed_operands_are_not_requantized(device):
 
 def test_empty_rows_and_one_key(device):
     q, k, v = make(1, 2, 2, 40, 24, 64, device)
-    out = attn_qat.nvfp4_attention(*attn_qat.quantize_qkv(q, k, v), causal=True)
+    out = attn_qat.nvfp4_attention(*attn_qat.quantize_qkv(q, k, v, causal=True), causal=True)
     assert not out[:, :16].any() and torch.isfinite(out).all()  # bottom-right: the first 16 queries see no key
     assert forward_error(out, reference_out(q, k, v, "bshd", True))[0] <= FWD_TOL
     q, k, v = make(2, 2, 2, 5, 1, 128, device)
@@ -109,6 +109,11 @@ def test_quantize_qkv_layout_and_bytes():
     assert 3.5 < q.numel() * 2 / qp.nbytes < 3.6  # 4.5 bits per value: 3.56x smaller than bf16
     _, _, vb = attn_qat.quantize_qkv(*(t.transpose(1, 2) for t in (q, k, v)), layout="bhsd")
     assert vb.block_axis == 2
+    # causal attention blocks V along head_dim, like K (numerics.md §2); either axis can be forced
+    _, kc, vc = attn_qat.quantize_qkv(q, k, v, causal=True)
+    assert vc.block_axis == 3 and torch.equal(vc.dequantize(), attn_qat.fake_quantize(v, 3))
+    assert attn_qat.quantize_qkv(q, k, v, v_block_axis="head_dim")[2].block_axis == 3
+    assert attn_qat.quantize_qkv(q, k, v, causal=True, v_block_axis="tokens")[2].block_axis == 1
 
 
 def test_no_gradient():
@@ -122,8 +127,12 @@ def test_errors():
     q, k, v = make(1, 4, 2, 20, 24, 64, "cpu")
     qp, kp, vp = attn_qat.quantize_qkv(q, k, v)
     along_d = attn_qat.quantize(v, block_axis=-1)
-    with pytest.raises(ValueError, match="blocked along tokens"):
+    with pytest.raises(ValueError, match="blocked along tokens for attention without causal"):
         attn_qat.nvfp4_attention(qp, kp, along_d)
+    with pytest.raises(ValueError, match="blocked along head_dim for causal attention"):
+        attn_qat.nvfp4_attention(qp, kp, vp, causal=True)
+    with pytest.raises(ValueError, match="v_block_axis"):
+        attn_qat.nvfp4_attention(qp, kp, vp, v_block_axis="keys")
     with pytest.raises(ValueError, match="blocked along head_dim"):
         attn_qat.nvfp4_attention(qp, attn_qat.quantize(k, block_axis=1, partial_last_block=True), vp)
     with pytest.raises(ValueError, match="blocked along tokens"):  # a bshd-packed V read as bhsd

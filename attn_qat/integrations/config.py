@@ -8,7 +8,7 @@ from typing import Callable, Optional, Set
 import torch
 
 from ..attention import SUPPORTED_HEAD_DIMS, run_dtype, scaled_dot_product_attention
-from ..ops import MODES
+from ..ops import MODES, V_BLOCK_AXES
 
 # The attribute under which `prepare` hangs an `AttentionState` on each attention module it handles.
 STATE_ATTR = "_attn_qat_state"
@@ -29,16 +29,24 @@ class QATConfig:
         opt-in. `patch_sdpa` cannot tell them apart and ignores both fields.
     strict: raise `NotImplementedError` for an attention call attn_qat does not support instead of
         falling back to PyTorch's SDPA with an `AttnQATFallbackWarning`.
+    v_block_axis: the axis of V's 16-value blocks (numerics.md §2): "auto" (the default) blocks along
+        head_dim in causal or masked calls, where a key a query cannot see must not set a scale of what it
+        sees, and along tokens where every query sees every key; "tokens" or "head_dim" forces one
+        ("tokens" under a mask lets hidden keys leak; an `NVFP4Cache` needs "auto" or "head_dim").
     """
 
     mode: str = "attn_qat"
     self_attention: bool = True
     cross_attention: bool = False
     strict: bool = False
+    v_block_axis: str = "auto"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"attn_qat.QATConfig: mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.v_block_axis not in V_BLOCK_AXES:
+            raise ValueError(f"attn_qat.QATConfig: v_block_axis must be one of {', '.join(V_BLOCK_AXES)}; got "
+                             f"{self.v_block_axis!r}")
         if not (self.self_attention or self.cross_attention):
             raise ValueError("attn_qat.QATConfig: self_attention and cross_attention are both False, so nothing "
                              "would be converted")
@@ -152,7 +160,7 @@ def warn_once(message: str, warned: Set[str], category=AttnQATFallbackWarning) -
         warnings.warn(f"attn_qat: {message}", category, stacklevel=3)
 
 
-def inference_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, mode, warned):
+def inference_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, mode, warned, v_block_axis="auto"):
     """The attention of a module that `convert` switched to inference.
 
     Today this is the training kernels' forward without autograd (no O', numerics.md §5 "inference").
@@ -164,7 +172,7 @@ def inference_attention(query, key, value, attn_mask, is_causal, scale, enable_g
                   "gradient", warned, UserWarning)
     with torch.no_grad():
         return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
-                                            scale=scale, enable_gqa=enable_gqa, mode=mode)
+                                            scale=scale, enable_gqa=enable_gqa, mode=mode, v_block_axis=v_block_axis)
 
 
 def run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, config: QATConfig,
@@ -181,6 +189,6 @@ def run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
                             scale=scale, enable_gqa=enable_gqa)
     if inference:
         return inference_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                                   config.inference_mode, warned)
+                                   config.inference_mode, warned, config.v_block_axis)
     return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                        enable_gqa=enable_gqa, mode=config.mode)
+                                        enable_gqa=enable_gqa, mode=config.mode, v_block_axis=config.v_block_axis)

@@ -17,7 +17,9 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
     key in either part gets out = 0 and lse = -inf (numerics.md §6).
 
     Folding the parts of a ring one at a time gives attention over all keys: exactly in real arithmetic,
-    and for attn_qat's FP4 modes up to the per-call quantization frame (see tests/test_distributed.py).
+    and for attn_qat's FP4 modes up to the per-call quantization frame (see tests/test_distributed.py), when
+    every part blocks V as the whole attention does (`v_block_axis="head_dim"` for every part of a causal
+    ring: numerics.md §2) and chunks hold multiples of 16 keys.
     The LSEs carry no gradient (attn_qat returns them detached), so autograd through the merge covers
     out_a and out_b only, not the weights: enough for inference and for checking numerics; a
     context-parallel backward needs the global LSE in each part's backward, which is not built yet.

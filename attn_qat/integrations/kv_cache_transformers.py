@@ -16,16 +16,16 @@ and calls `NVFP4CacheLayer.attend`, which appends to the NVFP4KVCache and attend
 - prefill (empty cache): the step's bf16 K/V go through attn_qat's fake-quant inference forward
   (numerics.md §3), causal, exactly what the model computes without a cache; then they are appended.
 - later steps (decode, or further chunks): append, then `NVFP4KVCache.attention` with the step's queries
-  as the last tokens of each sequence (bottom-right causal). It equals the fake-quant forward except that
-  the incomplete last 16-token block of V is still bf16 (numerics.md §8).
+  as the last tokens of each sequence (bottom-right causal). K and V are blocked along head_dim, one token
+  at a time, as the causal fake-quant forward blocks them (numerics.md §2), so a step computes what the
+  model computes without a cache, up to the kernels' fp32 summation order.
 
 Left padding (batched `generate` with a padding mask) is supported: the prefill moves each sequence's
-tokens to the front of its rows, so the cache holds only real tokens with per-sequence lengths, and the
-16-token V blocks start at each sequence's first token. Each sequence is then computed as if it had
-been run alone, which is not what the fake-quant forward computes on the padded batch (there V blocks
-start at the padded position 0, and padding values set block scales). Other masks (right padding,
-packed sequences, custom masks) raise `NotImplementedError`: the cache's attention is causal per
-sequence by construction.
+tokens to the front of its rows, so the cache holds only real tokens with per-sequence lengths. Each
+sequence is then computed as if it had been run alone; the fake-quant forward on the padded batch
+differs from that only where P's 16-key blocks, counted from the padded position 0, straddle the
+padding (padding values set no scale). Other masks (right padding, packed sequences, custom masks)
+raise `NotImplementedError`: the cache's attention is causal per sequence by construction.
 
 A returned tag that nobody consumed means the model's attention is not "attn_qat" (it would have read
 the step's keys only); the next `update` of that layer raises instead of letting it compute garbage.
@@ -132,7 +132,7 @@ class NVFP4CacheLayer(CacheLayerMixin):
                              f"{head_dim} and {value_states.shape[-1]}")
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads, self.head_dim = batch, heads_kv, head_dim
-        capacity = -(-self.max_cache_len // 16) * 16  # whole V blocks; `update` enforces max_cache_len itself
+        capacity = -(-self.max_cache_len // 16) * 16  # whole 16-token units; `update` enforces max_cache_len itself
         self.kv = NVFP4KVCache(batch, heads_kv, head_dim, capacity, dtype=self.dtype, device=self.device)
         self.is_initialized = True
 
@@ -180,8 +180,7 @@ class NVFP4CacheLayer(CacheLayerMixin):
     def _prefill(self, query, key, value, pads, scale):
         """The first step: fake-quant inference forward on the step's bf16 K/V (what the model computes
         without a cache), then the K/V go into the cache. Left-padded rows are first shifted so each
-        sequence starts at token 0, with its padding zeroed at the end (zeros do not change a V block's
-        scale, so its partial last block is the one a lone run of the sequence has)."""
+        sequence starts at token 0, with its padding at the end, hidden from every real query."""
         if pads is None:
             self.kv.append(key, value)
             return attention(query, key, value, causal=True, softmax_scale=scale, layout="bhsd", mode="attn_qat")

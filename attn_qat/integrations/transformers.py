@@ -110,6 +110,9 @@ def _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, sca
     if state.config.inference_mode == "bf16":
         raise ValueError(f"{where}: the model runs attn_qat in 'bf16' mode, but an NVFP4Cache computes 4-bit "
                          "attention; use a DynamicCache for a bf16 baseline")
+    if state.config.v_block_axis == "tokens":
+        raise ValueError(f"{where}: the model blocks V along tokens (QATConfig v_block_axis='tokens'), but an "
+                         "NVFP4Cache stores V blocked along head_dim, as causal attention does (numerics.md §2)")
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{where}: logit soft-capping (`softcap`) is not supported")
     for name in ("position_bias", "cache"):
