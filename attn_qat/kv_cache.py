@@ -6,8 +6,13 @@ Storage (numerics.md §2: a decoding query does not see every key, so K and V ar
 
 - K: ``k_codes`` (num_pages, Hkv, page_size, D/2) uint8 (channel 2i in the low nibble, 2i+1 in the high one) and
   ``k_scales`` (num_pages, Hkv, page_size, D/16) uint8 E4M3 bytes.
-- V: ``v_codes`` and ``v_scales``, laid out as K's. Each token is quantized once, when it is appended, and never
-  again: the cache holds exactly the K^F and V^F the training forward of a causal model computes with.
+- V: the same per-token codes and scales, arranged for the decode kernel (csrc/attn_qat.h): ``v_codes``
+  (num_pages, Hkv, page_size/2, D) holds tokens 2p and 2p+1 in row p, interleaved by 16-bit halves (half 0 of
+  token 2p, half 0 of token 2p+1, half 1 of token 2p, ...), and ``v_scales`` (num_pages, Hkv, page_size/16, D)
+  holds each 16-token unit's scales block-major, its tokens in the order 0, 1, 8, 9, 2, 3, 10, 11, ....
+  `dequantized` undoes the arrangement.
+- Each token is quantized once, when it is appended, and never again: the cache holds exactly the K^F and V^F the
+  training forward of a causal model computes with.
 - ``block_table`` (B, capacity / page_size) int32: token j of sequence b lives at token j % page_size of page
   block_table[b, j // page_size] (-1: no page yet).
 
@@ -85,8 +90,8 @@ class NVFP4KVCache:
         zeros = dict(dtype=torch.uint8, device=self.device)
         self.k_codes = torch.zeros(p, h, n, d // 2, **zeros)
         self.k_scales = torch.zeros(p, h, n, d // BLOCK, **zeros)
-        self.v_codes = torch.zeros(p, h, n, d // 2, **zeros)
-        self.v_scales = torch.zeros(p, h, n, d // BLOCK, **zeros)
+        self.v_codes = torch.zeros(p, h, n // 2, d, **zeros)
+        self.v_scales = torch.zeros(p, h, n // BLOCK, d, **zeros)
         self._lengths = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self._host_lengths = [0] * self.batch  # the same numbers, so no call needs to read them back from the device
         # The pages of each sequence in token order (host copy of block_table's rows), and the free pages.
@@ -222,10 +227,24 @@ class NVFP4KVCache:
         pairs = [(b, t, self._pages[b][(held[b] + t) // ps], (held[b] + t) % ps)
                  for b, c in enumerate(counts) for t in range(c)]
         b_idx, t_idx, page, slot = torch.tensor(pairs, dtype=torch.long).t().to(self.device).unbind(0)
-        for x, codes_pool, scales_pool in ((k, self.k_codes, self.k_scales), (v, self.v_codes, self.v_scales)):
-            codes, scales = ops.nvfp4_quantize(x, 3)
-            codes_pool[page, :, slot] = codes[b_idx, :, t_idx]
-            scales_pool[page, :, slot] = scales.view(torch.uint8)[b_idx, :, t_idx]
+        codes, scales = ops.nvfp4_quantize(k, 3)
+        self.k_codes[page, :, slot] = codes[b_idx, :, t_idx]
+        self.k_scales[page, :, slot] = scales.view(torch.uint8)[b_idx, :, t_idx]
+        codes, scales = ops.nvfp4_quantize(v, 3)
+        n, h, d = len(pairs), self.heads_kv, self.head_dim
+        self._v_codes_by_half()[page, :, slot // 2, :, slot % 2] = codes[b_idx, :, t_idx].view(n, h, d // 4, 2)
+        r = slot % BLOCK  # token r of its unit sits at 4 * ((r % 8) // 2) + 2 * (r // 8) + r % 2 of each block's row
+        self._v_scales_by_unit()[page, :, slot // BLOCK, :, r % 8 // 2, r // 8, r % 2] = \
+            scales.view(torch.uint8)[b_idx, :, t_idx]
+
+    def _v_codes_by_half(self) -> torch.Tensor:
+        """v_codes as (pages, Hkv, token pairs, D/4 halves, token parity, 2 bytes)."""
+        return self.v_codes.view(self.num_pages, self.heads_kv, self.page_size // 2, self.head_dim // 4, 2, 2)
+
+    def _v_scales_by_unit(self) -> torch.Tensor:
+        """v_scales as (pages, Hkv, units, blocks, (r % 8) // 2, r // 8, r % 2) for token r of a unit."""
+        return self.v_scales.view(self.num_pages, self.heads_kv, self.page_size // BLOCK, self.head_dim // BLOCK, 4, 2,
+                                  2)
 
     # ------------------------------------------------------------------------------------------
     # Attention
@@ -265,13 +284,18 @@ class NVFP4KVCache:
         """(K, V) as (batch, heads_kv, max(lengths), head_dim) tensors in the cache's dtype: K^F and V^F. Positions
         at or past a sequence's length hold stale values."""
         n = max(self._host_lengths)
-        d = self.head_dim
+        b, h, d = self.batch, self.heads_kv, self.head_dim
         if n == 0:
-            return tuple(torch.empty(self.batch, self.heads_kv, 0, d, dtype=self.dtype, device=self.device)
-                         for _ in range(2))
-        return tuple(ops.nvfp4_dequantize(self._by_sequence(codes, n), self._by_sequence(scales, n).view(
-            torch.float8_e4m3fn), 3, d, self.dtype) for codes, scales in ((self.k_codes, self.k_scales),
-                                                                         (self.v_codes, self.v_scales)))
+            return tuple(torch.empty(b, h, 0, d, dtype=self.dtype, device=self.device) for _ in range(2))
+        pairs, units = -(-n // 2), -(-n // BLOCK)
+        v_codes = self._by_sequence(self.v_codes, pairs).reshape(b, h, pairs, d // 4, 2, 2).transpose(3, 4)
+        v_scales = self._by_sequence(self.v_scales, units).reshape(b, h, units, d // BLOCK, 4, 2, 2)
+        v_scales = v_scales.permute(0, 1, 2, 5, 4, 6, 3)  # (b, h, unit, r // 8, (r % 8) // 2, r % 2, block)
+        per_token = ((self._by_sequence(self.k_codes, n), self._by_sequence(self.k_scales, n)),
+                     (v_codes.reshape(b, h, 2 * pairs, d // 2)[:, :, :n],
+                      v_scales.reshape(b, h, BLOCK * units, d // BLOCK)[:, :, :n]))
+        return tuple(ops.nvfp4_dequantize(codes.contiguous(), scales.contiguous().view(torch.float8_e4m3fn), 3, d,
+                                          self.dtype) for codes, scales in per_token)
 
     def _by_sequence(self, pool: torch.Tensor, rows: int) -> torch.Tensor:
         """The first `rows` rows of each sequence from a pool buffer (num_pages, Hkv, rows a page, X), as

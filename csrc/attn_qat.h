@@ -131,7 +131,11 @@ int64_t aq_attention_bwd_tail_floats(const aq_attention_bwd_params *p);
    pages of page_size tokens (a multiple of 16) from pools of num_pages pages:
      k_codes  (num_pages, Hkv, page_size, D/2)   K: codes of channels 2i (low nibble), 2i+1 (high) of each token
      k_scales (num_pages, Hkv, page_size, D/16)  their E4M3 bytes
-     v_codes, v_scales                           V, laid out as K
+     v_codes  (num_pages, Hkv, page_size/2, D)   V, the same codes per token, tokens 2p and 2p+1 interleaved by
+                                                 16-bit halves: row p holds half 0 of token 2p, half 0 of 2p+1, half 1
+                                                 of 2p, ... (one 32-bit word: 4 channels of both tokens)
+     v_scales (num_pages, Hkv, page_size/16, D)  per 16-token unit, D/16 rows (the 16-channel blocks) of 16 bytes,
+                                                 the unit's tokens in the order 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, ...
      block_table (B, pages_per_seq) int32        token j of sequence b is token j % page_size of page
                                                  block_table[b][j / page_size]; entries past L_b are not read
    An unpaged cache is the case num_pages = B, page_size = capacity, block_table[b] = {b}. A block-table entry

@@ -46,11 +46,12 @@
    - O^T = V^T P^T, channels as M and query rows as N, NB n-blocks as above. With queries as M, as in the forward,
      one query token would fill 4 of the 16 rows of every P V product; this way the product count halves and so
      do the O registers. Row m of m-tile mt is channel (m % 8) * D/8 + 2 mt + m / 8, and the k index is the token
-     (natural order). Lane (g, t) needs tokens 2t, 2t + 1, 2t + 8, 2t + 9 of channels [g * D/8, (g + 1) * D/8):
-     D/16 contiguous code bytes of each token, inside one 16-channel block, so one scale a token. Half j of the
-     code words of tokens 2t and 2t + 1 side by side is a word whose codes i and i + 4 are channel 4j + i of the
-     two tokens: e2m1x8_to_f16 turns it into the A registers of channels 4j .. 4j + 3, each times the two tokens'
-     scales in one fp16 product. P^T's B fragments come from S^T's C fragments by one movmatrix per 8 keys (keys
+     (natural order). Lane (g, t) needs tokens 2t, 2t + 1, 2t + 8, 2t + 9 of channels [g * D/8, (g + 1) * D/8),
+     inside one 16-channel block, so one scale a token. The cache interleaves the code bytes of tokens 2p and
+     2p + 1 by 16-bit halves (attn_qat.h), so the lane reads D/8 contiguous bytes of pair rows t and t + 4, and
+     word j of them, half j of both tokens, has codes i and i + 4 = channel 4j + i of the two tokens:
+     e2m1x8_to_f16 turns it into the A registers of channels 4j .. 4j + 3, each times the two tokens' scales in
+     one fp16 product. The scales, block-major in the order the lanes take them, come in one 32-bit load. P^T's B fragments come from S^T's C fragments by one movmatrix per 8 keys (keys
      2t, 2t + 1 and 2t + 8, 2t + 9 of query row 8 nb + g). The lane's O elements o[mt][nb][e] are channel
      g * D/8 + 2 mt + (e >> 1), query row 8 nb + 2t + (e & 1): the rows whose softmax state the lane keeps.
    - Units with hidden keys (pv_checked) take the same fragments, with non-finite V values set aside. */
@@ -64,17 +65,17 @@
 #define DEC_MAX_CHUNK 4096
 #define DEC_FRAME 16384.0f                    /* K^F and V^F are dequantized times 1 / DEC_FRAME (file comment) */
 
-/* One unit in shared memory: the bytes of its global rows, in order. V's 16 token rows are padded by 16 bytes, so the
-   token-2t, column-(g * D/16) reads of one load phase fall into distinct banks (D = 128: 16 lanes x 8 bytes, row
-   offsets 40t words apart, 8t mod 32; D = 64: 32 lanes x 4 bytes, 24t words apart). */
+/* One unit in shared memory: the bytes of its global rows, in order (attn_qat.h has V's unit layout). V's 8 pair rows
+   are padded by 32 bytes, so the row-t, column-(g * D/8) reads of one load phase fall into distinct banks (D = 128:
+   8 lanes x 16 bytes, row offsets 8t words apart mod 32; D = 64: 16 lanes x 8 bytes, 24t words apart). */
 template <int D>
 struct UnitLayout {
     static constexpr int K_CODES = 0;                            /* 16 keys x D/2 */
     static constexpr int K_SCALES = K_CODES + DEC_UNIT * D / 2;  /* 16 keys x D/16 */
-    static constexpr int V_ROW = D / 2 + 16;
-    static constexpr int V_CODES = K_SCALES + DEC_UNIT * D / 16; /* 16 tokens x V_ROW (D/2 used) */
-    static constexpr int V_SCALES = V_CODES + DEC_UNIT * V_ROW;  /* 16 tokens x D/16 */
-    static constexpr int BYTES = V_SCALES + DEC_UNIT * D / 16;
+    static constexpr int V_ROW = D + 32;
+    static constexpr int V_CODES = K_SCALES + DEC_UNIT * D / 16; /* 8 pair rows x V_ROW (D used) */
+    static constexpr int V_SCALES = V_CODES + 8 * V_ROW;         /* D/16 blocks x 16 tokens */
+    static constexpr int BYTES = V_SCALES + D;
     static_assert(K_SCALES % 16 == 0 && V_CODES % 16 == 0 && V_SCALES % 16 == 0 && BYTES % 16 == 0,
                   "cp.async writes 16-byte chunks");
 };
@@ -236,41 +237,36 @@ AQ_D void unit_scores(float (&s)[NB][4], const uint2 (&qf)[D / 16][NB][32], cons
     }
 }
 
-/* The lane's V of a unit (file comment): channels [g * D/8, (g + 1) * D/8) (D/16 code bytes, within one 16-channel
-   block) of tokens 2t, 2t + 1, 2t + 8, 2t + 9 (codes[k], k = 0 .. 3), and those tokens' block scales as fp16 pairs:
-   scales[0] = (token 2t, token 2t + 1), scales[1] = (token 2t + 8, token 2t + 9). */
+/* The lane's V of a unit (file comment): channels [g * D/8, (g + 1) * D/8) (within one 16-channel block) of tokens
+   2t, 2t + 1 (codes[0]) and 2t + 8, 2t + 9 (codes[1]), word j holding half j of both tokens' code bytes (the first
+   token's in the low half), and those tokens' block scales: bytes 0 .. 3 of `scales` are tokens 2t, 2t + 1, 2t + 8,
+   2t + 9. */
 template <int D>
 struct VWords {
-    uint32_t codes[4][D / 64];
-    uint32_t scales[2];
+    uint32_t codes[2][D / 32];
+    uint32_t scales;
 };
 
 template <int D>
 AQ_D void load_v_words(VWords<D> &v, const unsigned char *st, int g, int t) {
     using U = UnitLayout<D>;
-    uint32_t sc[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const int token = 2 * t + (k & 1) + 8 * (k >> 1);
-        load_words<D / 64>(v.codes[k], st + U::V_CODES + token * U::V_ROW + g * (D / 16));
-        sc[k] = st[U::V_SCALES + token * (D / 16) + g * D / 128];
-    }
-    v.scales[0] = e4m3x2_to_f16x2(sc[0] | (sc[1] << 8));
-    v.scales[1] = e4m3x2_to_f16x2(sc[2] | (sc[3] << 8));
+    load_words<D / 32>(v.codes[0], st + U::V_CODES + t * U::V_ROW + g * (D / 8));
+    load_words<D / 32>(v.codes[1], st + U::V_CODES + (t + 4) * U::V_ROW + g * (D / 8));
+    v.scales = *(const uint32_t *)(st + U::V_SCALES + 16 * (g * D / 128) + 4 * t);
 }
 
 /* Channels 4j .. 4j + 3 of the lane's range as B-fragment registers in the natural token order, times 2^-14:
-   c[h][i] = channel 4j + i of tokens 2t + 8h (low half) and 2t + 8h + 1. Half j of two tokens' code words put side by
-   side is one word whose codes i and i + 4 are one channel of the two tokens (e2m1x8_to_f16's pairs), so one plain
-   fp16 product with the tokens' two scales makes each register. */
+   c[h][i] = channel 4j + i of tokens 2t + 8h (low half) and 2t + 8h + 1. Word j of a pair row holds one channel's
+   codes of the two tokens 16 bits apart (e2m1x8_to_f16's pairs), so one fp16 product with the tokens' two scales
+   makes each register. */
 template <int D>
 AQ_D void v_channel_quad(uint32_t (&c)[2][4], const VWords<D> &v, int j) {
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const uint32_t a = v.codes[2 * h][j / 2], b = v.codes[2 * h + 1][j / 2];
-        e2m1x8_to_f16(__byte_perm(a, b, j % 2 ? 0x7632 : 0x5410), c[h]);
+        const uint32_t sc = e4m3x2_to_f16x2(v.scales >> (16 * h));
+        e2m1x8_to_f16(v.codes[h][j], c[h]);
 #pragma unroll
-        for (int i = 0; i < 4; i++) asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(c[h][i]) : "r"(v.scales[h]));
+        for (int i = 0; i < 4; i++) asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(c[h][i]) : "r"(sc));
     }
 }
 
@@ -472,11 +468,11 @@ AQ_D void fake_quantize_p_step(float (&s)[SU][NB][4]) {
    warp's lanes) into st. A pool unit is 16 tokens of one (page, KV head): its K and V codes are 8 D bytes each and
    its K and V scales D bytes each, at slot * 8 D and slot * D of the pools, and chunk c of every block is 16 c bytes
    in, so the lane's chunks lane + 32 j of all four buffers come from two offsets. In V's padded stage rows, chunk c
-   is token c / (D/32), column 16 (c % (D/32)). */
+   is pair row c / (D/16), column 16 (c % (D/16)). */
 template <int D>
 AQ_D void load_unit(unsigned char *st, const page_pools &pools, uint32_t slot, int lane) {
     using U = UnitLayout<D>;
-    constexpr int CHUNKS = 8 * D / 16 / 32, ROW_CHUNKS = D / 32; /* a lane's chunks of a code block; a V row's */
+    constexpr int CHUNKS = 8 * D / 16 / 32, ROW_CHUNKS = D / 16; /* a lane's chunks of a code block; a V row's */
     const uint64_t codes = (uint64_t)slot * (8 * D) + 16 * lane, scales = (uint64_t)slot * D + 16 * lane;
     unsigned char *v_stage = st + U::V_CODES + (lane / ROW_CHUNKS) * U::V_ROW + 16 * (lane % ROW_CHUNKS);
 #pragma unroll

@@ -502,7 +502,7 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
     const int64_t pages = k_codes.size(0), heads_kv = k_codes.size(1), page_size = k_codes.size(2);
     const std::vector<std::pair<const Tensor *, std::vector<int64_t>>> buffers = {
         {&k_codes, {pages, heads_kv, page_size, dim / 2}}, {&k_scales, {pages, heads_kv, page_size, dim / 16}},
-        {&v_codes, {pages, heads_kv, page_size, dim / 2}}, {&v_scales, {pages, heads_kv, page_size, dim / 16}},
+        {&v_codes, {pages, heads_kv, page_size / 2, dim}}, {&v_scales, {pages, heads_kv, page_size / 16, dim}},
     };
     for (const auto &[t, shape] : buffers) {
         STD_TORCH_CHECK(t->dim() == 4 && std::vector<int64_t>(t->sizes().begin(), t->sizes().end()) == shape &&

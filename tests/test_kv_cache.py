@@ -195,9 +195,8 @@ def test_chunked_append_equals_single_append(device):
         pieces.append(ks, vs, lengths=torch.tensor(take, device=device))
         done = [d + t for d, t in zip(done, take)]
     assert done == final and pieces.lengths.tolist() == final
-    for b, n in enumerate(final):
-        for pool in ("k_codes", "k_scales", "v_codes", "v_scales"):
-            assert torch.equal(getattr(once, pool)[b, :, :n], getattr(pieces, pool)[b, :, :n]), pool
+    for pool in ("k_codes", "k_scales", "v_codes", "v_scales"):  # every byte, written or still zero
+        assert torch.equal(getattr(once, pool), getattr(pieces, pool)), pool
     q = torch.randn(3, 4, 2, 64, generator=g).bfloat16().to(device)
     assert torch.equal(once.attention(q), pieces.attention(q))
 
@@ -244,17 +243,24 @@ def test_causal_prefix_train_equals_infer(device, head_dim):
 
 
 def test_storage_is_the_nvfp4_format():
-    # K and V blocked along head_dim per token (numerics.md §2), as attn_qat.quantize packs them.
+    # K and V blocked along head_dim per token (numerics.md §2), as attn_qat.quantize packs them; V's bytes arranged
+    # as csrc/attn_qat.h says (tokens 2p, 2p + 1 interleaved by 16-bit halves; each unit's scales block-major).
     g = fresh_generator()
     k = torch.randn(1, 2, 40, 64, generator=g).bfloat16()
     v = torch.randn(1, 2, 40, 64, generator=g).bfloat16()
     cache = NVFP4KVCache(1, 2, 64, 48)
     cache.append(k[:, :, :7], v[:, :, :7])
     cache.append(k[:, :, 7:], v[:, :, 7:])
-    for x, codes, scales in ((k, cache.k_codes, cache.k_scales), (v, cache.v_codes, cache.v_scales)):
-        xq = ops.nvfp4_quantize(x, 3)
-        assert torch.equal(codes[:, :, :40], xq[0])
-        assert torch.equal(scales[:, :, :40], xq[1].view(torch.uint8))
+    codes, scales = ops.nvfp4_quantize(k, 3)
+    assert torch.equal(cache.k_codes[:, :, :40], codes)
+    assert torch.equal(cache.k_scales[:, :, :40], scales.view(torch.uint8))
+    codes, scales = ops.nvfp4_quantize(v, 3)
+    for j in range(40):
+        pair_row = cache.v_codes[0, :, j // 2].view(2, 16, 2, 2)  # (heads, halves, token parity, bytes)
+        assert torch.equal(pair_row[:, :, j % 2], codes[0, :, j].view(2, 16, 2)), j
+        unit = cache.v_scales[0, :, j // 16].view(2, 4, 16)  # (heads, 16-channel blocks, the unit's tokens)
+        r = j % 16
+        assert torch.equal(unit[:, :, 4 * (r % 8 // 2) + 2 * (r // 8) + r % 2], scales.view(torch.uint8)[0, :, j]), j
     k_deq, v_deq = cache.dequantized()
     assert torch.equal(k_deq.double(), reference.fake_quantize(k, -1))
     assert torch.equal(v_deq.double(), reference.fake_quantize(v, -1))
