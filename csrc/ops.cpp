@@ -7,6 +7,15 @@
 #ifdef AQ_WITH_CUDA
 #include <torch/csrc/stable/accelerator.h>
 #endif
+#include <torch/csrc/stable/macros.h>
+#include <torch/headeronly/util/shim_utils.h>
+
+// torch compat: the headers of 2.10 and 2.11 (README asks for >= 2.10) lack STABLE_TORCH_ERROR_CODE_CHECK, new in
+// 2.12. TORCH_ERROR_CODE_CHECK, which it extends, throws the same std::runtime_error, only without the failed
+// call's own message (which a running torch gives from 2.13 on).
+#ifndef STABLE_TORCH_ERROR_CODE_CHECK
+#define STABLE_TORCH_ERROR_CODE_CHECK(call) TORCH_ERROR_CODE_CHECK(call)
+#endif
 
 #include <cstdint>
 #include <optional>
