@@ -22,7 +22,7 @@ for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
     for op in ("attention_forward", "nvfp4_quantize"):
         try:
             if op == "attention_forward":
-                attn_qat.ops.ops.attention_forward(q, q, q, None, -0.5, 0, 0, False)
+                attn_qat.ops.ops.attention_forward(q, q, q, None, -0.5, 0, 0, False, True)
             else:
                 attn_qat.ops.ops.nvfp4_quantize(q, 7)  # block axis out of range
         except RuntimeError as e:
