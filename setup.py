@@ -43,6 +43,11 @@ sources = [f"{csrc}/{f}" for f in ("module.c", "ops.cpp", "quantize_cpu.c", "att
 defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DTORCH_STABLE_ONLY"]
 cxx_flags = ["-O3", "-ffp-contract=off", "-fvisibility=hidden"] + defines
 extension_kwargs = dict(py_limited_api=True, include_dirs=[os.path.join(here, csrc)])
+if sys.platform.startswith("linux"):
+    # A g++ that links libstdc++ statically (as the lent GPU machines' does) would otherwise export that copy's
+    # symbols, and the loader binds some of them to torch's shared libstdc++: the two copies' locale state mixes,
+    # and formatting an op's error message (a bad scale, say) crashed the interpreter. Hidden, the copy is whole.
+    extension_kwargs["extra_link_args"] = ["-Wl,--exclude-libs,ALL"]
 
 if with_cuda:
     # torch would otherwise add -gencode flags for the local GPU or its default list; we name ours.
