@@ -68,7 +68,7 @@ def _check_operand(name: str, t: Operand, block_axis: int, layout: str, fn: str,
             along = "head_dim" if block_axis == 3 else "tokens"
             raise ValueError(f"attn_qat.{fn}: the packed {name} must be blocked along {along}{why} (block_axis "
                              f"{block_axis} in layout {layout!r}, numerics.md §2), got block_axis {t.block_axis}; "
-                             "pack it with attn_qat.quantize_qkv and the same causal")
+                             "pack it with attn_qat.quantize_qkv and the same causal and v_block_axis")
         if dtype not in _DTYPES:
             raise TypeError(f"attn_qat.{fn}: the packed {name} stands for a {dtype} tensor; attention runs in "
                             "bfloat16 or float16, so quantize a bfloat16 or float16 tensor")

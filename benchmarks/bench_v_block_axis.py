@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_qat  # noqa: E402
+from bench_attention import make_sets  # noqa: E402
 from common import metadata, parse_bench_args, selected_shapes, timed, write_json  # noqa: E402
 
 # name: (batch, heads_q, heads_kv, tokens, head_dim); causal self-attention
@@ -26,18 +27,9 @@ ROUNDS = 5
 AXES = ("tokens", "auto")
 
 
-def make_sets(b, hq, hkv, n, d):
-    def one():
-        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        return q, k, v, torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16)
-    return [one(), one()]
-
-
 def bench_shape(name, shape, repeat):
     b, hq, hkv, n, d = shape
-    sets = make_sets(b, hq, hkv, n, d)
+    sets = make_sets(b, hq, hkv, n, n, d)
 
     def call(s, axis):
         q, k, v, _ = s

@@ -30,8 +30,7 @@ import torch
 import attn_qat
 from attn_qat import reference
 from conftest import rel_error
-
-FWD_TOL = 3e-3  # numerics.md §7
+from test_attention import FWD_TOL, deterministic_algorithms, forward_error
 HOWS = ["x8", "nan", "inf"]
 MASKED_BELOW = -1e30  # numerics.md §8: additive mask values at or below this count as -inf
 
@@ -83,16 +82,6 @@ def straddles(keys):
     return bool(((padded & valid).any(-1) & (~padded & valid).any(-1)).any())
 
 
-@contextlib.contextmanager
-def deterministic_algorithms():
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
-
-
 def forward_backward(call, q, k, v, dout, device):
     """(out, no-grad out, dq, dk, dv) of call(q, k, v) on `device`, returned on the CPU."""
     qg, kg, vg = (t.detach().to(device).clone().requires_grad_() for t in (q, k, v))
@@ -102,18 +91,6 @@ def forward_backward(call, q, k, v, dout, device):
         with torch.no_grad():
             inference = call(*(t.detach() for t in (qg, kg, vg)))
     return tuple(t.detach().cpu() for t in (out, inference, qg.grad, kg.grad, vg.grad))
-
-
-def forward_error(out, ref):
-    """Relative Frobenius error of O after setting aside isolated P-code flips (as tests/test_attention.py)."""
-    out, ref = out.double().cpu().flatten(0, -2), ref.double().cpu().flatten(0, -2)
-    diff = (out - ref).norm(dim=-1)
-    row_error = diff / ref.norm(dim=-1).clamp_min(1e-30)
-    worst = row_error.nan_to_num(float("inf")).topk(max(1, len(row_error) // 100)).indices
-    flipped = worst[(row_error[worst] > 4 * FWD_TOL) & (row_error[worst] <= 0.25)]
-    keep = torch.ones(len(row_error), dtype=torch.bool)
-    keep[flipped] = False
-    return float(diff[keep].norm() / ref[keep].norm().clamp_min(1e-30))
 
 
 def check_hidden_keys(monkeypatch, device, call, q, k, v, dout, changed, how, *, causal=None, mask=None):
@@ -141,7 +118,7 @@ def check_hidden_keys(monkeypatch, device, call, q, k, v, dout, changed, how, *,
 
     # the clean call is the reference's (whatever axis "auto" picks there)
     ref = reference.attention(q, k, v, attn_mask=reference_mask(mask), causal=causal)
-    assert forward_error(clean[0], ref) <= FWD_TOL, "the clean call does not match the reference"
+    assert forward_error(clean[0], ref)[0] <= FWD_TOL, "the clean call does not match the reference"
     if dirty_rows.any():
         assert not torch.equal(clean[0][dirty_rows], dirty[0][dirty_rows]), "the poison reached no output"
     for name, index, a, z in (("out", clean_rows, clean[0], dirty[0]), ("no-grad out", clean_rows, clean[1], dirty[1]),
@@ -170,30 +147,22 @@ BOTTOM_RIGHT = [
 ]
 
 
-@pytest.mark.parametrize("how", HOWS)
-@pytest.mark.parametrize("case", TOP_LEFT, ids=[c[0] for c in TOP_LEFT])
-def test_causal_top_left_sdpa(monkeypatch, device, case, how):
-    _, dtype, d, hq, hkv, nq, nk, cut = case
-    q, k, v, dout = make_inputs(2, hq, hkv, nq, nk, d, dtype, seed=nq + d)
-    changed = (torch.arange(nk) >= cut).expand(2, hkv, nk)
-
-    def call(q, k, v):
-        return attn_qat.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-    check_hidden_keys(monkeypatch, device, call, q, k, v, dout, changed, how, causal="top_left")
+# Each causal alignment through the entry point that takes it: SDPA top-left, attention() bottom-right.
+CAUSAL_CASES = [("top_left", 2, c) for c in TOP_LEFT] + [("bottom_right", 1, c) for c in BOTTOM_RIGHT]
+CAUSAL_CALLS = {
+    "top_left": lambda q, k, v: attn_qat.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+    "bottom_right": lambda q, k, v: attn_qat.attention(q, k, v, causal=True, layout="bhsd"),
+}
 
 
 @pytest.mark.parametrize("how", HOWS)
-@pytest.mark.parametrize("case", BOTTOM_RIGHT, ids=[c[0] for c in BOTTOM_RIGHT])
-def test_causal_bottom_right_attention(monkeypatch, device, case, how):
+@pytest.mark.parametrize("alignment, batch, case", CAUSAL_CASES, ids=[f"{a}-{c[0]}" for a, _, c in CAUSAL_CASES])
+def test_causal(monkeypatch, device, alignment, batch, case, how):
     _, dtype, d, hq, hkv, nq, nk, cut = case
-    q, k, v, dout = make_inputs(1, hq, hkv, nq, nk, d, dtype, seed=nk + d)
-    changed = (torch.arange(nk) >= cut).expand(1, hkv, nk)
-
-    def call(q, k, v):
-        return attn_qat.attention(q, k, v, causal=True, layout="bhsd")
-
-    check_hidden_keys(monkeypatch, device, call, q, k, v, dout, changed, how, causal="bottom_right")
+    seed = nq + d if alignment == "top_left" else nk + d
+    q, k, v, dout = make_inputs(batch, hq, hkv, nq, nk, d, dtype, seed=seed)
+    changed = (torch.arange(nk) >= cut).expand(batch, hkv, nk)
+    check_hidden_keys(monkeypatch, device, CAUSAL_CALLS[alignment], q, k, v, dout, changed, how, causal=alignment)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -416,10 +385,10 @@ def test_unmasked_default_blocks_v_along_tokens(device):
             "attention": attn_qat.attention(qd, kd, vd, layout="bhsd"),
             "sdpa tokens": attn_qat.scaled_dot_product_attention(qd, kd, vd, v_block_axis="tokens")}
     for name, out in outs.items():
-        assert forward_error(out, ref["tokens"]) <= FWD_TOL, name
+        assert forward_error(out, ref["tokens"])[0] <= FWD_TOL, name
         assert rel_error(out, ref["head_dim"]) > 5 * FWD_TOL, f"{name} looks blocked along head_dim"
     head_dim = attn_qat.scaled_dot_product_attention(qd, kd, vd, v_block_axis="head_dim")
-    assert forward_error(head_dim, ref["head_dim"]) <= FWD_TOL
+    assert forward_error(head_dim, ref["head_dim"])[0] <= FWD_TOL
     assert rel_error(head_dim, ref["tokens"]) > 5 * FWD_TOL
 
 

@@ -117,6 +117,23 @@ def test_greedy_decoding_matches_fake_quant_recompute(device, head_dim):
     assert bf16_difference > 2 * max(difference, LOGIT_TOL / 2), (bf16_difference, difference)
 
 
+def test_bf16_cache_decoding_matches_fake_quant_recompute(device, head_dim):
+    """With transformers' own cache the decoding steps come with one query, no mask and no causal flag, which
+    alone would block V along tokens; the integration keeps a causal model's V along head_dim (numerics.md §2), so
+    each step computes what the full causal forward computes: on the CPU bit for bit."""
+    model, docs = trained(head_dim, device)
+    prompt = docs[:, :PROMPT]
+    out = model.generate(prompt, **{CACHE: DynamicCache()}, max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=PAD)
+    logits = torch.stack(out.logits, dim=1).float()
+    expected_sequences, expected_logits = recompute(model, prompt)
+    assert torch.equal(out.sequences, expected_sequences)
+    difference = float((logits - expected_logits).abs().max())
+    assert difference < LOGIT_TOL, f"max |logit difference| {difference}"
+    if device == "cpu":
+        assert difference == 0.0, f"max |logit difference| {difference}"
+
+
 def test_a_wrong_cache_is_caught(device, monkeypatch):
     """The comparison above can fail: a cache that loses the decoded tokens' values derails decoding."""
     model, docs = trained(64, device)

@@ -510,8 +510,8 @@ def forward_case(name):
     if name == "non_finite":
         q, k, v = make_qkv(309, 1, 1, 1, 20, 20, 16)
         q[0, 0, 2, 5] = math.nan  # row 2: every score NaN, not an empty row
-        k[0, 0, 17, 0] = math.inf  # key 17: NaN scores, seen only by rows >= 17
-        v[0, 0, 18, 3] = math.nan  # token 18's block of channels 0..15 (causal: V along D): NaN for rows >= 18
+        k[0, 0, 19, 0] = math.inf  # key 19: NaN scores, seen only by row 19
+        v[0, 0, 18, 3] = math.nan  # token 18's block, its channels 0..15 (causal: V along D): NaN for rows >= 18
         return q, k, v, dict(causal="top_left")
     raise KeyError(name)
 
@@ -552,8 +552,8 @@ def test_non_finite_inputs_poison_only_the_rows_that_see_them():
     q, k, v, options = forward_case("non_finite")
     out = ref.attention_forward(q, k, v, **options)["out"][0, 0]
     assert torch.isnan(out[2]).all()  # the NaN query row
-    assert torch.isnan(out[17:]).all()  # rows that see the infinite key (and, from 18, the NaN value)
-    finite_rows = [i for i in range(17) if i != 2]  # row 16 does not see token 18: its NaN reaches nothing there
+    assert torch.isnan(out[18:]).all()  # rows that see the NaN value of token 18 (and row 19 the infinite key)
+    finite_rows = [i for i in range(18) if i != 2]  # rows 16, 17 share V's old token block with 18, but not its NaN
     assert torch.isfinite(out[finite_rows]).all()
 
 

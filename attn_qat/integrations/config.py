@@ -176,10 +176,13 @@ def inference_attention(query, key, value, attn_mask, is_causal, scale, enable_g
 
 
 def run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, config: QATConfig,
-             warned: Set[str], inference: bool = False, where: str = "attn_qat") -> torch.Tensor:
+             warned: Set[str], inference: bool = False, where: str = "attn_qat",
+             v_block_axis: Optional[str] = None) -> torch.Tensor:
     """One SDPA-shaped call (torch's argument conventions, top-left causal) through attn_qat, or through
     PyTorch's SDPA when attn_qat does not support it: a warning once per reason, or, with
-    `config.strict`, a `NotImplementedError` naming the reason."""
+    `config.strict`, a `NotImplementedError` naming the reason. `v_block_axis` (default: the config's) lets an
+    integration that knows the model is causal keep V blocked along head_dim in calls that hide no key."""
+    v_block_axis = config.v_block_axis if v_block_axis is None else v_block_axis
     reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if reason is not None:
         if config.strict:
@@ -189,6 +192,6 @@ def run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
                             scale=scale, enable_gqa=enable_gqa)
     if inference:
         return inference_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                                   config.inference_mode, warned, config.v_block_axis)
+                                   config.inference_mode, warned, v_block_axis)
     return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                        enable_gqa=enable_gqa, mode=config.mode, v_block_axis=config.v_block_axis)
+                                        enable_gqa=enable_gqa, mode=config.mode, v_block_axis=v_block_axis)

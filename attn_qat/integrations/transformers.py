@@ -86,15 +86,18 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
         raise ValueError(f"attn_qat (transformers): sliding_window={sliding_window} with {kv_length} keys needs an "
                          "attention mask; build it with the 'attn_qat' (or 'sdpa') mask function")
 
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    module_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # Shape test first, as transformers does, so that dynamic shapes under torch.compile stay booleans.
-    is_causal = q_length > 1 and attention_mask is None and is_causal
+    is_causal = q_length > 1 and attention_mask is None and module_causal
     if is_causal and kv_length > q_length:
         key, value = key[:, :, :q_length], value[:, :, :q_length]
+    # A causal model's decoding step sees every cached key and comes without a mask, but V must stay blocked as in
+    # the model's causal forward (numerics.md §2), or the step would not compute what the training forward did.
+    v_block_axis = "head_dim" if module_causal and state.config.v_block_axis == "auto" else state.config.v_block_axis
 
     out = run_sdpa(query, key, value, attention_mask, dropout, is_causal, scaling, query.shape[1] != key.shape[1],
                    config=state.config, warned=state.warned, inference=state.inference,
-                   where="attn_qat (transformers)")
+                   where="attn_qat (transformers)", v_block_axis=v_block_axis)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -111,6 +114,7 @@ def _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, sca
         raise ValueError(f"{where}: the model runs attn_qat in 'bf16' mode, but an NVFP4Cache computes 4-bit "
                          "attention; use a DynamicCache for a bf16 baseline")
     if state.config.v_block_axis == "tokens":
+        cache_layer.pending = None  # the step's K/V go nowhere: the next update must not report them unread
         raise ValueError(f"{where}: the model blocks V along tokens (QATConfig v_block_axis='tokens'), but an "
                          "NVFP4Cache stores V blocked along head_dim, as causal attention does (numerics.md §2)")
     if kwargs.get("softcap") is not None:
