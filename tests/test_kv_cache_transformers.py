@@ -28,6 +28,9 @@ PAD = VOCAB - 1  # never in a document, so generate() builds no padding mask fro
 # "Train = infer"); the decode kernel sums in another fp32 order than the forward kernel, which can flip an
 # isolated P code. On the CPU the two are bit-identical (asserted). The top-2 margins of these models are > 6.
 LOGIT_TOL = 0.75
+# The same bound for decoding against the recompute, where only that summation order differs: a flipped P code
+# moves a logit by a few hundredths (observed on the H100: 0.0 for both head dims and both caches).
+DECODE_LOGIT_TOL = 0.1
 # generate()'s keyword for the cache: transformers 5.24 renamed past_key_values to cache (the old name warns
 # until 6.0, which drops it); the lent GPU machines have 5.17.
 CACHE = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
@@ -105,7 +108,7 @@ def test_greedy_decoding_matches_fake_quant_recompute(device, head_dim):
     assert float((margins[..., 0] - margins[..., 1]).min()) > 4 * LOGIT_TOL  # the oracle's choices are clear
     assert torch.equal(sequences, expected_sequences)  # token for token, 8 steps, both sequences
     difference = float((logits - expected_logits).abs().max())
-    assert difference < LOGIT_TOL, f"max |logit difference| {difference}"
+    assert difference < DECODE_LOGIT_TOL, f"max |logit difference| {difference}"
     if device == "cpu":  # the same forward kernel on the same operands: train = infer, bit for bit
         assert difference == 0.0, f"max |logit difference| {difference}"
     # The prefill through the cache is the fake-quant forward itself: the first step's logits are identical.
@@ -129,7 +132,7 @@ def test_bf16_cache_decoding_matches_fake_quant_recompute(device, head_dim):
     expected_sequences, expected_logits = recompute(model, prompt)
     assert torch.equal(out.sequences, expected_sequences)
     difference = float((logits - expected_logits).abs().max())
-    assert difference < LOGIT_TOL, f"max |logit difference| {difference}"
+    assert difference < DECODE_LOGIT_TOL, f"max |logit difference| {difference}"
     if device == "cpu":
         assert difference == 0.0, f"max |logit difference| {difference}"
 
