@@ -375,6 +375,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         }
         fence_registers(dv);
         fence_registers(dk);
+        __syncwarp(); /* every lane's loads of the slot's statistics, not only lane 0's, come before its release */
         if (lane == 0) mbar_arrive(&step_empty[s]);
     }
     if (ping_pong && c == 0) named_barrier_sync(PING_PONG_BARRIER, 256); /* warpgroup 1's last turn: none pending */
