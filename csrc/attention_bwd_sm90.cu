@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         mbar_init(kv_full, 1);
         for (int s = 0; s < L::STAGES; s++) {
             mbar_init(&step_full[s], 32); /* the producer warp's lanes, after writing the statistics */
-            mbar_init(&step_empty[s], 8); /* lane 0 of each consumer warp */
+            mbar_init(&step_empty[s], 256); /* every consumer thread, once done with the slot */
         }
         for (int c = 0; c < 2; c++) {
             mbar_init(&dq_full[c], 128); /* every thread of consumer warpgroup c, after staging its dQ */
@@ -375,8 +375,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         }
         fence_registers(dv);
         fence_registers(dk);
-        __syncwarp(); /* every lane's loads of the slot's statistics, not only lane 0's, come before its release */
-        if (lane == 0) mbar_arrive(&step_empty[s]);
+        mbar_arrive(&step_empty[s]); /* each thread releases its own loads of the slot's statistics */
     }
     if (ping_pong && c == 0) named_barrier_sync(PING_PONG_BARRIER, 256); /* warpgroup 1's last turn: none pending */
 

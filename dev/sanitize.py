@@ -141,7 +141,10 @@ def training(b, hq, hkv, nq, nk, d, *, dtype=torch.bfloat16, causal=None, mask=N
     ref = reference.attention(qc, kc, vc, attn_mask=mc, causal=causal, scale=scale, mode=mode)
     grads = reference.attention_backward(qc, kc, vc, dc, mode=mode, attn_mask=mc, causal=causal, scale=scale)
     errors = {"out": forward_error(out.detach(), ref)[0]}
-    errors.update({n: rel_error(x, r) for n, x, r in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), grads)})
+    # Where a gradient is exactly 0 in exact arithmetic (one query that sees one key: dP = D), the kernels' fp32
+    # rounding is all that is left: measured against dO's size instead.
+    errors.update({n: rel_error(x, r) if r.norm() > 0 else float(x.double().norm() / dout.double().norm())
+                   for n, x, r in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), grads)})
     assert errors["out"] <= FWD_TOL and max(errors["dq"], errors["dk"], errors["dv"]) <= BWD_TOL, errors
     return " ".join(f"{n} {e:.1e}" for n, e in errors.items())
 

@@ -58,7 +58,7 @@ run_tool() { # name, log name, compute-sanitizer's arguments [, --, dev/sanitize
     while [ $# -gt 0 ] && [ "$1" != -- ]; do cs+=("$1"); shift; done
     [ $# -gt 0 ] && shift
     py=("$@")
-    timeout "$LIMIT" "${RUN_ENV[@]}" "$CS" --error-exitcode 1 --print-limit 20 "${cs[@]}" \
+    timeout "$LIMIT" "${RUN_ENV[@]}" "$CS" --error-exitcode 1 --print-limit "${PRINT_LIMIT:-20}" "${cs[@]}" \
         python dev/sanitize.py "${ARGS[@]}" "${py[@]}" >"$log" 2>&1
     status=$?
     echo "$name: exit $status in $((SECONDS - start)) s; $(summary "$log"); $(grep -h '^dev/sanitize.py: [0-9]* failed' "$log")"
@@ -71,15 +71,30 @@ for tool in "${TOOLS[@]}"; do
     racecheck) run_tool racecheck racecheck --tool racecheck --racecheck-report hazard ;;
     initcheck)
         if [ $tma_blind = 1 ]; then
-            # The tool cannot see the Hopper kernels' TMA stores, so there it would flag every read of O, O', dK and
-            # dV. The mma.sync path stays under it as is; the Hopper path runs with the caching allocator on and
-            # NaN-poisoned before each call (dev/sanitize.py, poison), so that the bytes those stores cover were
-            # written first by a kernel the tool sees, and an element the kernels never write reaches the
-            # comparison with the reference as NaN and fails the case.
+            # The tool does not see TMA stores (step 1). The mma.sync path, whose kernels store with plain stores,
+            # runs under it as is. The Hopper path runs with the caching allocator on and NaN-poisoned before each
+            # call (dev/sanitize.py), so the bytes its TMA stores cover were first written by a kernel the tool
+            # sees, and an element the kernels never write reaches the comparison with the reference as NaN; what
+            # the tool still reports must be reads it cannot follow: the backward's delta kernel reading the
+            # forward's O', and PyTorch's kernels reading outputs TMA wrote. A report in any other of our kernels fails.
             run_tool "initcheck (mma.sync)" initcheck_mma_sync --tool initcheck -- --path mma_sync
             RUN_ENV=(env -u PYTORCH_NO_CUDA_MEMORY_CACHING)
-            run_tool "initcheck (sm90, poisoned allocator)" initcheck_sm90 --tool initcheck -- --path sm90
+            before=${#failed[@]}
+            PRINT_LIMIT=1000000 run_tool "initcheck (sm90, poisoned allocator)" initcheck_sm90 --tool initcheck \
+                -- --path sm90
             RUN_ENV=(env)
+            log="$LOGS/initcheck_sm90.log"
+            # Reads in attn_qat's own kernels (the report names the source file) other than the delta kernel's of O';
+            # PyTorch's copies of the outputs that TMA wrote (the case's comparison with the reference) are the
+            # same tool limitation.
+            others=$(grep -A1 "Uninitialized __global__ memory read" "$log" | grep -E "^=+ +at .* in [a-z_0-9]+\.cu" |
+                grep -v "attention_bwd_delta_kernel.* in attention_bwd.cu:37$" | sort | uniq -c)
+            if [ ${#failed[@]} -gt "$before" ] && [ -z "$others" ] && grep -q "dev/sanitize.py: 0 failed" "$log"; then
+                unset 'failed[-1]'
+                echo "initcheck (sm90): every report is the delta kernel's read of O' written by TMA (tool limitation)"
+            elif [ -n "$others" ]; then
+                echo "FAIL: initcheck (sm90) reports reads other than the delta kernel's of O':"; echo "$others" | head
+            fi
         else
             run_tool initcheck initcheck --tool initcheck
         fi

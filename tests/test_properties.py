@@ -111,10 +111,14 @@ def check(case, device):
     assert error <= FWD_TOL, f"forward error {error} ({flipped} rows set aside)"
     prime = case["mode"] in ("attn_qat", "high_precision_p")
     slack = delta_slack(case, qc, kc, vc, dc, forward["out_prime" if prime else "out"]) + (0.0,)
+    dout_norm = float(dc.double().norm())
     for name, ours, r, slack in zip(("dq", "dk", "dv"), (dq, dk, dv), grads, slack):
         assert ours.shape == r.shape
         diff, norm = float((ours.double().cpu() - r).norm()), float(r.norm())
-        assert diff <= BWD_TOL * norm + slack, f"{name}: |ours - ref| {diff}, |ref| {norm}, slack {slack}"
+        # A gradient that is 0 in exact arithmetic (one query seeing one key: dP = D) leaves only the kernels'
+        # rounding, so it is measured against dO's size (the CUDA kernels: ~5e-4 of it at Nq = Nk = 1).
+        bound = BWD_TOL * dout_norm if norm <= 1e-9 * dout_norm else BWD_TOL * norm + slack
+        assert diff <= bound, f"{name}: |ours - ref| {diff}, |ref| {norm}, slack {slack}, |dO| {dout_norm}"
 
 
 @settings(max_examples=300, **PROPERTY_SETTINGS)
