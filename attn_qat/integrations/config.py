@@ -122,14 +122,12 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         return "query, key and value have different head dims"
     if any(t.stride(-1) != 1 for t in tensors):
         return "the last dimension of query, key or value is not contiguous"
-    if any(t.numel() == 0 for t in tensors):
-        return "empty inputs are not supported"
     if dropout_p != 0.0:
         return "dropout_p > 0 is not supported"
     if query.shape[:-3] != key.shape[:-3] or key.shape != value.shape:
         return "batch sizes differ between query, key and value, or key and value shapes differ"
     heads_q, heads_kv = query.shape[-3], key.shape[-3]
-    if heads_q != heads_kv and not (enable_gqa and heads_q % heads_kv == 0):
+    if heads_q != heads_kv and not (enable_gqa and heads_kv and heads_q % heads_kv == 0):
         return f"query heads ({heads_q}) and key/value heads ({heads_kv}) need enable_gqa=True and a whole ratio"
     if attn_mask is not None:
         if is_causal:
