@@ -11,6 +11,9 @@ from attn_qat import QATConfig  # noqa: E402
 from attn_qat.integrations import attention_states  # noqa: E402
 from test_integrations_transformers import batch, rel_error, tiny_qwen3  # noqa: E402
 
+# peft 0.21 calls transformers 5.24's deprecated is_gradient_checkpointing; not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
 
 def lora(model):
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
