@@ -1,5 +1,6 @@
 """`python -m attn_qat`: print the environment, check the kernels against the float64 reference on
 every device present, and show what 4-bit attention does to the output of a realistic attention."""
+import os
 import platform
 import sys
 import time
@@ -24,9 +25,9 @@ def rel_error(out, ref):
     return float((out.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm())
 
 
-def self_check(device: str) -> bool:
+def self_check(device: str, seed: int) -> bool:
     """Quantizer bit-exactness and attention forward/backward against attn_qat.reference."""
-    g = torch.Generator().manual_seed(int(time.time()))  # fresh inputs every run
+    g = torch.Generator().manual_seed(seed)
     ok = True
 
     x = torch.randn(64, 128, generator=g) * torch.logspace(-3, 3, 128)
@@ -72,10 +73,13 @@ def self_check(device: str) -> bool:
     return ok
 
 
+DEMO_SEED = 0
+
+
 def demo(device: str):
     """FP4 attention against exact attention on inputs with the structure of real attention: keys that
     share a direction with some queries, so softmax rows are peaked rather than uniform."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(DEMO_SEED)
     b, h, n, d = (1, 8, 4096, 128) if device == "cuda" else (1, 2, 512, 128)
     topics = torch.randn(16, d, generator=g)
     q = topics[torch.randint(0, 16, (b, h, n), generator=g)] + 0.5 * torch.randn(b, h, n, d, generator=g)
@@ -83,11 +87,14 @@ def demo(device: str):
     v = torch.randn(b, h, n, d, generator=g)
     q, k, v = (t.to(device, torch.bfloat16) for t in (q, k, v))
     exact = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    print(f"  [{device}] 4-bit attention vs exact attention, (B, H, N, D) = {(b, h, n, d)}:")
+    print(f"  [{device}] 4-bit attention vs exact attention, (B, H, N, D) = {(b, h, n, d)}, seed {DEMO_SEED}:")
     for mode in ("bf16", "attn_qat"):
         out = attn_qat.scaled_dot_product_attention(q, k, v, mode=mode).float()
         cos = torch.nn.functional.cosine_similarity(out.flatten(), exact.flatten(), dim=0)
         print(f"    mode={mode:9s} cosine similarity {float(cos):.5f}, relative error {rel_error(out, exact):.3e}")
+    print("    An error of ~20% for attn_qat is expected: it is 4-bit quantization of Q, K, V and P, not a bug (the "
+          "self-check above\n    shows the kernels match the reference). QAT training teaches a model to work "
+          "with this error; see below.")
     if device == "cuda":
         flops = 4 * b * h * n * n * d
         for name, fn in (("attn_qat", lambda: attn_qat.scaled_dot_product_attention(q, k, v)),
@@ -108,8 +115,11 @@ def demo(device: str):
 def main() -> int:
     environment()
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _C.with_cuda else [])
-    print("Self-check against attn_qat.reference (float64, numerics.md):")
-    ok = all([self_check(dev) for dev in devices])
+    # fresh inputs every run, unless ATTN_QAT_SEED repeats a run's
+    seed = int(os.environ.get("ATTN_QAT_SEED") or time.time())
+    print(f"Self-check against attn_qat.reference (float64, numerics.md), seed {seed} (ATTN_QAT_SEED={seed} "
+          "repeats it):")
+    ok = all([self_check(dev, seed) for dev in devices])
     print("Demo:")
     demo(devices[-1])
     print("Training with FP4 attention: examples/train_lm.py (Qwen3) and examples/train_wan.py (Wan 2.1); "

@@ -8,7 +8,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, mode_code, ops, positive_scale, v_along_tokens
+from .ops import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, check_softmax_scale, mode_code, ops,
+                  positive_scale, v_along_tokens)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LN2 = math.log(2.0)
@@ -55,8 +56,6 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
         if t.stride(-1) != 1:
             raise ValueError(f"attn_qat.{fn}: the last dimension of {name} must be contiguous (stride 1), got "
                              f"strides {t.stride()}")
-        if t.numel() == 0:
-            raise ValueError(f"attn_qat.{fn}: {name} is empty (shape {tuple(t.shape)})")
     return q, k, v
 
 
@@ -67,7 +66,7 @@ def _check_heads(q, k, v, fn):
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"attn_qat.{fn}: key and value must have the same heads and tokens; got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if hq % k.shape[1]:
+    if (k.shape[1] == 0 and hq) or (k.shape[1] and hq % k.shape[1]):
         raise ValueError(f"attn_qat.{fn}: query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]})")
 
 
@@ -100,6 +99,24 @@ def _kernel_mask(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> t
     except RuntimeError:
         raise ValueError(f"attn_qat: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                          f"(batch, heads, query tokens, key tokens) = {shape}") from None
+
+
+class _EmptyAttention(torch.autograd.Function):
+    """Attention with no batch, head, query or key: zeros of the query's shape, as torch's SDPA returns (a query
+    with no key is 0 there and here, numerics.md §6), and zero gradients. The ops refuse empty operands."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.zeros_like(q, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad))
+
+
+def _is_empty(q, k, v) -> bool:
+    return q.numel() == 0 or k.numel() == 0 or v.numel() == 0
 
 
 def _run(q, k, v, mask, scale, causal, mode, along_tokens):
@@ -146,10 +163,15 @@ def scaled_dot_product_attention(
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"attn_qat.{fn}: query has {query.shape[1]} heads and key/value {key.shape[1]}; pass "
                          "enable_gqa=True for grouped-query attention (as in SDPA)")
+    mode_code(mode)  # a bad mode fails here, empty inputs or not
     along_tokens = v_along_tokens(v_block_axis, is_causal or attn_mask is not None, fn)
     mask = None if attn_mask is None else _kernel_mask(attn_mask, query, key)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    out = _run(query, key, value, mask, scale, CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, mode, along_tokens)[0]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else check_softmax_scale(scale, "scale", fn)
+    if _is_empty(query, key, value):
+        out = _EmptyAttention.apply(query, key, value)
+    else:
+        out = _run(query, key, value, mask, scale, CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, mode,
+                   along_tokens)[0]
     return out.squeeze(0) if unbatched else out
 
 
@@ -186,14 +208,19 @@ def attention(
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q, k, v = _check_qkv(q, k, v, fn)
     _check_heads(q, k, v, fn)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, _, frame, row_sum, *_ = _run(q, k, v, None, scale, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, mode,
-                                      along_tokens)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else check_softmax_scale(softmax_scale,
+                                                                                             "softmax_scale", fn)
+    if _is_empty(q, k, v):
+        out = _EmptyAttention.apply(q, k, v)
+        # no key: the log-sum-exp of nothing, -inf, as for a row that sees no key
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        out, _, frame, row_sum, *_ = _run(q, k, v, None, scale, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, mode,
+                                          along_tokens)
+        lse = lse_from_stats(frame.detach(), row_sum.detach()) if return_lse else None
     if layout == "bshd":
         out = out.transpose(1, 2)
-    if not return_lse:
-        return out
-    return out, lse_from_stats(frame.detach(), row_sum.detach())
+    return (out, lse) if return_lse else out
 
 
 def lse_from_stats(frame: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:

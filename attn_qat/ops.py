@@ -1,5 +1,8 @@
 """Python side of the attn_qat ops: loads the C extension, and registers the fake (meta) kernels
 for torch.compile and the autograd formulas. The ops themselves are declared in csrc/ops.cpp."""
+import math
+import struct
+
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers torch.ops.attn_qat)
@@ -40,14 +43,39 @@ def mode_code(mode: str) -> int:
     return MODES.index(mode)
 
 
+def _float32(x: float) -> float:
+    """x rounded to float32 as the kernels hold it (inf beyond float32's range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.inf
+
+
+_LOG2E_F32 = _float32(math.log2(math.e))  # csrc/attn_qat.h's AQ_LOG2E
+
+
+def check_softmax_scale(scale, name: str, fn: str) -> float:
+    """`scale` as a float, or a ValueError naming the argument `name` of `attn_qat.{fn}`: the kernels compute
+    scale * log2(e) in float32 (csrc/ops.cpp's check_scale), so it must be finite and stay finite there."""
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"attn_qat.{fn}: {name} must be a real number or None, got {scale!r}") from None
+    # float32 * float32 is exact in a double, so rounding the product once gives the float32 product
+    if not math.isfinite(value) or not math.isfinite(_float32(_float32(abs(value)) * _LOG2E_F32)):
+        raise ValueError(f"attn_qat.{fn}: {name}={value!r} cannot be used: it must be finite and below about 2.35e38 "
+                         f"in magnitude ({name} * log2(e) must fit a float32); pass None for 1/sqrt(head_dim)")
+    return value
+
+
 def positive_scale(q: torch.Tensor, scale: float):
     """(q, scale) for the attention ops, which take scale > 0 (their kernels find the row max on the raw scores
     and scale inside the exp, csrc/attention_common.cuh's logit_map): a negative scale becomes the same logits
     from -q, since q.k * scale == (-q).k * (-scale) exactly and the NVFP4 block rule is symmetric in sign; a zero
-    scale (every logit 0) becomes zero queries with scale 1."""
-    if scale < 0:
-        return -q, -scale
-    return (q * 0, 1.0) if scale == 0 else (q, scale)
+    scale (every logit 0), or one too small for a float32, becomes zero queries with scale 1."""
+    if _float32(abs(scale)) == 0:
+        return q * 0, 1.0
+    return (-q, -scale) if scale < 0 else (q, scale)
 
 
 def _token_major(t: torch.Tensor) -> bool:

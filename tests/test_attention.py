@@ -188,6 +188,55 @@ def test_empty_rows(device):
     assert not out[:, :, 5].any() and not dq[:, :, 5].any() and torch.isfinite(out).all()
 
 
+# (batch, heads_q, heads_kv, seqlen_q, seqlen_k) with something empty
+EMPTY_SHAPES = {"batch": (0, 2, 2, 5, 7), "heads": (1, 0, 0, 5, 7), "queries": (1, 4, 2, 0, 7),
+                "keys": (1, 4, 2, 5, 0), "both": (1, 2, 2, 0, 0)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("empty", EMPTY_SHAPES)
+def test_empty_inputs_match_sdpa(device, empty):
+    """Empty operands give what torch's SDPA gives: an empty output, or zeros where queries have no key, and zero
+    gradients; attention() does the same in either layout, with an LSE of -inf for queries without keys."""
+    b, hq, hkv, nq, nk = EMPTY_SHAPES[empty]
+    q, k, v, dout = make_inputs(b, hq, hkv, nq, nk, 64, torch.bfloat16, device)
+    for causal in (False, True):
+        ours = [t.clone().requires_grad_() for t in (q, k, v)]
+        theirs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attn_qat.scaled_dot_product_attention(*ours, is_causal=causal, enable_gqa=True)
+        expected = torch.nn.functional.scaled_dot_product_attention(*theirs, is_causal=causal, enable_gqa=True)
+        assert out.shape == expected.shape and out.dtype == expected.dtype and torch.equal(out, expected)
+        out.backward(dout)
+        expected.backward(dout)
+        for mine, torch_t in zip(ours, theirs):
+            assert mine.grad.shape == torch_t.grad.shape and torch.equal(mine.grad, torch_t.grad)
+    mask = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    assert torch.equal(attn_qat.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                       torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+    if b:  # unbatched
+        assert attn_qat.scaled_dot_product_attention(q[0], k[0], v[0], enable_gqa=True).shape == q.shape[1:]
+    for layout in ("bhsd", "bshd"):
+        args = (q, k, v) if layout == "bhsd" else (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out, lse = attn_qat.attention(*args, causal=True, layout=layout, return_lse=True)
+        assert out.shape == args[0].shape and not out.any()
+        assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32 and torch.isneginf(lse).all()
+
+
+def test_empty_inputs_are_still_checked():
+    q, k, v, _ = make_inputs(1, 2, 2, 0, 7, 64, torch.bfloat16, "cpu")
+    sdpa = attn_qat.scaled_dot_product_attention
+    with pytest.raises(ValueError, match="head_dim"):
+        sdpa(q[..., :40], k[..., :40], v[..., :40])
+    with pytest.raises(ValueError, match="mode"):
+        sdpa(q, k, v, mode="fp8")
+    with pytest.raises(ValueError, match="broadcast"):
+        sdpa(q, k, v, attn_mask=torch.ones(3, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match="scale"):
+        sdpa(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match="multiple"):
+        sdpa(torch.zeros(1, 2, 5, 64, dtype=torch.bfloat16), k[:, :0], v[:, :0], enable_gqa=True)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_finfo_min_mask_rows_are_empty_not_nan(device):
     # transformers masks with torch.finfo(dtype).min; a fully masked (padding) query row must not
@@ -611,11 +660,31 @@ def test_softmax_scale_against_reference(device, scale):
         assert forward_error(out.detach(), ref)[0] <= FWD_TOL, f"scale {scale}, causal {causal}"
         for name, ours, r in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), grads):
             assert rel_error(ours, r) <= BWD_TOL, f"{name}, scale {scale}, causal {causal}"
-    with pytest.raises(RuntimeError, match="scale > 0"):
+    with pytest.raises(RuntimeError, match="scale > 0"):  # the op's own check stays
         attn_qat.ops.ops.attention_forward(q, k, v, None, -0.5, 0, 0, False, True)
     for unusable in (1e-50, 1e39):  # 0 as a float; scale * log2(e) not finite as a float
         with pytest.raises(RuntimeError, match="outside what the kernels take as a float"):
             attn_qat.ops.ops.attention_forward(q, k, v, None, unusable, 0, 0, False, True)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 2.4e38, -1e39], ids=str)
+def test_bad_scale_is_a_value_error_naming_the_argument(bad):
+    q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 64, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match=r"scaled_dot_product_attention: scale=.* must be finite"):
+        attn_qat.scaled_dot_product_attention(q, k, v, scale=bad)
+    with pytest.raises(ValueError, match=r"attention: softmax_scale=.* must be finite"):
+        attn_qat.attention(q, k, v, softmax_scale=bad, layout="bhsd")
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        attn_qat.scaled_dot_product_attention(q, k, v, scale=[0.1])
+
+
+def test_largest_and_tiniest_usable_scales():
+    q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 64, torch.bfloat16, "cpu")
+    # the kernels take it (the logits overflow, as they would in torch's SDPA): no error
+    assert attn_qat.scaled_dot_product_attention(q, k, v, scale=2.3e38).shape == q.shape
+    # 1e-50 is 0 as a float32: every logit 0, as scale=0 gives
+    assert torch.equal(attn_qat.scaled_dot_product_attention(q, k, v, scale=1e-50),
+                       attn_qat.scaled_dot_product_attention(q, k, v, scale=0.0))
 
 
 def test_scale_default_is_inverse_sqrt_d():

@@ -168,11 +168,18 @@ def test_prepare_twice_keeps_the_original_processor(device):
     assert isinstance(processor, WanAttnQATProcessor) and isinstance(processor.original, WanAttnProcessor)
 
 
+def set_active_backend(backend):
+    if hasattr(_AttentionBackendRegistry, "set_active_backend"):
+        _AttentionBackendRegistry.set_active_backend(backend)
+    else:  # diffusers 0.35 has no setter
+        _AttentionBackendRegistry._active_backend = backend
+
+
 @pytest.fixture
 def restore_active_backend():
     active = _AttentionBackendRegistry._active_backend
     yield
-    _AttentionBackendRegistry.set_active_backend(active)
+    set_active_backend(active)
 
 
 def test_attention_backend(device, restore_active_backend):
@@ -186,7 +193,7 @@ def test_attention_backend(device, restore_active_backend):
     model.set_attention_backend("attn_qat")  # diffusers also makes it the process-wide active backend
     assert rel_error(model(**inputs).sample, expected) < BF16_TOL
 
-    _AttentionBackendRegistry.set_active_backend(AttentionBackendName.NATIVE)
+    set_active_backend(AttentionBackendName.NATIVE)
     attn_qat.register_diffusers_backend(QATConfig())
     with diffusers.attention_backend("attn_qat"):
         fp4 = reference(**inputs).sample

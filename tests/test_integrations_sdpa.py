@@ -223,3 +223,13 @@ def test_lifecycle_rejects_unsupported_models():
     for fn in (attn_qat.convert, attn_qat.disable, attn_qat.enable):
         with pytest.raises(ValueError, match="prepare"):
             fn(model)
+
+
+@pytest.mark.parametrize("nq, nk", [(0, 16), (16, 0), (0, 0)])
+def test_empty_inputs_run_attn_qat(nq, nk):
+    """Empty calls (no queries or no keys) are SDPA-compatible in attn_qat, so they no longer fall back."""
+    q, k = randn(2, 2, nq, 64), randn(2, 2, nk, 64)
+    with recording() as rec, patch_sdpa(QATConfig(strict=True)):
+        out = F.scaled_dot_product_attention(q, k, k)
+    assert not rec.fallbacks and out.shape == (2, 2, nq, 64) and not out.any()
+    assert attn_qat.integrations.config.unsupported_reason(q, k, k) is None

@@ -2,6 +2,8 @@
 and one routine that runs an SDPA-shaped call through attn_qat or, for inputs attn_qat does not take,
 through PyTorch's SDPA with a warning (or an error under `strict`)."""
 import dataclasses
+import importlib
+import re
 import warnings
 from typing import Callable, Optional, Set
 
@@ -12,6 +14,24 @@ from ..ops import MODES, V_BLOCK_AXES
 
 # The attribute under which `prepare` hangs an `AttentionState` on each attention module it handles.
 STATE_ATTR = "_attn_qat_state"
+
+
+# The oldest releases each integration works with (pyproject's `integrations` extra says the same): transformers'
+# AttentionInterface with set_attn_implementation and masking_utils (4.54), its Cache built from layers (4.56, for
+# NVFP4Cache); diffusers' WanAttention and attention dispatcher (0.35).
+TRANSFORMERS_MIN = (4, 54)
+TRANSFORMERS_CACHE_MIN = (4, 56)
+DIFFUSERS_MIN = (0, 35)
+
+
+def require_version(package: str, minimum: tuple, what: str) -> None:
+    """Imports `package`; raises ImportError when it is older than `minimum` (its release numbers)."""
+    version = getattr(importlib.import_module(package), "__version__", "0")
+    found = re.match(r"\d+(?:\.\d+)*", version)
+    if found is None or tuple(int(p) for p in found.group().split(".")) < minimum:
+        floor = ".".join(map(str, minimum))
+        raise ImportError(f"{what} needs {package} >= {floor}, found {version}; upgrade it: "
+                          f"pip install -U '{package}>={floor}'")
 
 
 class AttnQATFallbackWarning(UserWarning):
@@ -122,14 +142,12 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         return "query, key and value have different head dims"
     if any(t.stride(-1) != 1 for t in tensors):
         return "the last dimension of query, key or value is not contiguous"
-    if any(t.numel() == 0 for t in tensors):
-        return "empty inputs are not supported"
     if dropout_p != 0.0:
         return "dropout_p > 0 is not supported"
     if query.shape[:-3] != key.shape[:-3] or key.shape != value.shape:
         return "batch sizes differ between query, key and value, or key and value shapes differ"
     heads_q, heads_kv = query.shape[-3], key.shape[-3]
-    if heads_q != heads_kv and not (enable_gqa and heads_q % heads_kv == 0):
+    if heads_q != heads_kv and not (enable_gqa and heads_kv and heads_q % heads_kv == 0):
         return f"query heads ({heads_q}) and key/value heads ({heads_kv}) need enable_gqa=True and a whole ratio"
     if attn_mask is not None:
         if is_causal:

@@ -1,5 +1,5 @@
 """diffusers integration: an attention processor for Wan's `WanAttention`, and an "attn_qat" attention
-backend for diffusers' dispatcher. Tested with diffusers 0.42.1.
+backend for diffusers' dispatcher. Needs diffusers >= 0.35; tested with 0.35.0, 0.35.2 and 0.42.1.
 
 `prepare` installs `WanAttnQATProcessor` on the selected `WanAttention` modules through the public
 `set_processor`; it keeps per-module state, so the self/cross choice, `enable`/`disable` and `convert`
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .config import AttentionState, QATConfig, STATE_ATTR, module_state, run_sdpa
+from .config import DIFFUSERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version, run_sdpa
 
 BACKEND = "attn_qat"
 
@@ -93,6 +93,7 @@ class WanAttnQATProcessor:
 
 
 def _wan_attention_class():
+    require_version("diffusers", DIFFUSERS_MIN, "attn_qat's diffusers integration")
     from diffusers.models.transformers.transformer_wan import WanAttention
     return WanAttention
 
@@ -170,6 +171,7 @@ def register_diffusers_backend(config: Optional[QATConfig] = None) -> None:
     adds an enum member and registers through the registry's own decorator. It checks the result and
     raises `RuntimeError` if a diffusers version changed those internals.
     """
+    require_version("diffusers", DIFFUSERS_MIN, "attn_qat.register_diffusers_backend")
     from diffusers.models import attention_dispatch
 
     global _backend_state

@@ -33,8 +33,16 @@ the step's keys only); the next `update` of that layer raises instead of letting
 from typing import Optional, Tuple
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.configuration_utils import PreTrainedConfig
+
+from .config import TRANSFORMERS_CACHE_MIN, require_version
+
+# checked before importing cache_utils, whose layer classes older releases lack or build differently
+require_version("transformers", TRANSFORMERS_CACHE_MIN, "attn_qat.NVFP4Cache")
+from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
+try:
+    from transformers.configuration_utils import PreTrainedConfig  # noqa: E402
+except ImportError:  # transformers 4.x spells it PretrainedConfig
+    from transformers.configuration_utils import PretrainedConfig as PreTrainedConfig
 
 from ..attention import MASKED_BELOW, SUPPORTED_HEAD_DIMS, attention
 from ..kv_cache import NVFP4KVCache
@@ -116,6 +124,7 @@ class NVFP4CacheLayer(CacheLayerMixin):
 
     def __init__(self, max_cache_len: int, padding: Optional[_Padding] = None):
         super().__init__()
+        self.is_initialized = False  # transformers 4.56's CacheLayerMixin does not set it
         self.max_cache_len = max_cache_len
         self.padding = padding if padding is not None else _Padding()
         self.kv = None  # the NVFP4KVCache
@@ -201,13 +210,19 @@ class NVFP4CacheLayer(CacheLayerMixin):
         out = out.gather(2, back[:, None, :, None].expand_as(out))
         return out.masked_fill(~(tokens[None, :] >= pads[:, None])[:, None, :, None], 0)
 
-    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
+    def get_mask_sizes(self, query_length) -> Tuple[int, int]:
+        # transformers 4.x passes the step's cache_position tensor, 5.x the query length
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
         return self.seen
 
     def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:  # transformers 4.x's name for get_max_length
         return self.max_cache_len
 
     def reset(self) -> None:

@@ -20,6 +20,19 @@ def _is_diffusers_model(model: torch.nn.Module) -> bool:
     return diffusers is not None and isinstance(model, diffusers.ModelMixin)
 
 
+def _unwrap_peft(model: torch.nn.Module, filter_fn: Optional[FilterFn]):
+    """The model a PEFT `PeftModel` wraps (`get_base_model()`: for LoRA, the transformers or diffusers model
+    whose linear layers carry the adapters) and `filter_fn` adapted so that it still sees names in `model`."""
+    peft = sys.modules.get("peft")
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return model, filter_fn
+    base = model.get_base_model()
+    prefix = next(name for name, module in model.named_modules() if module is base)
+    if filter_fn is None or not prefix:
+        return base, filter_fn
+    return base, lambda module, name: filter_fn(module, f"{prefix}.{name}" if name else prefix)
+
+
 def prepare(model: torch.nn.Module, config: Optional[QATConfig] = None,
             filter_fn: Optional[FilterFn] = None) -> torch.nn.Module:
     """Installs attn_qat attention in a supported model, in place, and returns the model.
@@ -32,19 +45,23 @@ def prepare(model: torch.nn.Module, config: Optional[QATConfig] = None,
     `config.self_attention` / `config.cross_attention` pick the kinds of attention converted;
     `filter_fn(module, fully_qualified_name) -> bool` (torchao's convention) narrows the choice further.
     Modules left out keep the library's own attention (transformers' "sdpa", Wan's original processor).
+    A PEFT `PeftModel` (`get_peft_model(model, LoraConfig(...))`) is prepared through the model it wraps;
+    `filter_fn` still sees names in the PeftModel, and the lifecycle functions below take it too.
     Calling `prepare` again replaces the configuration. For any other model, wrap the forward in
     `attn_qat.patch_sdpa`.
     """
     config = config if config is not None else QATConfig()
     warned = set()
-    if _is_transformers_model(model):
+    base, base_filter_fn = _unwrap_peft(model, filter_fn)
+    if _is_transformers_model(base):
         from .transformers import prepare_transformers
-        prepare_transformers(model, config, filter_fn, warned)
-    elif _is_diffusers_model(model):
+        prepare_transformers(base, config, base_filter_fn, warned)
+    elif _is_diffusers_model(base):
         from .diffusers import prepare_diffusers
-        prepare_diffusers(model, config, filter_fn, warned)
+        prepare_diffusers(base, config, base_filter_fn, warned)
     else:
-        raise TypeError(f"attn_qat.prepare: {type(model).__name__} is neither a transformers PreTrainedModel nor a "
+        what = type(model).__name__ if base is model else f"{type(model).__name__} wraps a {type(base).__name__}, which"
+        raise TypeError(f"attn_qat.prepare: {what} is neither a transformers PreTrainedModel nor a "
                         "diffusers model (for a pipeline, pass pipe.transformer); for other models wrap the forward "
                         "in `with attn_qat.patch_sdpa(config):`")
     return model

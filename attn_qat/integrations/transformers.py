@@ -5,13 +5,14 @@ and to `transformers.masking_utils.AttentionMaskInterface` (its mask function: t
 boolean, True = attend, or None when `is_causal` can stand in for it). Afterwards
 `from_pretrained(..., attn_implementation="attn_qat")` and `model.set_attn_implementation("attn_qat")`
 work for every model built on the AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...).
-Tested with transformers 5.17.0 and 5.23.0.
+Needs transformers >= 4.54; tested with 4.54.1, 4.56.2, 4.57.6, 5.17.0, 5.23.0 and 5.24.0.
 """
 from typing import Optional
 
 import torch
 
-from .config import AttentionState, QATConfig, STATE_ATTR, module_state, run_sdpa, warn_once
+from .config import (TRANSFORMERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version, run_sdpa,
+                     warn_once)
 
 IMPLEMENTATION = "attn_qat"
 # The tag an `attn_qat.NVFP4Cache` puts on the keys it returns (kv_cache_transformers.CACHE_LAYER_ATTR; kept
@@ -29,6 +30,7 @@ def register_transformers(config: Optional[QATConfig] = None) -> None:
     `config` (default `QATConfig()`) applies to attention modules that `attn_qat.prepare` has not
     configured, i.e. to models loaded or switched with `attn_implementation="attn_qat"` directly.
     """
+    require_version("transformers", TRANSFORMERS_MIN, "attn_qat's transformers integration")
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
