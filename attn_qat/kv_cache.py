@@ -256,7 +256,8 @@ class NVFP4KVCache:
         sees keys j <= lengths[b] - Tq + t, else all lengths[b] keys; a query with no visible key (a sequence
         shorter than Tq) gets 0. `softmax_scale` defaults to 1/sqrt(head_dim). Returns (batch, heads_q, Tq,
         head_dim) in q's dtype, which must be the cache's. Any Tq >= 1; above 16 (or on the CPU) it takes the
-        composite path."""
+        composite path. V is blocked along head_dim whether or not `causal` (the cache stores it so), unlike
+        `attn_qat.attention(..., causal=False)`, which blocks it along tokens (numerics.md §2)."""
         fn = "attn_qat.NVFP4KVCache.attention"
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")
