@@ -2,7 +2,7 @@
 table: the coverage matrix with the measured relative error of each case against the float64 reference.
 
     ATTN_QAT_ERROR_LOG=errors.jsonl python -m pytest tests/test_attention.py
-    python benchmarks/error_report.py errors.jsonl
+    python dev/error_report.py errors.jsonl
 """
 import json
 import sys

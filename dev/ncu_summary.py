@@ -4,13 +4,14 @@ samples (the SourceCounters section), small enough to read in a terminal or brin
 On the GPU machine (Firecracker kinds have ncu; leave the clocks alone):
 
     ncu --clock-control none -k regex:dkdv -c 1 --section SourceCounters --section WarpStateStats \\
-        --import-source no -o $OUT/k -f python3 benchmarks/profile_kernels.py --shape 1,8,8192,128
+        --import-source no -o $OUT/k -f python3 dev/profile_kernels.py --shape 1,8,8192,128
     ncu -i $OUT/k.ncu-rep --page source --csv --print-source sass > /tmp/source.csv
-    python3 benchmarks/ncu_summary.py /tmp/source.csv > $OUT/stalls.txt
+    python3 dev/ncu_summary.py /tmp/source.csv > $OUT/stalls.txt
 
 For each kernel in the CSV: the stall reasons over all samples; the stretches between wgmma commits, wgmma
 waits, branches and mbarrier waits that hold at least 1% of the samples, with their instructions per visit; and
-the 25 instructions with the most samples and their two main reasons. performance.md v9 shows what it finds.
+the 25 instructions with the most samples and their two main reasons. docs/performance.md ("How to measure")
+shows what it finds.
 """
 import csv
 import sys

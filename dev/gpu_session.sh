@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: use the carried build of attn_qat/_C (or build here if it does not load),
 # run the GPU tests and the named benchmarks, and leave logs and JSON under $OUT.
-#   bash benchmarks/gpu_session.sh [tests] [quant] [attention] [v_block_axis] [prefill] [decode] [main]
+#   bash dev/gpu_session.sh [tests] [quant] [attention] [v_block_axis] [prefill] [decode] [main]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/attn_qat_out}"

@@ -1,7 +1,7 @@
 """Where the time goes: per-kernel CUDA time (torch.profiler) of one attn_qat training forward + backward and one
 inference forward, at one shape (default the Wan 2.1 14B self-attention).
 
-    python benchmarks/profile_kernels.py [--shape B,H,N,D] [--kv-heads H_kv] [--causal] [--mode attn_qat|bf16]
+    python dev/profile_kernels.py [--shape B,H,N,D] [--kv-heads H_kv] [--causal] [--mode attn_qat|bf16]
 """
 import argparse
 import sys
