@@ -13,6 +13,7 @@ import pathlib
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -27,21 +28,31 @@ CSV_FIELDS = ("step", "train_loss", "grad_norm", "lr", "val_loss", "elapsed_s")
 
 # ------------------------------------------------------------------------------------------ options
 
-def add_common_args(parser, *, steps, batch_size, lr, eval_every, eval_batches, out):
-    """The options every example takes; the defaults that differ between examples are arguments."""
+def add_common_args(parser, *, lr, out, gpu, cpu):
+    """The options every example takes. gpu and cpu are dicts of the run-size defaults (steps, batch_size,
+    eval_every, eval_batches, and the script's own size): a GPU-sized run takes hours on the CPU, so
+    finish_args fills each option left unset from the dict that --device picks."""
     parser.add_argument("--arms", default=",".join(ALL_ARMS), help=f"comma list of {', '.join(ALL_ARMS)}")
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--batch-size", type=int, default=batch_size, help="global batch (samples per step, all ranks)")
+    sized = lambda key: f"default: {gpu[key]} on a GPU, {cpu[key]} on the CPU"
+    parser.add_argument("--steps", type=int, default=None, help=sized("steps"))
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"global batch (samples per step, all ranks; {sized('batch_size')})")
     parser.add_argument("--lr", type=float, default=lr, help="peak AdamW learning rate")
     parser.add_argument("--warmup-steps", type=int, default=None, help="linear warmup (default: 5%% of --steps)")
-    parser.add_argument("--eval-every", type=int, default=eval_every)
-    parser.add_argument("--eval-batches", type=int, default=eval_batches)
+    parser.add_argument("--eval-every", type=int, default=None, help=sized("eval_every"))
+    parser.add_argument("--eval-batches", type=int, default=None, help=sized("eval_batches"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=out)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="default: cuda when a GPU is present, else cpu; picks the run-size defaults")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
                         help="autocast dtype (weights and optimizer stay fp32; fp16 adds a GradScaler)")
     parser.add_argument("--time-budget-s", type=float, default=None, help="stop an arm's training after this long")
+    parser.set_defaults(size_defaults={"gpu": gpu, "cpu": cpu})
+
+
+def on_gpu(args):
+    return torch.device(args.device).type == "cuda"
 
 
 def finish_args(parser, args):
@@ -52,6 +63,10 @@ def finish_args(parser, args):
         parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ALL_ARMS)}")
     if "fp4_inference" in args.arms and "bf16" not in args.arms:
         args.arms.insert(0, "bf16")  # fp4_inference evaluates the bf16 arm's model, so that arm has to train
+    for key, value in args.size_defaults["gpu" if on_gpu(args) else "cpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    del args.size_defaults
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.steps // 20)
     return args
@@ -151,7 +166,8 @@ class ArmRunner:
         rows = {arm: []}
         if fp4_eval:
             rows["fp4_inference"] = []
-        bar = self.tqdm(total=args.steps, desc=arm, dynamic_ncols=True) if self.tqdm else None
+        # A bar redrawn in a log file floods it: off a terminal, each evaluation prints a line instead.
+        bar = self.tqdm(total=args.steps, desc=arm, dynamic_ncols=True) if self.tqdm and sys.stderr.isatty() else None
         if self.device_type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -185,6 +201,9 @@ class ArmRunner:
                     rows["fp4_inference"].append({"step": step, "train_loss": "", "grad_norm": "", "lr": "",
                                                   "val_loss": self.evaluate(model), "elapsed_s": elapsed})
                     attn_qat.disable(model)
+                if not bar:
+                    self.log(f"{arm}: step {step}/{args.steps}, train loss {row['train_loss']:.4f}, "
+                             f"val loss {row['val_loss']:.4f}, {elapsed:.0f} s")
             row["elapsed_s"] = time.perf_counter() - start
             rows[arm].append(row)
             if bar:

@@ -11,8 +11,12 @@ differences come from the attention alone. Arms:
     attn_qat, high_precision_p, low_precision_o, drop_in
                       trained with attn_qat in that mode (docs/numerics.md §5)
 
+Needs the `examples` extra: python -m pip install -e ".[examples]" (transformers; tqdm and matplotlib, for
+progress bars and plots, are optional).
+
 Usage:
     python examples/train_lm.py                                   # all arms, default size (58-69 s/arm measured on an H100)
+                                                                  # no GPU: tiny size, 300 steps (~2 min on 2 CPU cores)
     python examples/train_lm.py --arms bf16,attn_qat --steps 1000 --out examples/out/lm_long
     python examples/train_lm.py --size tiny --steps 50 --device cpu   # CPU smoke run
     torchrun --nproc_per_node=2 examples/train_lm.py              # DDP: each rank takes a slice of every batch
@@ -38,13 +42,19 @@ SIZES = {
     "tiny": dict(num_hidden_layers=2, hidden_size=128, head_dim=64, num_attention_heads=2,
                  num_key_value_heads=1, intermediate_size=352, seq_len=64),
 }
+# The run sizes: on the CPU (no GPU, or --device cpu) a GPU-sized run would take hours.
+GPU_DEFAULTS = dict(size="default", steps=1500, batch_size=32, eval_every=150, eval_batches=8)
+CPU_DEFAULTS = dict(size="tiny", steps=300, batch_size=16, eval_every=50, eval_batches=4)
+# --help's epilog; transformers is imported only after parse_args, so --help works without it.
+EXTRA = 'needs the examples extra: python -m pip install -e ".[examples]" (transformers)'
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXTRA,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser, steps=1500, batch_size=32, lr=1e-3, eval_every=150, eval_batches=8, out="examples/out/lm")
-    parser.add_argument("--size", choices=sorted(SIZES), default="default")
+    add_common_args(parser, lr=1e-3, out="examples/out/lm", gpu=GPU_DEFAULTS, cpu=CPU_DEFAULTS)
+    parser.add_argument("--size", choices=sorted(SIZES), default=None,
+                        help=f"default: {GPU_DEFAULTS['size']} on a GPU, {CPU_DEFAULTS['size']} on the CPU")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 512, tiny: 64)")
     args = finish_args(parser, parser.parse_args(argv))
     if args.seq_len is None:
@@ -128,9 +138,8 @@ class Runner(ArmRunner):
 
 
 def main(argv=None):
-    import transformers
-
     args = parse_args(argv)
+    import transformers  # after parse_args: --help works without it
     runner = Runner(args)
     runner.log(f"corpus: {runner.corpus_info['train_files']} train files ({len(runner.train_data) / 1e6:.1f} MB), "
                f"{runner.corpus_info['val_files']} val files ({len(runner.val_data) / 1e6:.1f} MB); device "

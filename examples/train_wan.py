@@ -19,8 +19,12 @@ loss and gradient-norm differences come from the attention alone. Self-attention
     attn_qat, high_precision_p, low_precision_o, drop_in
                       trained with attn_qat in that mode (docs/numerics.md §5)
 
+Needs the `examples` extra: python -m pip install -e ".[examples]" (diffusers; tqdm and matplotlib, for
+progress bars and plots, are optional).
+
 Usage:
     python examples/train_wan.py                                  # all arms, default size (2048 tokens/video)
+                                                                  # no GPU: tiny size, 300 steps (~1 min on 2 CPU cores)
     python examples/train_wan.py --arms bf16,attn_qat --steps 2000 --out examples/out/wan_long
     python examples/train_wan.py --size tiny --steps 50 --device cpu  # CPU smoke run
     torchrun --nproc_per_node=2 examples/train_wan.py             # DDP: each rank takes a slice of every batch
@@ -52,13 +56,19 @@ SIZES = {
                  freq_dim=32, channels=4, frames=2, height=8, width=8, text_tokens=8, blobs=2),
 }
 MODEL_KEYS = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim", "text_dim", "freq_dim")
+# The run sizes: on the CPU (no GPU, or --device cpu) a GPU-sized run would take hours.
+GPU_DEFAULTS = dict(size="default", steps=2000, batch_size=8, eval_every=200, eval_batches=4)
+CPU_DEFAULTS = dict(size="tiny", steps=300, batch_size=8, eval_every=50, eval_batches=2)
+# --help's epilog; diffusers is imported only after parse_args, so --help works without it.
+EXTRA = 'needs the examples extra: python -m pip install -e ".[examples]" (diffusers)'
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXTRA,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser, steps=2000, batch_size=8, lr=5e-4, eval_every=200, eval_batches=4, out="examples/out/wan")
-    parser.add_argument("--size", choices=sorted(SIZES), default="default")
+    add_common_args(parser, lr=5e-4, out="examples/out/wan", gpu=GPU_DEFAULTS, cpu=CPU_DEFAULTS)
+    parser.add_argument("--size", choices=sorted(SIZES), default=None,
+                        help=f"default: {GPU_DEFAULTS['size']} on a GPU, {CPU_DEFAULTS['size']} on the CPU")
     parser.add_argument("--frames", type=int, default=None, help="latent frames per video (default: 8, tiny: 2)")
     parser.add_argument("--resolution", type=int, default=None,
                         help="latent height = width, a multiple of 2 (default: 32, tiny: 8)")
@@ -218,9 +228,8 @@ class Runner(ArmRunner):
 
 
 def main(argv=None):
-    import diffusers
-
     args = parse_args(argv)
+    import diffusers  # after parse_args: --help works without it
     runner = Runner(args)
     dims = args.dims
     runner.log(f"videos: {dims['channels']} x {dims['frames']} x {dims['height']} x {dims['width']} latents, "

@@ -1,5 +1,5 @@
 """CPU smoke tests of examples/train_lm.py and examples/train_wan.py: a few steps of the tiny model in four
-arms, end to end."""
+arms, end to end; --help without transformers or diffusers; the run-size defaults on the CPU and on a GPU."""
 import csv
 import importlib.util
 import json
@@ -61,3 +61,59 @@ def test_train_wan_tiny_cpu(tmp_path):
     assert summary["cross_attention"] and summary["tokens_per_video"] == 32
     if importlib.util.find_spec("matplotlib"):  # the plots need it (README's test command installs it)
         assert (out / "loss.png").exists() and (out / "grad_norm.png").exists()
+
+
+# Runs a script's main with --help while transformers and diffusers cannot be imported (as if not installed).
+HIDDEN_IMPORTS = """
+import importlib.abc, runpy, sys
+
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("transformers", "diffusers"):
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
+        return None
+
+sys.meta_path.insert(0, Hide())
+for name in [m for m in sys.modules if m.split(".")[0] in ("transformers", "diffusers")]:
+    del sys.modules[name]
+try:
+    import transformers
+except ImportError:
+    pass
+else:
+    raise SystemExit("transformers was not hidden")
+sys.argv = [sys.argv[1], "--help"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script, library", [("train_lm.py", "transformers"), ("train_wan.py", "diffusers")])
+def test_help_without_transformers_or_diffusers(script, library):
+    cmd = [sys.executable, "-c", HIDDEN_IMPORTS, f"examples/{script}"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    help_text = " ".join(result.stdout.split())  # argparse wraps lines at the terminal width
+    assert help_text.startswith("usage: ") and "on the CPU" in help_text
+    assert f'pip install -e ".[examples]" ({library})' in help_text
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name, gpu, cpu", [
+    # (size, steps, batch_size, eval_every, eval_batches); the CPU ones take about 2 min (LM) and 1 min (Wan),
+    # all six arms, on 2 cores
+    ("train_lm", ("default", 1500, 32, 150, 8), ("tiny", 300, 16, 50, 4)),
+    ("train_wan", ("default", 2000, 8, 200, 4), ("tiny", 300, 8, 50, 2)),
+])
+def test_run_size_defaults(name, gpu, cpu):
+    module = load_script(name)
+    sizes = lambda args: (args.size, args.steps, args.batch_size, args.eval_every, args.eval_batches)
+    assert sizes(module.parse_args(["--device", "cpu"])) == cpu
+    assert sizes(module.parse_args(["--device", "cuda"])) == gpu  # parsing only: needs no GPU
+    assert sizes(module.parse_args(["--device", "cpu", "--size", "default", "--steps", "7"]))[:2] == ("default", 7)
+    assert module.parse_args(["--device", "cpu"]).warmup_steps == cpu[1] // 20
