@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import attn_qat  # noqa: E402
 from attn_qat import reference  # noqa: E402
 from conftest import rel_error  # noqa: E402
-from test_attention import BWD_TOL, FWD_TOL, forward_error, poison_cuda_allocator  # noqa: E402
+from test_attention import (BWD_TOL, FWD_TOL, deterministic_algorithms, forward_error,  # noqa: E402
+                            poison_cuda_allocator)
 
 PATHS = {"sm90": "1", "mma_sync": "0"}
 _seed = [5000]
@@ -51,17 +52,6 @@ def env(name, value):
             del os.environ[name]
         else:
             os.environ[name] = old
-
-
-@contextlib.contextmanager
-def deterministic(on=True):
-    """torch.use_deterministic_algorithms for the block: the backward's dQ then comes from its own kernel."""
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(on, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 def poison():
@@ -125,7 +115,7 @@ def training(b, hq, hkv, nq, nk, d, *, dtype=torch.bfloat16, causal=None, mask=N
         mask = m.cuda()
     elif mask == "additive":
         mask = (torch.randn(b, 1, nq, nk, generator=g) * 2).cuda()
-    with deterministic(det):
+    with deterministic_algorithms(det):
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
         poison()
         if api == "sdpa":

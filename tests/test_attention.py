@@ -342,10 +342,10 @@ def test_nonfinite_values_seen_spread_like_the_reference(device, where):
 
 
 @contextlib.contextmanager
-def deterministic_algorithms():
-    """torch.use_deterministic_algorithms(True) for the block: the backward then sums dQ without atomics."""
+def deterministic_algorithms(on: bool = True):
+    """torch.use_deterministic_algorithms(on) for the block: with it the backward sums dQ without atomics."""
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(on, warn_only=True)
     try:
         yield
     finally:
