@@ -51,9 +51,10 @@
      2p + 1 by 16-bit halves (attn_qat.h), so the lane reads D/8 contiguous bytes of pair rows t and t + 4, and
      word j of them, half j of both tokens, has codes i and i + 4 = channel 4j + i of the two tokens:
      e2m1x8_to_f16 turns it into the A registers of channels 4j .. 4j + 3, each times the two tokens' scales in
-     one fp16 product. The scales, block-major in the order the lanes take them, come in one 32-bit load. P^T's B fragments come from S^T's C fragments by one movmatrix per 8 keys (keys
-     2t, 2t + 1 and 2t + 8, 2t + 9 of query row 8 nb + g). The lane's O elements o[mt][nb][e] are channel
-     g * D/8 + 2 mt + (e >> 1), query row 8 nb + 2t + (e & 1): the rows whose softmax state the lane keeps.
+     one fp16 product. The scales, block-major in the order the lanes take them, come in one 32-bit load.
+     P^T's B fragments come from S^T's C fragments by one movmatrix per 8 keys (keys 2t, 2t + 1 and 2t + 8,
+     2t + 9 of query row 8 nb + g). The lane's O elements o[mt][nb][e] are channel g * D/8 + 2 mt + (e >> 1),
+     query row 8 nb + 2t + (e & 1): the rows whose softmax state the lane keeps.
    - Units with hidden keys (pv_checked) take the same fragments, with non-finite V values set aside. */
 #include "attention_common.cuh"
 
@@ -282,9 +283,9 @@ AQ_D uint32_t transpose_8x8(uint32_t x) {
     return r;
 }
 
-/* P^T's B fragments (fp16) in the natural token order, from values of P in S^T's C layout (p[nb][e]: key g + 8 (e >> 1),
-   query row 8 nb + 2t + (e & 1)): pb[nb][k] = keys 8k + 2t, 8k + 2t + 1 of query row 8 nb + g. Packing a lane's
-   key-row pair gives one 8x8 block of P^T row-major by keys; its transpose is the B register. */
+/* P^T's B fragments (fp16) in the natural token order, from values of P in S^T's C layout (p[nb][e]: key
+   g + 8 (e >> 1), query row 8 nb + 2t + (e & 1)): pb[nb][k] = keys 8k + 2t, 8k + 2t + 1 of query row 8 nb + g.
+   Packing a lane's key-row pair gives one 8x8 block of P^T row-major by keys; its transpose is the B register. */
 template <int NB>
 AQ_D void p_b_fragments(uint32_t (&pb)[NB][2], const float (&p)[NB][4]) {
 #pragma unroll
@@ -690,10 +691,10 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
 }
 
 /* grid B * Hq * Tq (one output row each), DEC_COMBINE_THREADS threads: merges the row's chunks and writes O in the
-   cache dtype. Thread (group, d) sums channel d over every DEC_COMBINE_GROUPS-th chunk, so a row's chunks are read
-   DEC_COMBINE_THREADS / D at a time instead of one after another (one thread a channel walking 32 chunks took 13 us
-   at one sequence of 32k tokens, half the decode kernel's time). A row with no visible key is 0 (numerics.md §6);
-   one whose visible scores are all -inf or NaN has frame -inf and is NaN, like the forward kernels. */
+   cache dtype. Thread (group, d) sums channel d over every (DEC_COMBINE_THREADS / D)-th chunk, so a row's chunks are
+   read that many at a time rather than one after another, which left a single long sequence waiting on the merge.
+   A row with no visible key is 0 (numerics.md §6); one whose visible scores are all -inf or NaN has frame -inf and
+   is NaN, like the forward kernels. */
 #define DEC_COMBINE_THREADS 256
 template <int D, aq_dtype DT>
 __global__ void __launch_bounds__(DEC_COMBINE_THREADS) decode_combine_kernel(const aq_decode_params p) {

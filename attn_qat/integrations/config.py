@@ -16,9 +16,9 @@ from ..ops import MODES, V_BLOCK_AXES
 STATE_ATTR = "_attn_qat_state"
 
 
-# The oldest releases each integration works with (pyproject's `integrations` extra says the same): transformers'
-# AttentionInterface with set_attn_implementation and masking_utils (4.54), its Cache built from layers (4.56, for
-# NVFP4Cache); diffusers' WanAttention and attention dispatcher (0.35).
+# The oldest releases each integration works with (pyproject's extras ask for the higher transformers floor, which
+# NVFP4Cache needs): transformers' AttentionInterface with set_attn_implementation and masking_utils (4.54), its Cache
+# built from layers (4.56, for NVFP4Cache); diffusers' WanAttention and attention dispatcher (0.35).
 TRANSFORMERS_MIN = (4, 54)
 TRANSFORMERS_CACHE_MIN = (4, 56)
 DIFFUSERS_MIN = (0, 35)
