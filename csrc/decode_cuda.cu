@@ -60,7 +60,7 @@
 
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * 32)
-#define DEC_STAGES 4                          /* units in a warp's ring: three in flight while one is used */
+#define DEC_STAGES 4                          /* units in a warp's ring: a step's one or two, the rest in flight */
 #define DEC_UNIT 16                           /* keys per unit: one V block, one P block */
 #define DEC_MIN_CHUNK (DEC_WARPS * DEC_UNIT)  /* chunks are multiples of this, at most DEC_MAX_CHUNK */
 #define DEC_MAX_CHUNK 4096
@@ -165,41 +165,60 @@ AQ_D void e2m1x8_to_f16(uint32_t w, uint32_t (&out)[4]) {
    block rule itself (aq_fake_quantize_block, the quantize kernels' code) and no separate pass over Q runs before
    the kernel. Q^F is exact in fp16 (numerics.md §1). */
 template <int D, aq_dtype DT, int NB>
-AQ_D void load_q_fragments(uint32_t (&qb)[D / 16][NB][2], const void *q, const int64_t (&row_index)[NB], int t) {
-#pragma unroll
-    for (int nb = 0; nb < NB; nb++) {
-        uint32_t w[D / 8] = {}; /* channel pairs t * D/4 + 2i, + 1 */
-        if (row_index[nb] >= 0) {
-            const uint4 *src = (const uint4 *)((const uint16_t *)q + row_index[nb] * D + t * (D / 4));
-            float v[D / 4];
-#pragma unroll
-            for (int c = 0; c < D / 32; c++) {
-                const uint4 raw = src[c];
-                const uint16_t *h = (const uint16_t *)&raw;
-#pragma unroll
-                for (int i = 0; i < 8; i++) v[8 * c + i] = to_float<DT>(h[i]);
-            }
-#pragma unroll
-            for (int blk = 0; blk < D / 64; blk++) aq_fake_quantize_block(v + 16 * blk, 16);
-#pragma unroll
-            for (int i = 0; i < D / 8; i++) w[i] = pack2<AQ_FLOAT16>(v[2 * i], v[2 * i + 1]);
-        }
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) { /* w[i]: channels c, c+1; w[i + 2]: c+4, c+5 */
-            const int i = 4 * (kk >> 1) + (kk & 1);
-            qb[kk][nb][0] = __byte_perm(w[i], w[i + 2], 0x5410);
-            qb[kk][nb][1] = __byte_perm(w[i], w[i + 2], 0x7632);
+struct QFragmentBuild {
+    /* One 16-channel block of one query row a thread: NB n-blocks x 8 rows g x 4 lanes t x D/64 blocks of lane
+       (g, t)'s channels [t * D/4, (t + 1) * D/4). At most 128 items, so the CTA's threads build Q^F in one pass
+       (one warp doing all of it cost ~5k cycles, serial before every CTA's first unit). */
+    static constexpr int ITEMS = NB * 8 * 4 * (D / 64);
+    static_assert(ITEMS <= DEC_THREADS, "one item a thread");
+    int nb, g, t, blk;
+    int64_t row; /* the query row's index in q, or -1 (past the group's rows, or no item: Q = 0) */
+    uint4 raw[2];
+
+    /* Issues the loads; the block is quantized later (store), so their latency overlaps the block-table lookup. */
+    AQ_D void load(int item, const void *q, int first_row, int rows, int64_t row_base) {
+        blk = item % (D / 64);
+        t = item / (D / 64) % 4;
+        g = item / (D / 64) / 4 % 8;
+        nb = item / (D / 64) / 32;
+        const int qr = first_row + 8 * nb + g;
+        row = item < ITEMS && qr < rows ? row_base + qr : -1;
+        raw[0] = raw[1] = make_uint4(0u, 0u, 0u, 0u);
+        if (row >= 0) {
+            const uint4 *src = (const uint4 *)((const uint16_t *)q + row * D + t * (D / 4) + 16 * blk);
+            raw[0] = src[0];
+            raw[1] = src[1];
         }
     }
-}
+
+    /* Q^F of the block by the quantizers' own block rule (exact in fp16, numerics.md §1), as the B fragments
+       qf[kk][nb][4g + t] of steps kk = 4 blk .. 4 blk + 3 (unit_scores' channel order). */
+    AQ_D void store(uint2 (&qf)[D / 16][NB][32], int item) const {
+        if (item >= ITEMS) return;
+        float v[16];
+        const uint16_t *h = (const uint16_t *)raw;
+#pragma unroll
+        for (int i = 0; i < 16; i++) v[i] = to_float<DT>(h[i]);
+        if (row >= 0) aq_fake_quantize_block(v, 16);
+        uint32_t w[8]; /* channel pairs 2i, 2i + 1 of the block */
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = pack2<AQ_FLOAT16>(v[2 * i], v[2 * i + 1]);
+#pragma unroll
+        for (int k4 = 0; k4 < 4; k4++) { /* w[i]: channels c, c+1; w[i + 2]: c+4, c+5 */
+            const int i = 4 * (k4 >> 1) + (k4 & 1);
+            qf[4 * blk + k4][nb][4 * g + t] =
+                make_uint2(__byte_perm(w[i], w[i + 2], 0x5410), __byte_perm(w[i], w[i + 2], 0x7632));
+        }
+    }
+};
 
 /* s[nb] = K Q^T for the unit in `st` against n-block nb of the query rows (S^T: keys as M, so one query token
    and up to 8 query heads take one MMA a k-step, not two): s[nb][e] is key g + 8 (e >> 1), query row
    8 nb + 2t + (e & 1). Lane (g, t) dequantizes channels [t * D/4, (t + 1) * D/4) of keys g (h = 0) and g + 8
    (h = 1): word j holds channels 8j .. 8j + 7 of that range, in block t * D/64 + j / 2 (D/4 channels span D/64
    blocks of 16), and its pairs c[h][i] = channels 8j + i and 8j + i + 4 are the A registers of keys g + 8h in
-   steps 2j (i = 0, 1) and 2j + 1 (i = 2, 3), in the file comment's order. qf: load_q_fragments' registers of
-   every lane (qf[kk][nb][lane] = qb[kk][nb]), kept in shared memory once per CTA: in registers they cost 16 of
+   steps 2j (i = 0, 1) and 2j + 1 (i = 2, 3), in the file comment's order. qf: Q^F's B fragments of
+   every lane (QFragmentBuild), kept in shared memory once per CTA: in registers they cost 16 of
    the 128 a thread has with four CTAs an SM. */
 template <int D, int NB>
 AQ_D void unit_scores(float (&s)[NB][4], const uint2 (&qf)[D / 16][NB][32], const unsigned char *st, int g, int t) {
@@ -509,45 +528,61 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-    const int tq_count = (int)p.seqlen_q, group = (int)(p.heads_q / p.heads_kv), rows = group * tq_count;
     const int u_begin = c0 / DEC_UNIT, u_end = (min(c0 + chunk, L) + DEC_UNIT - 1) / DEC_UNIT;
 
     const page_pools pools = {p.k_codes, p.k_scales, p.v_codes, p.v_scales};
 
     /* Where each unit of the chunk is stored: pool unit (page * Hkv + hk) * page_units + the unit's place in its
-       page, page = the sequence's block-table entry. Looked up once per CTA, so the copies of a step wait for no
-       global load. A page outside the pool is never read: the CTA reads pool unit 0 instead and its results turn
-       NaN (a corrupt block table must not give plausible output). */
+       page, page = the sequence's block-table entry. A page outside the pool is never read: the CTA reads pool
+       unit 0 instead and its results turn NaN (a corrupt block table must not give plausible output). */
+    const int page_units = (int)(p.page_size / DEC_UNIT);
+    const int32_t *table = p.block_table + (int64_t)b * p.pages_per_seq;
+    auto slot_of = [&](int u, bool &bad_page) -> uint32_t {
+        const int32_t page = table[u / page_units];
+        const bool ok = page >= 0 && page < p.num_pages;
+        bad_page |= !ok;
+        return ok ? ((uint32_t)page * (uint32_t)p.heads_kv + hk) * page_units + u % page_units : 0u;
+    };
+
+    /* This warp's units u_begin + warp + DEC_WARPS * i, i < count, through its ring: unit i sits in stage
+       i % DEC_STAGES and is cp.async group i (one group is committed per unit, empty or not). A step takes SU
+       units: with one n-block, two (32 keys), so the softmax's reductions, its rescale vote and the P block
+       scales are shared by two units (one p_block_scale a lane for four blocks instead of one for two), and
+       the loop's bookkeeping runs half as often; with two n-blocks, one (their registers leave no room). */
+    constexpr int SU = NB == 1 ? 2 : 1;
+    unsigned char *ring = smem + warp * RING;
+    const int n_units = u_end - u_begin;
+    const int count = n_units > warp ? (n_units - warp + DEC_WARPS - 1) / DEC_WARPS : 0;
+
+    /* The CTA's start, three latencies side by side rather than in a row: each warp's first units (their slots
+       read from the block table directly), the raw Q blocks, and the block table for the rest of the chunk
+       (into shared memory, so the copies of a later step wait for no global load). */
+    bool bad_page = false;
+#pragma unroll
+    for (int i = 0; i < DEC_STAGES - SU; i++) {
+        if (i < count) load_unit<D>(ring + i * U::BYTES, pools, slot_of(u_begin + warp + DEC_WARPS * i, bad_page), lane);
+        cp_async_commit();
+    }
+    const int tq_count = (int)p.seqlen_q, group = (int)(p.heads_q / p.heads_kv), rows = group * tq_count;
+    const int64_t row_base = ((int64_t)b * p.heads_q + (int64_t)hk * group) * tq_count; /* query row of ridx 0 */
+    QFragmentBuild<D, DT, NB> qbuild;
+    qbuild.load((int)threadIdx.x, p.q, 16 * mt, rows, row_base);
     __shared__ uint32_t unit_slot[DEC_MAX_CHUNK / DEC_UNIT];
     __shared__ int chunk_bad_page; /* read after the merge's barriers; kept out of the registers of the loop */
-    {
-        bool bad_page = false;
-        const int page_units = (int)(p.page_size / DEC_UNIT);
-        const int32_t *table = p.block_table + (int64_t)b * p.pages_per_seq;
-        for (int i = (int)threadIdx.x; i < u_end - u_begin; i += DEC_THREADS) {
-            const int u = u_begin + i;
-            const int32_t page = table[u / page_units];
-            const bool ok = page >= 0 && page < p.num_pages;
-            bad_page |= !ok;
-            unit_slot[i] = ok ? ((uint32_t)page * (uint32_t)p.heads_kv + hk) * page_units + u % page_units : 0u;
-        }
-        bad_page = __syncthreads_or(bad_page);
-        if (threadIdx.x == 0) chunk_bad_page = bad_page;
-    }
+    for (int i = (int)threadIdx.x; i < n_units; i += DEC_THREADS) unit_slot[i] = slot_of(u_begin + i, bad_page);
+    __shared__ uint2 q_frag[D / 16][NB][32]; /* Q^F's B fragments by lane: the same for every warp */
+    qbuild.store(q_frag, (int)threadIdx.x);
+    bad_page = __syncthreads_or(bad_page); /* also publishes unit_slot and q_frag */
+    if (threadIdx.x == 0) chunk_bad_page = bad_page;
 
     /* Query row ridx of the tile (16 mt + ridx < rows, else past the group's: computed with Q = 0 and dropped) is
        query token ridx % Tq of head hk * group + ridx / Tq. The lane loads Q^F of rows 8 nb + g (the B operand) and
        keeps the scores, frames and O^T columns of rows 8 nb + 2t + c, with the last key each sees (keys < L only;
        rows past the group's see them all). */
-    auto q_row = [&](int ridx) -> int64_t {
-        return ((int64_t)b * p.heads_q + (int64_t)hk * group + ridx / tq_count) * tq_count + ridx % tq_count;
-    };
+    auto q_row = [&](int ridx) -> int64_t { return row_base + ridx; };
     int lim[NB][2];
-    int64_t q_rows[NB];
 #pragma unroll
     for (int nb = 0; nb < NB; nb++) {
-        const int qr = 16 * mt + 8 * nb + g;
-        q_rows[nb] = qr < rows ? q_row(qr) : -1;
 #pragma unroll
         for (int c = 0; c < 2; c++) {
             const int ridx = 16 * mt + 8 * nb + 2 * t + c;
@@ -564,30 +599,6 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
     }
     const float exp_scale = p.softmax_scale * AQ_LOG2E * DEC_FRAME; /* the scores are 2^-14 q.k (file comment) */
 
-    /* This warp's units u_begin + warp + DEC_WARPS * i, i < count, through its ring: unit i sits in stage
-       i % DEC_STAGES and is cp.async group i (one group is committed per unit, empty or not). A step takes SU
-       units: with one n-block, two (32 keys), so the softmax's reductions, its rescale vote and the P block
-       scales are shared by two units (one p_block_scale a lane for four blocks instead of one for two), and
-       the loop's bookkeeping runs half as often; with two n-blocks, one (their registers leave no room). */
-    constexpr int SU = NB == 1 ? 2 : 1;
-    unsigned char *ring = smem + warp * RING;
-    const int n_units = u_end - u_begin;
-    const int count = n_units > warp ? (n_units - warp + DEC_WARPS - 1) / DEC_WARPS : 0;
-#pragma unroll
-    for (int i = 0; i < DEC_STAGES - SU; i++) {
-        if (i < count) load_unit<D>(ring + i * U::BYTES, pools, unit_slot[warp + DEC_WARPS * i], lane);
-        cp_async_commit();
-    }
-    __shared__ uint2 q_frag[D / 16][NB][32]; /* Q^F's B fragments by lane: the same for every warp */
-    if (warp == 0) { /* made while the first units are in flight */
-        uint32_t qb[D / 16][NB][2];
-        load_q_fragments<D, DT, NB>(qb, p.q, q_rows, t);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-#pragma unroll
-            for (int nb = 0; nb < NB; nb++) q_frag[kk][nb][lane] = make_uint2(qb[kk][nb][0], qb[kk][nb][1]);
-    }
-    __syncthreads();
     for (int i0 = 0; i0 < count; i0 += SU) {
 #pragma unroll
         for (int su = 0; su < SU; su++) { /* into the stages that the previous step used and released */
