@@ -31,7 +31,7 @@ CALLS = 10  # calls per captured CUDA graph, alternating between the two caches 
 
 # name: (batch, heads_q, heads_kv, context, query tokens, head_dim)
 SHAPES = {
-    "b8_32k_q1": (8, 32, 8, 32768, 1, 128),  # the goal shape
+    "b8_32k_q1": (8, 32, 8, 32768, 1, 128),  # 32k context, batch 8: the headline decode shape (README)
     "b8_32k_q4": (8, 32, 8, 32768, 4, 128),
     "b8_4k_q1": (8, 32, 8, 4096, 1, 128),
     "b8_4k_q4": (8, 32, 8, 4096, 4, 128),

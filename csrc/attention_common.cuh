@@ -661,7 +661,7 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
    then runs beside the exponentials instead of after them, the block maxima give the row maxima too, and the
    integer max over P̂ per element is gone, for one more MUFU.EX2 a block pair and lane (performance.md v12:
    inference forward -3 to -4%). Not at D = 64, where the exponentials alone keep MUFU as busy as the tensor cores
-   (hopper.md) and that extra one cost 5%: there the amax is the integer max of the P̂ bits. */
+   (performance.md, cost model) and that extra one cost 5%: there the amax is the integer max of the P̂ bits. */
 template <int BN, aq_dtype DT, bool FROM_LOGITS>
 AQ_D void online_softmax_p_scales(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2], float exp_scale,
                                   float (&r)[BN / 32], uint32_t (&scale_pairs)[BN / 32]) {
