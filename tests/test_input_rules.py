@@ -106,9 +106,10 @@ def test_integrations_fall_back_on_the_same_reason(name):
             _run_sdpa(args, kwargs)
         messages = [str(w.message) for w in record if issubclass(w.category, AttnQATFallbackWarning)]
         assert messages == [f"attn_qat: falling back to PyTorch scaled_dot_product_attention: {reason}"]
-    with patch_sdpa(strict=True), pytest.raises(NotImplementedError) as raised:
-        F.scaled_dot_product_attention(*args, **kwargs)
-    assert str(raised.value).startswith(f"attn_qat.patch_sdpa: {reason} (strict=True")
+    if name not in ("not_a_tensor", "mask_type"):  # torch's argument parser refuses a list before any mode sees it
+        with patch_sdpa(strict=True), pytest.raises(NotImplementedError) as raised:
+            F.scaled_dot_product_attention(*args, **kwargs)
+        assert str(raised.value).startswith(f"attn_qat.patch_sdpa: {reason} (strict=True")
 
 
 def test_flash_style_entry_point_uses_the_same_rules():

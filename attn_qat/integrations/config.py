@@ -4,8 +4,9 @@ through PyTorch's SDPA with a warning (or an error under `strict`)."""
 import dataclasses
 import importlib
 import re
+import threading
 import warnings
-from typing import Callable, Optional, Set
+from typing import Optional, Set
 
 import torch
 
@@ -104,11 +105,26 @@ def module_state(module: torch.nn.Module) -> Optional[AttentionState]:
     return getattr(module, STATE_ATTR, None)
 
 
-def torch_sdpa() -> Callable:
-    """PyTorch's SDPA as installed now, looking through an active `patch_sdpa` (whose wrapper records the
-    function it replaced), so that a fallback never re-enters attn_qat."""
-    fn = torch.nn.functional.scaled_dot_product_attention
-    return getattr(fn, "_attn_qat_fallback", fn)
+# Per thread: how many fallbacks to PyTorch's SDPA are running, during which `patch_sdpa` lets the call through.
+_fallbacks = threading.local()
+
+
+def passing_through() -> bool:
+    """Whether a fallback to PyTorch's SDPA runs on this thread now (`patch_sdpa` must not intercept it)."""
+    return getattr(_fallbacks, "depth", 0) > 0
+
+
+def torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """PyTorch's SDPA (`torch.nn.functional.scaled_dot_product_attention` as installed now), past every
+    `patch_sdpa` active on this thread, so that a fallback never re-enters attn_qat; other torch function modes
+    still see the call."""
+    _fallbacks.depth = getattr(_fallbacks, "depth", 0) + 1
+    try:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                                                dropout_p=dropout_p, is_causal=is_causal,
+                                                                scale=scale, enable_gqa=enable_gqa)
+    finally:
+        _fallbacks.depth -= 1
 
 
 @torch.compiler.disable
@@ -150,8 +166,8 @@ def run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
         if config.strict:
             raise NotImplementedError(f"{where}: {reason} (strict=True forbids falling back to PyTorch SDPA)")
         warn_once(f"falling back to PyTorch scaled_dot_product_attention: {reason}", warned)
-        return torch_sdpa()(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
+        return torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                          scale=scale, enable_gqa=enable_gqa)
     if inference:
         return inference_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                                    config.inference_mode, warned, v_block_axis)
