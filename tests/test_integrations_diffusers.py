@@ -260,3 +260,47 @@ def test_processor_under_torch_compile():
     assert torch.equal(compiled(hidden, context), eager)
     module.processor._state.enabled = False  # installed by hand: the processor's own state
     assert torch.equal(compiled(hidden, context), module.processor.original(module, hidden, context))
+
+
+def test_reset_restores_the_active_backend(monkeypatch, restore_active_backend):
+    """set_attention_backend("attn_qat") makes attn_qat diffusers' process-wide active backend, which models built
+    afterwards use; reset_diffusers_backend gives back the backend active before, and they run it again."""
+    calls = []
+    original = df_integration.run_sdpa
+    monkeypatch.setattr(df_integration, "run_sdpa", lambda *a, **k: calls.append(1) or original(*a, **k))
+    inputs = wan_inputs("cpu")
+    set_active_backend(AttentionBackendName.NATIVE)
+    torch.manual_seed(1)
+    expected = tiny_wan(64)(**inputs).sample  # diffusers' default attention
+    assert not calls
+
+    attn_qat.register_diffusers_backend(QATConfig(mode="bf16"))
+    model = tiny_wan(64)
+    model.set_attention_backend("attn_qat")
+    if _AttentionBackendRegistry._active_backend.value != "attn_qat":  # diffusers 0.35 leaves the active one alone
+        set_active_backend(AttentionBackendName("attn_qat"))
+    torch.manual_seed(1)
+    fresh = tiny_wan(64)  # never set to attn_qat, yet it runs attn_qat through the active backend
+    assert not torch.equal(fresh(**inputs).sample, expected) and calls
+
+    attn_qat.reset_diffusers_backend()
+    assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
+    calls.clear()
+    torch.manual_seed(1)
+    assert torch.equal(tiny_wan(64)(**inputs).sample, expected) and not calls
+    model(**inputs)  # its processors still name attn_qat ...
+    assert calls
+    calls.clear()
+    attn_qat.reset_diffusers_backend(model)  # ... until reset with it
+    model(**inputs)
+    assert not calls
+
+    # the backend active before is what comes back, whichever it was; a reset with another one active leaves it
+    set_active_backend(AttentionBackendName._NATIVE_MATH)
+    attn_qat.register_diffusers_backend()
+    set_active_backend(AttentionBackendName("attn_qat"))
+    attn_qat.reset_diffusers_backend()
+    assert _AttentionBackendRegistry._active_backend == AttentionBackendName._NATIVE_MATH
+    set_active_backend(AttentionBackendName.NATIVE)
+    attn_qat.reset_diffusers_backend()
+    assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE

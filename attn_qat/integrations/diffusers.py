@@ -7,7 +7,7 @@ backend; diffusers has no public way to add one, so this extends its private bac
 public `set_processor`: it runs diffusers' own `WanAttnProcessor` with its attention sent to that backend, and keeps
 per-module state, so the self/cross choice, `enable`/`disable` and `convert` work. `register_diffusers_backend()`
 makes `model.set_attention_backend("attn_qat")` work for every diffusers model that dispatches through
-`dispatch_attention_fn`.
+`dispatch_attention_fn`; `reset_diffusers_backend()` gives the process-wide active backend back.
 """
 import threading
 from typing import Optional
@@ -112,8 +112,10 @@ def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warn
                          "filter_fn and the config's self_attention / cross_attention)")
 
 
-# The backend's state for calls outside a WanAttnQATProcessor (register_diffusers_backend's config).
+# The backend's state for calls outside a WanAttnQATProcessor (register_diffusers_backend's config), and the
+# process-wide active backend it found when the "attn_qat" backend was registered (reset_diffusers_backend).
 _backend_state = AttentionState(QATConfig())
+_previous_active = None
 
 
 def _attn_qat_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -150,19 +152,29 @@ def _add_enum_member(enum_cls, name: str, value: str):
     return member
 
 
+def _set_active_backend(registry, backend) -> None:
+    if hasattr(registry, "set_active_backend"):
+        registry.set_active_backend(backend)
+    else:  # diffusers 0.35 has no setter
+        registry._active_backend = backend
+
+
 def _register_backend():
     """Registers "attn_qat" with diffusers' dispatcher (idempotent) and returns its `AttentionBackendName` member.
 
     diffusers (0.35 to 0.42) validates backend names against its `AttentionBackendName` enum and keeps backend
     functions in the private `_AttentionBackendRegistry`; neither has a public extension point, so this adds an
     enum member and registers through the registry's own decorator. It checks the result and raises
-    `RuntimeError` if a diffusers version changed those internals."""
+    `RuntimeError` if a diffusers version changed those internals. It also notes the process-wide active backend
+    it finds, unless that is "attn_qat" already, for `reset_diffusers_backend`."""
+    global _previous_active
     require_version("diffusers", DIFFUSERS_MIN, "attn_qat's diffusers integration")
     from diffusers.models import attention_dispatch
 
     names = getattr(attention_dispatch, "AttentionBackendName", None)
     registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
-    if names is None or not hasattr(names, "_value2member_map_") or not hasattr(registry, "register"):
+    if names is None or not hasattr(names, "_value2member_map_") or not hasattr(registry, "register") or \
+            not hasattr(registry, "_active_backend"):
         raise RuntimeError("attn_qat: this diffusers version has no attention backend registry that attn_qat knows "
                            "how to extend; use attn_qat.patch_sdpa")
     member = names._value2member_map_.get(BACKEND)
@@ -174,6 +186,9 @@ def _register_backend():
             registry._backends.get(member) is not _attn_qat_backend:
         raise RuntimeError("attn_qat: registering the attn_qat attention backend with diffusers failed (its "
                            "backend registry changed); use attn_qat.patch_sdpa")
+    active = registry._active_backend
+    if getattr(active, "value", active) != BACKEND:
+        _previous_active = active
     return member
 
 
@@ -184,7 +199,8 @@ def register_diffusers_backend(config: Optional[QATConfig] = None) -> None:
 
     The backend applies to every attention call of the model that goes through diffusers' dispatcher: it
     cannot tell self- from cross-attention, `enable`/`disable`/`convert` do not reach it, and diffusers'
-    `set_attention_backend` also makes it the process-wide active backend. Use `attn_qat.prepare` for per-module control. Calls
+    `set_attention_backend` also makes it the process-wide active backend, which models built afterwards use
+    too: `reset_diffusers_backend()` gives that back. Use `attn_qat.prepare` for per-module control. Calls
     attn_qat does not support fall back to PyTorch SDPA (diffusers' "native"). diffusers has no public way to
     add a backend: see `_register_backend`, which raises `RuntimeError` if a diffusers version changed what it
     relies on.
@@ -193,3 +209,24 @@ def register_diffusers_backend(config: Optional[QATConfig] = None) -> None:
     _register_backend()
     if config is not None:
         _backend_state = AttentionState(config)
+
+
+def reset_diffusers_backend(*models: torch.nn.Module) -> None:
+    """Undoes the process-wide effect of `model.set_attention_backend("attn_qat")`: when "attn_qat" is diffusers'
+    active backend, makes the backend that was active when attn_qat registered its backend (diffusers' default
+    otherwise: "native", or the `DIFFUSERS_ATTN_BACKEND` environment variable) the active one again, so that
+    models built afterwards run it. The models given are reset too (diffusers' `model.reset_attention_backend()`:
+    their processors follow the active backend again); other models set to "attn_qat" keep it, as do
+    `WanAttnQATProcessor`s. The backend stays registered and keeps its config."""
+    require_version("diffusers", DIFFUSERS_MIN, "attn_qat.reset_diffusers_backend")
+    from diffusers.models import attention_dispatch
+
+    for model in models:
+        model.reset_attention_backend()
+    registry, names = attention_dispatch._AttentionBackendRegistry, attention_dispatch.AttentionBackendName
+    active = registry._active_backend
+    if getattr(active, "value", active) == BACKEND:
+        previous = _previous_active
+        if previous is None:
+            previous = names(attention_dispatch.DIFFUSERS_ATTN_BACKEND)
+        _set_active_backend(registry, previous)
