@@ -10,7 +10,7 @@ from . import nvfp4, ops
 from .attention import SUPPORTED_HEAD_DIMS, attention, scaled_dot_product_attention
 from .integrations import (AttnQATFallbackWarning, QATConfig, WanAttnQATProcessor, convert, disable, enable,
                            merge_attention_states, patch_sdpa, prepare, register_diffusers_backend,
-                           register_transformers)
+                           register_transformers, reset_diffusers_backend)
 from .kv_cache import NVFP4KVCache
 from .nvfp4 import NVFP4Tensor, dequantize, fake_quantize, fake_quantize_qkv, quantize
 from .ops import MODES
@@ -25,6 +25,7 @@ __all__ = [
     # integrations (docs/integrations.md)
     "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "convert", "disable", "enable",
     "merge_attention_states", "patch_sdpa", "prepare", "register_diffusers_backend", "register_transformers",
+    "reset_diffusers_backend",
 ]
 
 

@@ -4,7 +4,7 @@ Both run the Attn-QAT forward (numerics.md §3: FP4 fake-quantized Q, K, V and P
 the FP4-consistent backward (§4), or one of the ablation modes of §5.
 """
 import math
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -25,49 +25,133 @@ def run_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype an operand is run in: under autocast a float32 one takes the autocast dtype, as autocast casts
     the operands of PyTorch's SDPA; any other stays as it is. Models mix them: transformers 5.24's Qwen3 RMSNorm
     returns q and k in float32 when its weights are float32, while v comes out of a linear layer in the
-    autocast dtype. (The integrations' unsupported_reason applies the same rule.)"""
+    autocast dtype. (`input_problem` checks the operands' dtypes by this rule.)"""
     cast = _autocast_dtype(t.device.type) if t.dtype == torch.float32 else None
     return t.dtype if cast is None else cast
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
-    """Checks (B, H, N, D) operands and returns them in a dtype the kernels take (autocast applied)."""
-    for name, t in (("query", q), ("key", k), ("value", v)):
+class Problem(NamedTuple):
+    """Why attn_qat cannot take an attention call: the reason (short: the integrations put it in their fallback
+    warnings and warn once per distinct reason), the exception type the public functions raise for it, and the
+    particulars (shapes, dtypes, a hint) their error message adds. (A named tuple of plain values, so that finding
+    one traces under torch.compile.)"""
+
+    reason: str
+    error: type = ValueError
+    details: str = ""
+
+    def exception(self, fn: str) -> Exception:
+        return self.error(f"attn_qat.{fn}: {self.reason}{self.details}")
+
+
+def input_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, *,
+                  ndims: Tuple[int, ...] = (3, 4)) -> Optional[Problem]:
+    """The one home of the input rules: what keeps attn_qat from running this attention call (arguments as for
+    torch's SDPA: (..., heads, tokens, head_dim) operands, `ndims` the ranks accepted), or None when it can. The
+    public functions raise `problem.exception(fn)` (`_check_qkv`); the integrations fall back to the framework's
+    attention by `unsupported_reason`. It reads only metadata, so it traces under torch.compile; `mode`, `scale`
+    and `v_block_axis` are not its business (no fallback would help with a bad one)."""
+    if dropout_p != 0.0:
+        return Problem("dropout_p > 0 is not supported", ValueError,
+                       f" (dropout_p={dropout_p}); use dropout_p=0.0")
+    if attn_mask is not None and is_causal:
+        return Problem("attn_mask and is_causal=True were both given", ValueError,
+                       "; pass either attn_mask or is_causal=True, not both (as in SDPA)")
+    operands = (("query", query), ("key", key), ("value", value))
+    for name, t in operands:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"attn_qat.{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"attn_qat.{fn}: {name} must be 4-D, got shape {tuple(t.shape)}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"attn_qat.{fn}: query, key and value must be on one device; got {q.device}, "
-                         f"{k.device}, {v.device}")
-    q, k, v = (t.to(run_dtype(t)) for t in (q, k, v))
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"attn_qat.{fn}: query, key and value must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"attn_qat.{fn}: query, key and value must be bfloat16 or float16 (got {q.dtype}); "
-                        "cast them or run under torch.autocast")
-    d = q.shape[-1]
+            return Problem("query, key and value must all be tensors", TypeError,
+                           f"; {name} must be a torch.Tensor, got {type(t).__name__}")
+    if query.is_nested or key.is_nested or value.is_nested:
+        return Problem("nested (jagged) tensors are not supported", NotImplementedError)
+    allowed = " or ".join(f"{n}-D" for n in ndims)
+    if not (query.dim() == key.dim() == value.dim()):
+        return Problem("query, key and value have different numbers of dimensions", ValueError,
+                       f"; they must all be {allowed}, got shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+                       f"{tuple(value.shape)}")
+    if query.dim() not in ndims:
+        return Problem(f"{query.dim()}-D inputs are not supported ({allowed} only)", ValueError,
+                       f"; got shape {tuple(query.shape)}")
+    device = query.device
+    if key.device != device or value.device != device:
+        return Problem("query, key and value must be on one device", ValueError,
+                       f"; got {query.device}, {key.device}, {value.device}")
+    if device.type not in ("cpu", "cuda", "meta"):
+        return Problem(f"device type {device.type!r} is not supported", NotImplementedError,
+                       " (attn_qat has CPU and CUDA kernels)")
+    dtypes = [run_dtype(t) for _, t in operands]
+    if not (dtypes[0] == dtypes[1] == dtypes[2]):
+        return Problem("query, key and value have different dtypes", TypeError,
+                       f"; they must have one dtype, got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
+    if dtypes[0] not in (torch.bfloat16, torch.float16):
+        return Problem(f"dtype {dtypes[0]} is not supported (bfloat16 or float16, or float32 under autocast)",
+                       TypeError, "; cast them or run under torch.autocast")
+    d = query.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"attn_qat.{fn}: head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
-    if k.shape[-1] != d or v.shape[-1] != d:
-        raise ValueError(f"attn_qat.{fn}: query, key and value must share head_dim; got {q.shape[-1]}, "
-                         f"{k.shape[-1]}, {v.shape[-1]}")
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"attn_qat.{fn}: the last dimension of {name} must be contiguous (stride 1), got "
-                             f"strides {t.stride()}")
-    return q, k, v
+        return Problem(f"head_dim {d} is not supported (one of {SUPPORTED_HEAD_DIMS})", ValueError)
+    if key.shape[-1] != d or value.shape[-1] != d:
+        return Problem("query, key and value must share head_dim", ValueError,
+                       f"; got {d}, {key.shape[-1]}, {value.shape[-1]}")
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return Problem("the last dimension of query, key or value is not contiguous", ValueError,
+                       f" (stride 1 needed); got strides {query.stride()}, {key.stride()}, {value.stride()}")
+    if query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3]:
+        return Problem("batch sizes differ", ValueError,
+                       f"; got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if key.shape[-3:-1] != value.shape[-3:-1]:
+        return Problem("key and value must have the same heads and tokens", ValueError,
+                       f"; got {tuple(key.shape)} and {tuple(value.shape)}")
+    heads_q, heads_kv = query.shape[-3], key.shape[-3]
+    if (heads_kv == 0 and heads_q) or (heads_kv and heads_q % heads_kv):
+        return Problem(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})", ValueError)
+    if heads_q != heads_kv and not enable_gqa:
+        return Problem(f"query heads ({heads_q}) and key/value heads ({heads_kv}) differ without enable_gqa=True",
+                       ValueError, "; pass enable_gqa=True for grouped-query attention (as in SDPA)")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            return Problem("attn_mask is not a tensor", TypeError,
+                           f"; attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+        if attn_mask.device != device:
+            return Problem("attn_mask is on a different device than the query", ValueError,
+                           f"; attn_mask is on {attn_mask.device}, the query on {device}")
+        if attn_mask.requires_grad:
+            return Problem("attn_mask requires grad (gradients with respect to attn_mask are not supported)",
+                           NotImplementedError)
+        if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+            return Problem(f"attn_mask dtype {attn_mask.dtype} is not supported (bool or floating point)",
+                           TypeError)
+        # an unbatched call runs batched with a batch of 1 (as torch's SDPA does), so a leading 1 broadcasts too
+        target = (*query.shape[:-3], heads_q, query.shape[-2], key.shape[-2])
+        target = target if len(target) == 4 else (1, *target)
+        if attn_mask.dim() > len(target) or any(
+                m not in (1, t) for m, t in zip(reversed(attn_mask.shape), reversed(target))):
+            return Problem("attn_mask does not broadcast to (batch, heads, query tokens, key tokens)", ValueError,
+                           f"; got shape {tuple(attn_mask.shape)} for {target}")
+    return None
+
+
+def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, *,
+                       ndims: Tuple[int, ...] = (3, 4)) -> Optional[str]:
+    """Why attn_qat cannot run this attention call (`input_problem`'s reason), or None when it can."""
+    problem = input_problem(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, ndims=ndims)
+    return None if problem is None else problem.reason
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
+    """Checks (B, H, N, D) operands (grouped KV heads allowed) by `input_problem`'s rules, raising its exception,
+    and returns them in a dtype the kernels take (autocast applied)."""
+    problem = input_problem(q, k, v, enable_gqa=True, ndims=(4,))
+    if problem is not None:
+        raise problem.exception(fn)
+    return tuple(t.to(run_dtype(t)) for t in (q, k, v))
 
 
 def _check_heads(q, k, v, fn):
-    b, hq, _, _ = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"attn_qat.{fn}: batch sizes differ: {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"attn_qat.{fn}: key and value must have the same heads and tokens; got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if (k.shape[1] == 0 and hq) or (k.shape[1] and hq % k.shape[1]):
-        raise ValueError(f"attn_qat.{fn}: query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    """The batch and head rules of (B, H, N, D) operands; `_check_qkv` applies them already (kept for callers that
+    checked them apart)."""
+    problem = input_problem(q, k, v, enable_gqa=True, ndims=(4,))
+    if problem is not None:
+        raise problem.exception(fn)
 
 
 # Additive mask values at or below this count as -inf. Models mask with torch.finfo(dtype).min, which
@@ -77,28 +161,15 @@ MASKED_BELOW = -1e30
 
 
 def _kernel_mask(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """An SDPA attn_mask (bool: True = attend, or additive float) as the kernels' additive float32
-    mask, expanded (without copying) to (B, H, Nq, Nk)."""
-    if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_qat: attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
-    if attn_mask.device != q.device:
-        raise ValueError(f"attn_qat: attn_mask is on {attn_mask.device}, the query on {q.device}")
-    if attn_mask.requires_grad:
-        raise NotImplementedError("attn_qat: gradients with respect to attn_mask are not supported")
+    """An SDPA attn_mask (bool: True = attend, or additive float) that `input_problem` accepted, as the
+    kernels' additive float32 mask, expanded (without copying) to (B, H, Nq, Nk)."""
     if attn_mask.dtype == torch.bool:
         additive = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device)
         additive = additive.masked_fill(attn_mask.logical_not(), float("-inf"))
-    elif attn_mask.is_floating_point():
+    else:
         additive = attn_mask.to(torch.float32)
         additive = additive.masked_fill(additive <= MASKED_BELOW, float("-inf"))
-    else:
-        raise TypeError(f"attn_qat: attn_mask must be bool or floating point, got {attn_mask.dtype}")
-    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    try:
-        return additive.expand(shape)
-    except RuntimeError:
-        raise ValueError(f"attn_qat: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                         f"(batch, heads, query tokens, key tokens) = {shape}") from None
+    return additive.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
 class _EmptyAttention(torch.autograd.Function):
@@ -151,18 +222,13 @@ def scaled_dot_product_attention(
     that a key a query cannot see changes nothing it computes; "tokens" under a mask lets hidden keys leak.
     """
     fn = "scaled_dot_product_attention"
-    if dropout_p != 0.0:
-        raise ValueError(f"attn_qat.{fn}: dropout is not supported (dropout_p={dropout_p}); use dropout_p=0.0")
-    if attn_mask is not None and is_causal:
-        raise ValueError(f"attn_qat.{fn}: pass either attn_mask or is_causal=True, not both (as in SDPA)")
-    unbatched = isinstance(query, torch.Tensor) and query.dim() == 3
+    problem = input_problem(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    if problem is not None:
+        raise problem.exception(fn)
+    unbatched = query.dim() == 3
     if unbatched:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    query, key, value = _check_qkv(query, key, value, fn)
-    _check_heads(query, key, value, fn)
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError(f"attn_qat.{fn}: query has {query.shape[1]} heads and key/value {key.shape[1]}; pass "
-                         "enable_gqa=True for grouped-query attention (as in SDPA)")
+    query, key, value = (t.to(run_dtype(t)) for t in (query, key, value))
     mode_code(mode)  # a bad mode fails here, empty inputs or not
     along_tokens = v_along_tokens(v_block_axis, is_causal or attn_mask is not None, fn)
     mask = None if attn_mask is None else _kernel_mask(attn_mask, query, key)
@@ -207,7 +273,6 @@ def attention(
                 raise ValueError(f"attn_qat.{fn}: {name} must be a 4-D (batch, tokens, heads, head_dim) tensor")
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q, k, v = _check_qkv(q, k, v, fn)
-    _check_heads(q, k, v, fn)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else check_softmax_scale(softmax_scale,
                                                                                              "softmax_scale", fn)
     if _is_empty(q, k, v):

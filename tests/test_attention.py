@@ -458,26 +458,6 @@ def test_bad_inputs_raise_clear_errors():
         sdpa(q, k, v, attn_mask=torch.zeros(20, 20, requires_grad=True))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
-    q, k, v, dout = make_inputs(1, 4, 2, 24, 40, 64, torch.bfloat16, device, layout="bshd")
-    mask = torch.zeros(1, 4, 24, 40, device=device)
-    fwd = torch.ops.attn_qat.attention_forward.default
-    for mode, need_grad, along_tokens in ((0, True, False), (2, True, True), (3, True, False), (4, True, False),
-                                          (0, False, True)):
-        # need_grad=False returns no O' or Q^F, K^F, V^F, so nothing differentiates through such a call
-        args = tuple(t.detach().requires_grad_(need_grad) for t in (q, k, v)) + (mask, 0.125, 1, mode, need_grad,
-                                                                                along_tokens)
-        torch.library.opcheck(fwd, args)
-    q, k, v = q.detach(), k.detach(), v.detach()  # the backward op has no double backward
-    out, out_prime, frame, row_sum, qf, kf, vf = fwd(q, k, v, None, 0.125, 2, 0, True, False)
-    assert qf.shape == q.shape and kf.shape == k.shape and vf.shape == v.shape
-    torch.library.opcheck(torch.ops.attn_qat.attention_backward.default,
-                          (dout, q, k, v, out, out_prime, None, frame, row_sum, 0.125, 2, 0, False, False))
-    torch.library.opcheck(torch.ops.attn_qat.attention_backward.default,
-                          (dout, qf, kf, vf, out, out_prime, None, frame, row_sum, 0.125, 2, 0, False, False, True))
-
-
 class TinyAttention(torch.nn.Module):
     def __init__(self, d_model=128, heads=2):
         super().__init__()

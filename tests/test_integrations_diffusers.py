@@ -201,3 +201,106 @@ def test_attention_backend(device, restore_active_backend):
     assert BF16_TOL < rel_error(fp4, expected) < 0.5
     fp4.float().square().mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in reference.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("i2v", [False, True], ids=["t2v", "i2v"])
+def test_processor_is_diffusers_processor_with_attn_qat_attention(i2v, restore_active_backend):
+    """The processor runs diffusers' own WanAttnProcessor and swaps only the attention: bit for bit what diffusers'
+    processor computes on its native backend when every SDPA call in it runs attn_qat (patch_sdpa), forward and
+    backward, in the FP4 mode."""
+    set_active_backend(AttentionBackendName.NATIVE)
+    reference = tiny_wan(64, "cpu", i2v)
+    model = attn_qat.prepare(copy.deepcopy(reference), QATConfig(cross_attention=True))
+    inputs = wan_inputs("cpu", i2v)
+    out = model(**inputs).sample
+    with attn_qat.patch_sdpa(QATConfig()):
+        expected = reference(**inputs).sample
+    assert torch.equal(out, expected)
+    assert rel_error(out, copy.deepcopy(reference)(**inputs).sample) > BF16_TOL  # attn_qat did run
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    expected.backward(dout)
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (grads[name].grad is None), name
+        assert p.grad is None or torch.equal(p.grad, grads[name].grad), name
+
+
+def test_processor_runs_diffusers_code(monkeypatch):
+    """Projections, norms, rotary embedding and the I2V split are whatever diffusers' WanAttnProcessor does: the
+    processor calls it (so a diffusers upgrade changes nothing here), and refuses to run if it stops dispatching its
+    attention to attn_qat."""
+    from diffusers.models.transformers import transformer_wan
+    calls = []
+    original_call = transformer_wan.WanAttnProcessor.__call__
+
+    def recording_call(self, attn, *args, **kwargs):
+        calls.append(attn)
+        return original_call(self, attn, *args, **kwargs)
+
+    monkeypatch.setattr(transformer_wan.WanAttnProcessor, "__call__", recording_call)
+    model = attn_qat.prepare(tiny_wan(64), QATConfig(cross_attention=True))
+    model(**wan_inputs("cpu"))
+    assert len(calls) == 4 and all(isinstance(m.processor, WanAttnQATProcessor) for m in calls)
+
+    monkeypatch.setattr(transformer_wan.WanAttnProcessor, "__call__", lambda self, attn, hidden, *args: hidden)
+    with pytest.raises(RuntimeError, match="did not dispatch"):
+        model(**wan_inputs("cpu"))
+
+
+def test_processor_under_torch_compile():
+    """The processor (diffusers' code, the backend reading the module's state) traces into one graph; a state flip
+    recompiles and is honoured."""
+    module = tiny_wan(64, i2v=True).blocks[0].attn2
+    module.set_processor(WanAttnQATProcessor(module.processor, QATConfig()))
+    hidden = torch.randn(2, 32, 128, dtype=torch.bfloat16)
+    context = torch.randn(2, 20 + TEXT_TOKENS, 128, dtype=torch.bfloat16)
+    eager = module(hidden, context)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(hidden, context), eager)
+    module.processor._state.enabled = False  # installed by hand: the processor's own state
+    assert torch.equal(compiled(hidden, context), module.processor.original(module, hidden, context))
+
+
+def test_reset_restores_the_active_backend(monkeypatch, restore_active_backend):
+    """set_attention_backend("attn_qat") makes attn_qat diffusers' process-wide active backend, which models built
+    afterwards use; reset_diffusers_backend gives back the backend active before, and they run it again."""
+    calls = []
+    original = df_integration.run_sdpa
+    monkeypatch.setattr(df_integration, "run_sdpa", lambda *a, **k: calls.append(1) or original(*a, **k))
+    inputs = wan_inputs("cpu")
+    set_active_backend(AttentionBackendName.NATIVE)
+    torch.manual_seed(1)
+    expected = tiny_wan(64)(**inputs).sample  # diffusers' default attention
+    assert not calls
+
+    attn_qat.register_diffusers_backend(QATConfig(mode="bf16"))
+    model = tiny_wan(64)
+    model.set_attention_backend("attn_qat")
+    if _AttentionBackendRegistry._active_backend.value != "attn_qat":  # diffusers 0.35 leaves the active one alone
+        set_active_backend(AttentionBackendName("attn_qat"))
+    torch.manual_seed(1)
+    fresh = tiny_wan(64)  # never set to attn_qat, yet it runs attn_qat through the active backend
+    assert not torch.equal(fresh(**inputs).sample, expected) and calls
+
+    attn_qat.reset_diffusers_backend()
+    assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
+    calls.clear()
+    torch.manual_seed(1)
+    assert torch.equal(tiny_wan(64)(**inputs).sample, expected) and not calls
+    model(**inputs)  # its processors still name attn_qat ...
+    assert calls
+    calls.clear()
+    attn_qat.reset_diffusers_backend(model)  # ... until reset with it
+    model(**inputs)
+    assert not calls
+
+    # the backend active before is what comes back, whichever it was; a reset with another one active leaves it
+    set_active_backend(AttentionBackendName._NATIVE_MATH)
+    attn_qat.register_diffusers_backend()
+    set_active_backend(AttentionBackendName("attn_qat"))
+    attn_qat.reset_diffusers_backend()
+    assert _AttentionBackendRegistry._active_backend == AttentionBackendName._NATIVE_MATH
+    set_active_backend(AttentionBackendName.NATIVE)
+    attn_qat.reset_diffusers_backend()
+    assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE

@@ -1,10 +1,14 @@
-"""attn_qat.patch_sdpa and QATConfig: routing of torch.nn.functional.scaled_dot_product_attention, the
-fallbacks with their warnings, strict mode, nesting, restoring, torch.compile."""
+"""attn_qat.patch_sdpa and QATConfig: routing of torch.nn.functional.scaled_dot_product_attention (a torch function
+mode: names imported earlier too, this thread only), the fallbacks with their warnings, strict mode, nesting,
+restoring, the decorator, torch.compile."""
+import threading
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.functional import scaled_dot_product_attention as imported_sdpa
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 import attn_qat
 from attn_qat import AttnQATFallbackWarning, QATConfig, patch_sdpa
@@ -140,44 +144,137 @@ def test_float32_under_autocast_runs_attn_qat():
     assert not rec.fallbacks and out.dtype == torch.bfloat16 and torch.equal(out, expected)
 
 
+def active_patches():
+    """The patch_sdpa contexts on this thread's torch function mode stack, innermost last."""
+    return [m for m in _get_current_function_mode_stack() if isinstance(m, patch_sdpa)]
+
+
+def runs_attn_qat(sdpa=F.scaled_dot_product_attention, **expected_kwargs):
+    """Whether a call of `sdpa` runs attn_qat (with `expected_kwargs`) rather than torch's SDPA: the FP4 output
+    differs from torch's by far more than bf16 rounding."""
+    q, k, v = (randn(1, 2, 32, 64) for _ in range(3))
+    out = sdpa(q, k, v)
+    if torch.equal(out, attn_qat.scaled_dot_product_attention(q, k, v, **expected_kwargs)):
+        return True
+    assert torch.equal(out, torch._C._nn.scaled_dot_product_attention(q, k, v))
+    return False
+
+
 def test_restores_on_exit_and_on_error():
-    original = F.scaled_dot_product_attention
-    with patch_sdpa():
-        assert F.scaled_dot_product_attention is not original
-    assert F.scaled_dot_product_attention is original
+    assert not active_patches() and not runs_attn_qat()
+    with patch_sdpa() as context:
+        assert active_patches() == [context] and runs_attn_qat()
+    assert not active_patches() and not runs_attn_qat()
     with pytest.raises(KeyError), patch_sdpa():
         raise KeyError("boom")
-    assert F.scaled_dot_product_attention is original
+    assert not active_patches() and not runs_attn_qat()
+
+
+def test_intercepts_names_imported_before_the_context():
+    """A torch function mode sees the function itself, however the caller got hold of it."""
+    assert imported_sdpa is F.scaled_dot_product_attention  # bound at this file's import, before any context
+    with patch_sdpa():
+        assert runs_attn_qat(imported_sdpa)
+        assert runs_attn_qat(torch._C._nn.scaled_dot_product_attention)
+        assert runs_attn_qat(lambda q, k, v: imported_sdpa(query=q, key=k, value=v, attn_mask=None, dropout_p=0.0))
+    assert not runs_attn_qat(imported_sdpa)
+
+
+def test_other_threads_are_not_affected():
+    """Modes are per thread: while one thread is inside a context, another runs torch's SDPA, and the reverse."""
+    entered, checked = threading.Barrier(2, timeout=60), threading.Barrier(2, timeout=60)
+    seen = {}
+
+    def worker():
+        seen["worker, before"] = runs_attn_qat()
+        with patch_sdpa(mode="bf16"):
+            entered.wait()  # the main thread has its own context now
+            seen["worker, inside"] = runs_attn_qat(mode="bf16")
+            checked.wait()
+        seen["worker, after"] = runs_attn_qat()
+
+    with patch_sdpa():
+        thread = threading.Thread(target=worker)
+        thread.start()
+        entered.wait()
+        seen["main, inside"] = runs_attn_qat()  # attn_qat mode, not the worker's bf16
+        checked.wait()
+    seen["main, while the worker is inside"] = runs_attn_qat()
+    thread.join()
+    assert seen == {"worker, before": False, "worker, inside": True, "main, inside": True,
+                    "main, while the worker is inside": False, "worker, after": False}
+
+    def other_thread():
+        seen["other"] = runs_attn_qat()
+
+    with patch_sdpa():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert seen["other"] is False
 
 
 def test_nesting():
-    original = F.scaled_dot_product_attention
     q, k, v = (randn(1, 2, 32, 64) for _ in range(3))
-    with patch_sdpa(mode="bf16"):
-        outer = F.scaled_dot_product_attention
+    with patch_sdpa(mode="bf16") as outer:
         with patch_sdpa() as inner:
-            # the inner patch falls back to torch's SDPA directly, never through the outer attn_qat wrapper
-            assert F.scaled_dot_product_attention._attn_qat_fallback is original
-            assert inner.config.mode == "attn_qat"
-            assert torch.equal(F.scaled_dot_product_attention(q, k, v), attn_qat.scaled_dot_product_attention(q, k, v))
+            assert active_patches() == [outer, inner] and inner.config.mode == "attn_qat"
+            assert runs_attn_qat()  # the innermost context decides
+            # a fallback runs torch's SDPA directly, never through the outer attn_qat context: one warning, the inner's
             with recording() as rec:
-                F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-            assert len(rec.fallbacks) == 1
-        assert F.scaled_dot_product_attention is outer
-        assert torch.equal(F.scaled_dot_product_attention(q, k, v),
-                           attn_qat.scaled_dot_product_attention(q, k, v, mode="bf16"))
-    assert F.scaled_dot_product_attention is original
+                out = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+            assert len(rec.fallbacks) == 1 and torch.equal(out, torch._C._nn.scaled_dot_product_attention(
+                q.float(), k.float(), v.float()))
+        assert active_patches() == [outer] and runs_attn_qat(mode="bf16")
+    assert not active_patches()
+
+
+def test_fallbacks_pass_other_modes():
+    """Only attn_qat contexts step aside for a fallback; another torch function mode below still sees the call."""
+    class Recorder(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.sdpa_calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.sdpa_calls += func is F.scaled_dot_product_attention
+            return func(*args, **(kwargs or {}))
+
+    x = randn(1, 2, 16, 80)
+    with Recorder() as recorder, recording(), patch_sdpa():
+        F.scaled_dot_product_attention(x, x, x)  # head_dim 80: falls back
+    assert recorder.sdpa_calls == 1
 
 
 def test_out_of_order_exit_is_an_error():
-    original = F.scaled_dot_product_attention
-    outer, inner = patch_sdpa(), patch_sdpa()
+    class Other(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    outer, other, inner = patch_sdpa(), Other(), patch_sdpa()
     outer.__enter__()
+    other.__enter__()
     inner.__enter__()
-    for context in (outer, inner):
+    try:
         with pytest.raises(RuntimeError, match="out of order"):
-            context.__exit__(None, None, None)
-        assert F.scaled_dot_product_attention is original
+            outer.__exit__(None, None, None)
+        # every attn_qat context is gone from the thread's stack, the other mode stays
+        assert _get_current_function_mode_stack() == [other] and not runs_attn_qat()
+        with pytest.raises(RuntimeError, match="out of order"):
+            inner.__exit__(None, None, None)
+        assert _get_current_function_mode_stack() == [other]
+    finally:
+        other.__exit__(None, None, None)
+    assert not _get_current_function_mode_stack()
+
+
+def test_a_context_is_entered_once():
+    context = patch_sdpa()
+    with context:
+        with pytest.raises(RuntimeError, match="already active"):
+            context.__enter__()
+    with context:  # again after it exited
+        assert runs_attn_qat()
 
 
 def test_as_decorator():
@@ -188,11 +285,34 @@ def test_as_decorator():
         return F.scaled_dot_product_attention(q, k, v)
 
     assert torch.equal(run(), attn_qat.scaled_dot_product_attention(q, k, v, mode="drop_in"))
+    assert not active_patches()
+
+
+def test_decorator_enters_a_fresh_context_per_call():
+    """Recursion nests, other threads get their own context, and each call warns afresh."""
+    x = randn(1, 2, 16, 80)  # head_dim 80: falls back with a warning
+
+    @patch_sdpa()
+    def run(depth):
+        F.scaled_dot_product_attention(x, x, x)
+        return [len(active_patches())] + (run(depth - 1) if depth else [])
+
+    with recording() as rec:
+        assert run(2) == [1, 2, 3]
+    assert len(rec.fallbacks) == 3  # three contexts, one warning each
+    depths = []
+    threads = [threading.Thread(target=lambda: depths.append(run(0))) for _ in range(4)]
+    with recording():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert depths == [[1]] * 4 and not active_patches()
 
 
 def test_torch_compile_traces_the_patch():
-    """The function is looked up while tracing and dynamo guards on it: a graph traced inside the context
-    runs attn_qat, and the same compiled function outside recompiles to torch's SDPA."""
+    """Dynamo traces the mode's __torch_function__: a graph traced inside the context runs attn_qat, and the same
+    compiled function outside gets its own graph with torch's SDPA."""
     q, k, v = (randn(1, 2, 48, 64).requires_grad_() for _ in range(3))
 
     def attend(q, k, v):
@@ -205,6 +325,21 @@ def test_torch_compile_traces_the_patch():
     assert torch.equal(out, attn_qat.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
     assert torch.equal(compiled(q, k, v), attend(q, k, v))
+
+
+def test_torch_compile_with_the_context_inside():
+    """The context entered inside the compiled function (or decorating it) is traced too, in one graph."""
+    q, k, v = (randn(1, 2, 48, 64) for _ in range(3))
+    expected = attn_qat.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def attend(q, k, v):
+        with patch_sdpa():
+            return imported_sdpa(q, k, v, is_causal=True)
+
+    assert torch.equal(torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v), expected)
+    decorated = patch_sdpa()(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert torch.equal(torch.compile(decorated, backend="aot_eager")(q, k, v), expected)
+    assert not active_patches()
 
 
 def test_config_validation():

@@ -162,21 +162,6 @@ def test_straight_through_gradient():
     assert torch.equal(x.grad, g)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
-    x = torch.randn(3, 32, 16, device=device, dtype=torch.bfloat16)
-    ops = torch.ops.attn_qat
-    torch.library.opcheck(ops.nvfp4_quantize.default, (x, 1))
-    torch.library.opcheck(ops.nvfp4_fake_quantize.default, (x.float().requires_grad_(), 2))
-    codes, scales = ops.nvfp4_quantize(x, 1)
-    # test_schema perturbs inputs arithmetically, which float8 tensors do not support.
-    torch.library.opcheck(ops.nvfp4_dequantize.default, (codes, scales, 1, 32, torch.float16),
-                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
-    q = torch.randn(2, 2, 20, 64, device=device, dtype=torch.bfloat16)
-    for along_tokens in (True, False):
-        torch.library.opcheck(ops.fake_quantize_qkv.default, (q, q.requires_grad_(), q, along_tokens))
-
-
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_and_cuda_bit_identical(dtype):

@@ -6,7 +6,7 @@ transformers and diffusers are imported only when an integration for them is use
 docs/integrations.md.
 """
 from .config import AttentionState, AttnQATFallbackWarning, QATConfig
-from .diffusers import WanAttnQATProcessor, register_diffusers_backend
+from .diffusers import WanAttnQATProcessor, register_diffusers_backend, reset_diffusers_backend
 from .distributed import merge_attention_states
 from .lifecycle import attention_states, convert, disable, enable, prepare
 from .sdpa_patch import patch_sdpa
@@ -15,5 +15,5 @@ from .transformers import register_transformers
 __all__ = [
     "AttentionState", "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "attention_states", "convert",
     "disable", "enable", "merge_attention_states", "patch_sdpa", "prepare", "register_diffusers_backend",
-    "register_transformers",
+    "register_transformers", "reset_diffusers_backend",
 ]

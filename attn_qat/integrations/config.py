@@ -4,12 +4,14 @@ through PyTorch's SDPA with a warning (or an error under `strict`)."""
 import dataclasses
 import importlib
 import re
+import threading
 import warnings
-from typing import Callable, Optional, Set
+from typing import Optional, Set
 
 import torch
 
-from ..attention import SUPPORTED_HEAD_DIMS, run_dtype, scaled_dot_product_attention
+# unsupported_reason: the input rules attn_qat.scaled_dot_product_attention raises from; here they decide fallbacks
+from ..attention import scaled_dot_product_attention, unsupported_reason  # noqa: F401 (unsupported_reason re-exported)
 from ..ops import MODES, V_BLOCK_AXES
 
 # The attribute under which `prepare` hangs an `AttentionState` on each attention module it handles.
@@ -103,68 +105,26 @@ def module_state(module: torch.nn.Module) -> Optional[AttentionState]:
     return getattr(module, STATE_ATTR, None)
 
 
-def torch_sdpa() -> Callable:
-    """PyTorch's SDPA as installed now, looking through an active `patch_sdpa` (whose wrapper records the
-    function it replaced), so that a fallback never re-enters attn_qat."""
-    fn = torch.nn.functional.scaled_dot_product_attention
-    return getattr(fn, "_attn_qat_fallback", fn)
+# Per thread: how many fallbacks to PyTorch's SDPA are running, during which `patch_sdpa` lets the call through.
+_fallbacks = threading.local()
 
 
-def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                       enable_gqa=False) -> Optional[str]:
-    """Why attn_qat cannot run this SDPA call (arguments as for torch's SDPA), or None when it can.
+def passing_through() -> bool:
+    """Whether a fallback to PyTorch's SDPA runs on this thread now (`patch_sdpa` must not intercept it)."""
+    return getattr(_fallbacks, "depth", 0) > 0
 
-    Mirrors the checks of `attn_qat.scaled_dot_product_attention` without raising, so the integrations can
-    fall back before any work is done; it only reads metadata, so it traces under torch.compile.
-    """
-    tensors = (query, key, value)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return "query, key and value must all be tensors"
-    if any(t.is_nested for t in tensors):
-        return "nested (jagged) tensors are not supported"
-    if not (query.dim() == key.dim() == value.dim() and query.dim() in (3, 4)):
-        return f"{query.dim()}-D inputs are not supported (3-D or 4-D only)"
-    device = query.device
-    if key.device != device or value.device != device:
-        return "query, key and value are on different devices"
-    if device.type not in ("cpu", "cuda"):
-        return f"device type {device.type!r} is not supported"
-    dtypes = {run_dtype(t) for t in tensors}
-    if len(dtypes) != 1:
-        return "query, key and value have different dtypes"
-    dtype = dtypes.pop()
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {dtype} is not supported (bfloat16 or float16, or float32 under autocast)"
-    head_dim = query.shape[-1]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {head_dim} is not supported (one of {SUPPORTED_HEAD_DIMS})"
-    if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
-        return "query, key and value have different head dims"
-    if any(t.stride(-1) != 1 for t in tensors):
-        return "the last dimension of query, key or value is not contiguous"
-    if dropout_p != 0.0:
-        return "dropout_p > 0 is not supported"
-    if query.shape[:-3] != key.shape[:-3] or key.shape != value.shape:
-        return "batch sizes differ between query, key and value, or key and value shapes differ"
-    heads_q, heads_kv = query.shape[-3], key.shape[-3]
-    if heads_q != heads_kv and not (enable_gqa and heads_kv and heads_q % heads_kv == 0):
-        return f"query heads ({heads_q}) and key/value heads ({heads_kv}) need enable_gqa=True and a whole ratio"
-    if attn_mask is not None:
-        if is_causal:
-            return "attn_mask and is_causal=True were both given"
-        if not isinstance(attn_mask, torch.Tensor):
-            return "attn_mask is not a tensor"
-        if attn_mask.requires_grad:
-            return "attn_mask requires grad (gradients with respect to the mask are not supported)"
-        if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
-            return f"attn_mask dtype {attn_mask.dtype} is not supported (bool or floating point)"
-        if attn_mask.device != device:
-            return "attn_mask is on a different device"
-        target = (*query.shape[:-1], key.shape[-2])
-        if attn_mask.dim() > len(target) or any(
-                m not in (1, t) for m, t in zip(reversed(attn_mask.shape), reversed(target))):
-            return "attn_mask does not broadcast to (..., heads, query tokens, key tokens)"
-    return None
+
+def torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """PyTorch's SDPA (`torch.nn.functional.scaled_dot_product_attention` as installed now), past every
+    `patch_sdpa` active on this thread, so that a fallback never re-enters attn_qat; other torch function modes
+    still see the call."""
+    _fallbacks.depth = getattr(_fallbacks, "depth", 0) + 1
+    try:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                                                dropout_p=dropout_p, is_causal=is_causal,
+                                                                scale=scale, enable_gqa=enable_gqa)
+    finally:
+        _fallbacks.depth -= 1
 
 
 @torch.compiler.disable
@@ -206,8 +166,8 @@ def run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
         if config.strict:
             raise NotImplementedError(f"{where}: {reason} (strict=True forbids falling back to PyTorch SDPA)")
         warn_once(f"falling back to PyTorch scaled_dot_product_attention: {reason}", warned)
-        return torch_sdpa()(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
+        return torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                          scale=scale, enable_gqa=enable_gqa)
     if inference:
         return inference_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                                    config.inference_mode, warned, v_block_axis)

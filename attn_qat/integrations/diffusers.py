@@ -1,12 +1,15 @@
 """diffusers integration: an attention processor for Wan's `WanAttention`, and an "attn_qat" attention
 backend for diffusers' dispatcher. Needs diffusers >= 0.35; tested with 0.35.0, 0.35.2 and 0.42.1.
 
-`prepare` installs `WanAttnQATProcessor` on the selected `WanAttention` modules through the public
-`set_processor`; it keeps per-module state, so the self/cross choice, `enable`/`disable` and `convert`
-work. `register_diffusers_backend()` makes `model.set_attention_backend("attn_qat")` work for every
-diffusers model that dispatches through `dispatch_attention_fn`; diffusers has no public way to add a
-backend, so it extends diffusers' private backend enum and registry (see its docstring).
+Both go through diffusers' attention dispatcher (`dispatch_attention_fn`), to which attn_qat adds the "attn_qat"
+backend; diffusers has no public way to add one, so this extends its private backend enum and registry (see
+`_register_backend`). `prepare` installs `WanAttnQATProcessor` on the selected `WanAttention` modules through the
+public `set_processor`: it runs diffusers' own `WanAttnProcessor` with its attention sent to that backend, and keeps
+per-module state, so the self/cross choice, `enable`/`disable` and `convert` work. `register_diffusers_backend()`
+makes `model.set_attention_backend("attn_qat")` work for every diffusers model that dispatches through
+`dispatch_attention_fn`; `reset_diffusers_backend()` gives the process-wide active backend back.
 """
+import threading
 from typing import Optional
 
 import torch
@@ -15,28 +18,29 @@ from .config import DIFFUSERS_MIN, AttentionState, QATConfig, STATE_ATTR, module
 
 BACKEND = "attn_qat"
 
-# Wan 2.1 I2V feeds [image tokens, text tokens] to the cross-attention; the text part is the last 512
-# tokens (the text encoder's fixed context length), as in diffusers' WanAttnProcessor.
-WAN_TEXT_CONTEXT_LENGTH = 512
+
+class _ProcessorCall:
+    """A `WanAttnQATProcessor` call running on this thread: the module's state, for the backend function (diffusers'
+    dispatcher passes a backend only the attention's arguments), and how many attentions it dispatched."""
+
+    def __init__(self, state: "AttentionState"):
+        self.state, self.dispatched = state, 0
 
 
-def _wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding on (B, S, H, D): channel pairs (2i, 2i+1) rotate by angle i, whose cosine and
-    sine diffusers repeats over both channels of the pair; computed in the frequencies' dtype (float32)
-    and rounded once to x's dtype."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 0::2]
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).type_as(x)
+# Per thread: the WanAttnQATProcessor calls running, innermost last.
+_processor_calls = threading.local()
 
 
 class WanAttnQATProcessor:
     """Attention processor for diffusers' `WanAttention` (Wan 2.1/2.2 self- and cross-attention, with the
     I2V image-token branch) computing attention with attn_qat.
 
-    The projections, RMS norms, rotary embedding and I2V split are Wan's; the attention runs on (B, H, S, D)
-    views of the (B, S, H, D) projections, so nothing is copied or made contiguous for attn_qat, and the
-    output comes back (B, S, H, D) contiguous. `original` is the processor it replaces, which runs while
-    the module is disabled or left out; calls attn_qat does not support fall back to PyTorch SDPA.
+    It runs diffusers' own `WanAttnProcessor` — the projections (fused or not), RMS norms, rotary embedding and
+    I2V split of the installed diffusers release — with its attention dispatched to attn_qat's "attn_qat" backend,
+    which reads this module's state while the processor runs. The backend gets diffusers' (B, S, H, D) query, key
+    and value and runs attn_qat on (B, H, S, D) views of them, so nothing is copied or made contiguous for
+    attn_qat, and the output goes back (B, S, H, D) contiguous. `original` is the processor it replaces, which
+    runs while the module is disabled or left out; calls attn_qat does not support fall back to PyTorch SDPA.
     `attn_qat.prepare` installs it and keeps the switches on the module (`AttentionState`); installed by
     hand (`module.set_processor(WanAttnQATProcessor(module.processor, config))`), `config` applies.
     """
@@ -44,52 +48,34 @@ class WanAttnQATProcessor:
     def __init__(self, original, config: Optional[QATConfig] = None):
         self.original = original
         self._state = AttentionState(config if config is not None else QATConfig())
+        self._wan = _wan_processor()
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
         state = module_state(attn) or self._state
         if not state.active:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
+        calls = _processor_calls.__dict__.setdefault("stack", [])
+        call = _ProcessorCall(state)
+        calls.append(call)
+        try:
+            out = self._wan(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
+        finally:
+            calls.pop()
+        if call.dispatched == 0:
+            raise RuntimeError("attn_qat: diffusers' WanAttnProcessor did not dispatch its attention to the attn_qat "
+                               "backend (this diffusers release changed how it does); attn_qat.prepare does not "
+                               "support it, use attn_qat.patch_sdpa")
+        return out
 
-        image_states = None
-        if attn.add_k_proj is not None:
-            image_length = encoder_hidden_states.shape[1] - WAN_TEXT_CONTEXT_LENGTH
-            image_states = encoder_hidden_states[:, :image_length]
-            encoder_hidden_states = encoder_hidden_states[:, image_length:]
-        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
 
-        if attn.fused_projections and not attn.is_cross_attention:
-            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        elif attn.fused_projections:
-            query = attn.to_q(hidden_states)
-            key, value = attn.to_kv(context).chunk(2, dim=-1)
-        else:
-            query, key, value = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
-        if rotary_emb is not None:
-            query, key = _wan_rotary(query, *rotary_emb), _wan_rotary(key, *rotary_emb)
-
-        out = self._attention(state, query, key, value, attention_mask)
-        if image_states is not None:
-            if attn.fused_projections:
-                key_image, value_image = attn.to_added_kv(image_states).chunk(2, dim=-1)
-            else:
-                key_image, value_image = attn.add_k_proj(image_states), attn.add_v_proj(image_states)
-            key_image = attn.norm_added_k(key_image).unflatten(2, (attn.heads, -1))
-            value_image = value_image.unflatten(2, (attn.heads, -1))
-            out = out + self._attention(state, query, key_image, value_image, None)
-
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)
-
-    @staticmethod
-    def _attention(state: AttentionState, query, key, value, attention_mask) -> torch.Tensor:
-        """(B, S, H, D) in, (B, S, H*D) in the query's dtype out."""
-        out = run_sdpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask, 0.0, False,
-                       None, False, config=state.config, warned=state.warned, inference=state.inference,
-                       where="attn_qat (diffusers Wan processor)")
-        return out.transpose(1, 2).flatten(2, 3).type_as(query)
+def _wan_processor():
+    """diffusers' own `WanAttnProcessor`, its attention dispatched to the "attn_qat" backend."""
+    require_version("diffusers", DIFFUSERS_MIN, "attn_qat's diffusers integration")
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+    processor = WanAttnProcessor()
+    processor._attention_backend = _register_backend()
+    return processor
 
 
 def _wan_attention_class():
@@ -126,20 +112,30 @@ def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warn
                          "filter_fn and the config's self_attention / cross_attention)")
 
 
+# The backend's state for calls outside a WanAttnQATProcessor (register_diffusers_backend's config), and the
+# process-wide active backend it found when the "attn_qat" backend was registered (reset_diffusers_backend).
 _backend_state = AttentionState(QATConfig())
+_previous_active = None
 
 
 def _attn_qat_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                       enable_gqa=False, _parallel_config=None):
     """diffusers backend function: (B, S, H, D) query/key/value in, (B, S, H, D) out, like diffusers'
-    "native" backend (a (B, S_kv) mask broadcasts over heads and queries)."""
+    "native" backend (a (B, S_kv) mask broadcasts over heads and queries). Inside a `WanAttnQATProcessor` call
+    it runs with that module's state, else with `register_diffusers_backend`'s config."""
     if _parallel_config is not None:
         raise NotImplementedError("attn_qat backend: diffusers context parallelism is not supported")
     if attn_mask is not None and attn_mask.ndim == 2:
         attn_mask = attn_mask[:, None, None, :]
+    calls = getattr(_processor_calls, "stack", None)
+    if calls:
+        call = calls[-1]
+        call.dispatched += 1
+        state, inference, where = call.state, call.state.inference, "attn_qat (diffusers Wan processor)"
+    else:
+        state, inference, where = _backend_state, False, "attn_qat (diffusers backend)"
     out = run_sdpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p, is_causal,
-                   scale, enable_gqa, config=_backend_state.config, warned=_backend_state.warned,
-                   where="attn_qat (diffusers backend)")
+                   scale, enable_gqa, config=state.config, warned=state.warned, inference=inference, where=where)
     return out.transpose(1, 2)
 
 
@@ -156,6 +152,46 @@ def _add_enum_member(enum_cls, name: str, value: str):
     return member
 
 
+def _set_active_backend(registry, backend) -> None:
+    if hasattr(registry, "set_active_backend"):
+        registry.set_active_backend(backend)
+    else:  # diffusers 0.35 has no setter
+        registry._active_backend = backend
+
+
+def _register_backend():
+    """Registers "attn_qat" with diffusers' dispatcher (idempotent) and returns its `AttentionBackendName` member.
+
+    diffusers (0.35 to 0.42) validates backend names against its `AttentionBackendName` enum and keeps backend
+    functions in the private `_AttentionBackendRegistry`; neither has a public extension point, so this adds an
+    enum member and registers through the registry's own decorator. It checks the result and raises
+    `RuntimeError` if a diffusers version changed those internals. It also notes the process-wide active backend
+    it finds, unless that is "attn_qat" already, for `reset_diffusers_backend`."""
+    global _previous_active
+    require_version("diffusers", DIFFUSERS_MIN, "attn_qat's diffusers integration")
+    from diffusers.models import attention_dispatch
+
+    names = getattr(attention_dispatch, "AttentionBackendName", None)
+    registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
+    if names is None or not hasattr(names, "_value2member_map_") or not hasattr(registry, "register") or \
+            not hasattr(registry, "_active_backend"):
+        raise RuntimeError("attn_qat: this diffusers version has no attention backend registry that attn_qat knows "
+                           "how to extend; use attn_qat.patch_sdpa")
+    member = names._value2member_map_.get(BACKEND)
+    if member is None:
+        member = _add_enum_member(names, BACKEND.upper(), BACKEND)
+    if registry._backends.get(member) is not _attn_qat_backend:
+        registry.register(member, constraints=[])(_attn_qat_backend)
+    if names(BACKEND) is not member or BACKEND not in {m.value for m in names.__members__.values()} or \
+            registry._backends.get(member) is not _attn_qat_backend:
+        raise RuntimeError("attn_qat: registering the attn_qat attention backend with diffusers failed (its "
+                           "backend registry changed); use attn_qat.patch_sdpa")
+    active = registry._active_backend
+    if getattr(active, "value", active) != BACKEND:
+        _previous_active = active
+    return member
+
+
 def register_diffusers_backend(config: Optional[QATConfig] = None) -> None:
     """Registers "attn_qat" as a diffusers attention backend, so that `model.set_attention_backend("attn_qat")`
     and `with diffusers.attention_backend("attn_qat"):` run attn_qat (idempotent; `config` replaces the
@@ -163,31 +199,34 @@ def register_diffusers_backend(config: Optional[QATConfig] = None) -> None:
 
     The backend applies to every attention call of the model that goes through diffusers' dispatcher: it
     cannot tell self- from cross-attention, `enable`/`disable`/`convert` do not reach it, and diffusers'
-    `set_attention_backend` also makes it the process-wide active backend. Use `attn_qat.prepare` for
-    per-module control. Calls attn_qat does not support fall back to PyTorch SDPA (diffusers' "native").
-
-    diffusers (0.42) validates backend names against its `AttentionBackendName` enum and keeps backend
-    functions in the private `_AttentionBackendRegistry`; neither has a public extension point, so this
-    adds an enum member and registers through the registry's own decorator. It checks the result and
-    raises `RuntimeError` if a diffusers version changed those internals.
+    `set_attention_backend` also makes it the process-wide active backend, which models built afterwards use
+    too: `reset_diffusers_backend()` gives that back. Use `attn_qat.prepare` for per-module control. Calls
+    attn_qat does not support fall back to PyTorch SDPA (diffusers' "native"). diffusers has no public way to
+    add a backend: see `_register_backend`, which raises `RuntimeError` if a diffusers version changed what it
+    relies on.
     """
-    require_version("diffusers", DIFFUSERS_MIN, "attn_qat.register_diffusers_backend")
-    from diffusers.models import attention_dispatch
-
     global _backend_state
+    _register_backend()
     if config is not None:
         _backend_state = AttentionState(config)
-    names = getattr(attention_dispatch, "AttentionBackendName", None)
-    registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
-    if names is None or not hasattr(names, "_value2member_map_") or not hasattr(registry, "register"):
-        raise RuntimeError("attn_qat.register_diffusers_backend: this diffusers version has no attention backend "
-                           "registry that attn_qat knows how to extend; use attn_qat.prepare (Wan) or "
-                           "attn_qat.patch_sdpa")
-    member = names._value2member_map_.get(BACKEND)
-    if member is None:
-        member = _add_enum_member(names, BACKEND.upper(), BACKEND)
-    registry.register(member, constraints=[])(_attn_qat_backend)
-    if names(BACKEND) is not member or BACKEND not in {m.value for m in names.__members__.values()} or \
-            registry._backends.get(member) is not _attn_qat_backend:
-        raise RuntimeError("attn_qat.register_diffusers_backend: registering the backend with diffusers failed "
-                           "(its backend registry changed); use attn_qat.prepare or attn_qat.patch_sdpa")
+
+
+def reset_diffusers_backend(*models: torch.nn.Module) -> None:
+    """Undoes the process-wide effect of `model.set_attention_backend("attn_qat")`: when "attn_qat" is diffusers'
+    active backend, makes the backend that was active when attn_qat registered its backend (diffusers' default
+    otherwise: "native", or the `DIFFUSERS_ATTN_BACKEND` environment variable) the active one again, so that
+    models built afterwards run it. The models given are reset too (diffusers' `model.reset_attention_backend()`:
+    their processors follow the active backend again); other models set to "attn_qat" keep it, as do
+    `WanAttnQATProcessor`s. The backend stays registered and keeps its config."""
+    require_version("diffusers", DIFFUSERS_MIN, "attn_qat.reset_diffusers_backend")
+    from diffusers.models import attention_dispatch
+
+    for model in models:
+        model.reset_attention_backend()
+    registry, names = attention_dispatch._AttentionBackendRegistry, attention_dispatch.AttentionBackendName
+    active = registry._active_backend
+    if getattr(active, "value", active) == BACKEND:
+        previous = _previous_active
+        if previous is None:
+            previous = names(attention_dispatch.DIFFUSERS_ATTN_BACKEND)
+        _set_active_backend(registry, previous)

@@ -1,15 +1,24 @@
-"""`patch_sdpa`: route `torch.nn.functional.scaled_dot_product_attention` to attn_qat inside a context."""
+"""`patch_sdpa`: route `torch.nn.functional.scaled_dot_product_attention` to attn_qat inside a context, as a
+`torch.overrides.TorchFunctionMode` on the current thread."""
 import contextlib
 import dataclasses
-import functools
 from typing import Optional
 
 import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from .config import QATConfig, run_sdpa
+from .config import QATConfig, passing_through, run_sdpa
+
+# The function every spelling of SDPA is: torch.nn.functional's attribute, a name imported from it, torch._C._nn's.
+_SDPA = torch._C._nn.scaled_dot_product_attention
 
 
-class patch_sdpa(contextlib.ContextDecorator):
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA's arguments, positional or keyword, in order."""
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+class patch_sdpa(TorchFunctionMode, contextlib.ContextDecorator):
     """Context manager (or decorator) that makes `torch.nn.functional.scaled_dot_product_attention` run
     attn_qat for the calls it supports and PyTorch's own SDPA for the rest.
 
@@ -22,52 +31,57 @@ class patch_sdpa(contextlib.ContextDecorator):
     inputs, ...) runs the original SDPA and warns once per distinct reason per context with an
     `AttnQATFallbackWarning`; with `strict=True` it raises `NotImplementedError` instead.
 
-    Scope: the patch replaces the attribute of the `torch.nn.functional` module, so it reaches every
-    caller that looks the function up at call time (`F.scaled_dot_product_attention(...)`, as
-    transformers' "sdpa" and diffusers' "native" attention do), but not code that bound the function
-    earlier (`from torch.nn.functional import scaled_dot_product_attention` at import time). It is
-    process-wide while active: enter and leave it on one thread. Contexts nest; each restores what it
-    found on entry, so they must exit in reverse order of entry, as `with` blocks do (an out-of-order exit
-    restores the unpatched function and raises `RuntimeError`). Under torch.compile the function is
-    looked up while tracing and dynamo guards on it: a compiled function called inside and outside the
-    context gets one graph for each (a recompile, not a wrong result).
+    Scope: a torch function mode, so it intercepts the SDPA function itself, however the caller reached it
+    (`F.scaled_dot_product_attention(...)`, a name imported with `from torch.nn.functional import
+    scaled_dot_product_attention` before the context, `torch._C._nn.scaled_dot_product_attention`), and only
+    on the thread that entered the context (torch keeps a mode stack per thread): other threads run what they
+    ran. Every other torch function called inside passes through it unchanged (one Python call each).
+    Contexts nest, innermost first; a fallback runs PyTorch's SDPA past every attn_qat context (other modes
+    still see it). They must exit in reverse order of entry, as `with` blocks do, also on exceptions; an
+    out-of-order exit removes every attn_qat context from the thread's mode stack and raises `RuntimeError`.
+    As a decorator, each call of the function enters a fresh context (its own warnings; recursion and threads
+    are fine). Under torch.compile, dynamo traces the mode of a compiled function called inside the context
+    (the same compiled function outside gets a graph of its own); entering the context inside the compiled
+    function is not supported (enter it around the call).
     """
 
     def __init__(self, config: Optional[QATConfig] = None, **overrides):
+        super().__init__()
         config = config if config is not None else QATConfig()
         self.config = dataclasses.replace(config, **overrides) if overrides else config
-        self._previous = None
-        self._patched = None
+        self._warned = set()
+        self._entered = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs if kwargs is not None else {}
+        if func is not _SDPA or passing_through():
+            return func(*args, **kwargs)
+        return run_sdpa(*_sdpa_arguments(*args, **kwargs), config=self.config, warned=self._warned,
+                        where="attn_qat.patch_sdpa")
+
+    def _recreate_cm(self):
+        # as a decorator, each call gets its own context (ContextDecorator would reuse this one)
+        return patch_sdpa(self.config)
 
     def __enter__(self):
-        if self._patched is not None:
+        if self._entered:
             raise RuntimeError("attn_qat.patch_sdpa: this context is already active; create a new one to nest")
-        previous = torch.nn.functional.scaled_dot_product_attention
-        # An enclosing patch's wrapper records what it replaced: fall back to that, never to attn_qat.
-        fallback = getattr(previous, "_attn_qat_fallback", previous)
-        config, warned = self.config, set()
-
-        @functools.wraps(fallback)
-        def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                         scale=None, enable_gqa=False):
-            return run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, config=config,
-                            warned=warned, where="attn_qat.patch_sdpa")
-
-        scaled_dot_product_attention._attn_qat_fallback = fallback
-        self._previous, self._patched = previous, scaled_dot_product_attention
-        torch.nn.functional.scaled_dot_product_attention = scaled_dot_product_attention
-        return self
+        self._entered, self._warned = True, set()
+        return super().__enter__()
 
     def __exit__(self, exc_type, exc, tb):
-        patched, previous = self._patched, self._previous
-        self._previous = self._patched = None
-        if torch.nn.functional.scaled_dot_product_attention is patched:
-            torch.nn.functional.scaled_dot_product_attention = previous
-            return False
-        # Exited out of order (or someone replaced the function inside): put back the function underneath
-        # every attn_qat patch, so that no stale wrapper survives, and say so.
-        torch.nn.functional.scaled_dot_product_attention = patched._attn_qat_fallback
+        self._entered = False
+        stack = _get_current_function_mode_stack()
+        if stack and stack[-1] is self:
+            return super().__exit__(exc_type, exc, tb)
+        # Exited out of order (or on another thread): take every attn_qat context off this thread's mode stack,
+        # keeping the other modes in their order, so that no stale one survives, and say so.
+        while _get_current_function_mode_stack():
+            torch._C._pop_torch_function_stack()
+        for mode in stack:
+            if not isinstance(mode, patch_sdpa):
+                torch._C._push_on_torch_function_stack(mode)
         if exc_type is None:
-            raise RuntimeError("attn_qat.patch_sdpa: torch.nn.functional.scaled_dot_product_attention changed inside "
-                               "the context (nested contexts exited out of order?); restored the unpatched function")
+            raise RuntimeError("attn_qat.patch_sdpa: contexts exited out of order (or on another thread than they "
+                               "were entered on); removed every attn_qat.patch_sdpa context of this thread")
         return False
