@@ -8,9 +8,10 @@ The numerics are fixed by docs/numerics.md; `attn_qat.reference` is their float6
 """
 from . import nvfp4, ops
 from .attention import SUPPORTED_HEAD_DIMS, attention, scaled_dot_product_attention
-from .integrations import (AttnQATFallbackWarning, QATConfig, WanAttnQATProcessor, convert, disable, enable,
-                           merge_attention_states, patch_sdpa, prepare, register_diffusers_backend,
-                           register_transformers, reset_diffusers_backend)
+from .integrations import (AttnQATFallbackWarning, QATConfig, WanAttnQATProcessor, all_reduce_gradients, convert,
+                           disable, enable, merge_attention_states, patch_sdpa, prepare, register_diffusers_backend,
+                           register_transformers, reset_diffusers_backend, ulysses_attention,
+                           ulysses_wan)
 from .kv_cache import NVFP4KVCache
 from .nvfp4 import NVFP4Tensor, dequantize, fake_quantize, fake_quantize_qkv, quantize
 from .ops import MODES
@@ -23,9 +24,9 @@ __all__ = [
     "fake_quantize_qkv", "nvfp4", "nvfp4_attention", "ops", "quantize", "quantize_qkv",
     "scaled_dot_product_attention",
     # integrations (docs/integrations.md)
-    "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "convert", "disable", "enable",
-    "merge_attention_states", "patch_sdpa", "prepare", "register_diffusers_backend", "register_transformers",
-    "reset_diffusers_backend",
+    "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "all_reduce_gradients", "convert", "disable",
+    "enable", "merge_attention_states", "patch_sdpa", "prepare", "register_diffusers_backend", "register_transformers",
+    "reset_diffusers_backend", "ulysses_attention", "ulysses_wan",
 ]
 
 

@@ -1,6 +1,7 @@
 """Model integrations: a config and lifecycle (`prepare`, `convert`, `enable`, `disable`), a drop-in
 patch of `torch.nn.functional.scaled_dot_product_attention`, transformers' "attn_qat" attention
-implementation, a diffusers Wan processor and backend, and ring-attention merging.
+implementation, a diffusers Wan processor and backend, ring-attention merging and Ulysses sequence
+parallelism.
 
 transformers and diffusers are imported only when an integration for them is used. See
 docs/integrations.md.
@@ -10,10 +11,12 @@ from .diffusers import WanAttnQATProcessor, register_diffusers_backend, reset_di
 from .distributed import merge_attention_states
 from .lifecycle import attention_states, convert, disable, enable, prepare
 from .sdpa_patch import patch_sdpa
+from .sequence_parallel import all_reduce_gradients, ulysses_attention, ulysses_wan
 from .transformers import register_transformers
 
 __all__ = [
-    "AttentionState", "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "attention_states", "convert",
-    "disable", "enable", "merge_attention_states", "patch_sdpa", "prepare", "register_diffusers_backend",
-    "register_transformers", "reset_diffusers_backend",
+    "AttentionState", "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "all_reduce_gradients",
+    "attention_states", "convert", "disable", "enable", "merge_attention_states", "patch_sdpa", "prepare",
+    "register_diffusers_backend", "register_transformers", "reset_diffusers_backend", "ulysses_attention",
+    "ulysses_wan",
 ]

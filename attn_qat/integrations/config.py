@@ -13,6 +13,7 @@ import torch
 # unsupported_reason: the input rules attn_qat.scaled_dot_product_attention raises from; here they decide fallbacks
 from ..attention import scaled_dot_product_attention, unsupported_reason  # noqa: F401 (unsupported_reason re-exported)
 from ..ops import MODES, V_BLOCK_AXES
+from . import sequence_parallel
 
 # The attribute under which `prepare` hangs an `AttentionState` on each attention module it handles.
 STATE_ATTR = "_attn_qat_state"
@@ -159,7 +160,12 @@ def run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     """One SDPA-shaped call (torch's argument conventions, top-left causal) through attn_qat, or through
     PyTorch's SDPA when attn_qat does not support it: a warning once per reason, or, with
     `config.strict`, a `NotImplementedError` naming the reason. `v_block_axis` (default: the config's) lets an
-    integration that knows the model is causal keep V blocked along head_dim in calls that hide no key."""
+    integration that knows the model is causal keep V blocked along head_dim in calls that hide no key.
+    Inside a module that `ulysses_wan` runs sequence-parallel, the call goes through its all-to-all first."""
+    ulysses = sequence_parallel.current()
+    if ulysses is not None:
+        return ulysses.sdpa(run_sdpa, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                            config=config, warned=warned, inference=inference, where=where, v_block_axis=v_block_axis)
     v_block_axis = config.v_block_axis if v_block_axis is None else v_block_axis
     reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if reason is not None:
