@@ -231,9 +231,6 @@ def _attention_varlen(q4, k4, v4, cu_q: List[int], cu_k: List[int], max_q: int, 
         out = _EmptyAttention.apply(q4, k4, v4)[0].transpose(0, 1)
         lse = torch.full((q4.shape[1], q4.shape[2]), float("-inf"), dtype=torch.float32, device=q4.device)
         return (out, lse) if return_lse else out
-    if q4.device.type != "cpu":
-        raise NotImplementedError(f"attn_qat.{fn}: packed sequences run on the CPU kernels so far; the CUDA kernels do "
-                                  "not take them yet")
     # blocks of P and V along the keys need every sequence's keys to start at a multiple of 16 (bf16 mode has none)
     pad = mode != "bf16" and any(c % BLOCK for c in cu_k)
     plan = _plan(tuple(cu_q), tuple(cu_k), alignment, pad, q4.device)

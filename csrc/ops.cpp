@@ -308,7 +308,6 @@ Spans check_spans(const std::optional<Tensor> &q_span, const std::optional<Tenso
     Spans spans;
     STD_TORCH_CHECK(q_span.has_value() == k_span.has_value(), "attn_qat: q_span and k_span come together");
     if (!q_span.has_value()) return spans;
-    STD_TORCH_CHECK(q.is_cpu(), "attn_qat: packed sequences (spans) run on the CPU kernels so far");
     STD_TORCH_CHECK(s.batch == 1 && !has_mask && causal == CAUSAL_NONE,
                     "attn_qat: spans (packed sequences) need batch 1, no mask and causal none (they hold the causal "
                     "rule)");

@@ -1,16 +1,19 @@
 """Packed-sequence attention (attn_qat.attention_varlen) against each sequence run alone: the float64 reference per
 sequence at numerics.md §7's tolerances, and on the CPU bit for bit against attn_qat's own dense entry points per
 sequence (the C kernels are deterministic, so a block of P or V that reached across a sequence boundary, or a hidden
-key that moved anything, shows as a difference)."""
+key that moved anything, shows as a difference). The CUDA kernels (gpu marker) run the full list of lengths on both
+paths (ATTN_QAT_SM90=0 selects the mma.sync kernels), with the allocator poisoned so that an output row the kernels
+forget to write shows as NaN."""
+import contextlib
+import math
+
 import pytest
 import torch
 
 import attn_qat
 from attn_qat import reference
-from conftest import HAS_CUDA, rel_error
-from test_attention import BWD_TOL, FWD_TOL, forward_error, poison_cuda_allocator
-
-DEVICES = ["cpu"]  # the C kernels; the CUDA kernels take packed sequences in a later commit
+from conftest import DEVICES, HAS_CUDA, rel_error, requires_cuda
+from test_attention import BWD_TOL, FWD_TOL, deterministic_algorithms, forward_error, poison_cuda_allocator
 
 _seed = [5000]
 
@@ -324,3 +327,75 @@ def test_torch_compile():
     eager = attn_qat.attention_varlen(q, k, v, cu, cu, 20, 20, causal=True)
     compiled = torch.compile(attn_qat.attention_varlen, backend="aot_eager")
     assert torch.equal(compiled(q, k, v, cu, cu, 20, 20, causal=True), eager)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA (both kernel paths)
+
+# every length of the brief, a sequence of 4097 among short ones, tile boundaries of both kernel families around
+GPU_LENGTHS = [1, 17, 0, 15, 16, 4097, 63, 64, 65, 127, 128, 129, 5, 200]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("path", ["sm90", "mma_sync"])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_matches_reference_per_sequence(monkeypatch, path, causal, d):
+    monkeypatch.setenv("ATTN_QAT_SM90", "1" if path == "sm90" else "0")
+    lens_q = GPU_LENGTHS
+    lens_k = GPU_LENGTHS if causal != "bottom_right" else [n + (7 if i % 2 else -min(n, 9)) for i, n in
+                                                          enumerate(GPU_LENGTHS)]
+    q, k, v, dout = make(lens_q, lens_k, 2, 1, d, torch.bfloat16, "cuda")
+    ours = check_against_reference(q, k, v, dout, lens_q, lens_k, causal)
+    # the dense kernels on each sequence alone compute the same numbers, up to fp32 summation order
+    alone = dense_per_sequence(q, k, v, dout, lens_q, lens_k, causal)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), ours, alone):
+        assert rel_error(x, r) < 2e-3, name
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", ["fp16", "deterministic", "split", "drop_in", "bf16"])
+def test_cuda_variants(monkeypatch, variant):
+    """fp16; the deterministic dQ kernel; a forced last-wave split (over each item's own key or query range, here
+    with items of very different lengths); the modes whose backward runs another forward (drop_in) or none of the
+    quantization (bf16, which runs unaligned lengths in place)."""
+    lens_q = [300, 17, 1000, 1, 64, 450]
+    lens_k = [300, 40, 900, 16, 64, 451]
+    dtype = torch.float16 if variant == "fp16" else torch.bfloat16
+    mode = variant if variant in ("drop_in", "bf16") else "attn_qat"
+    if variant == "split":
+        monkeypatch.setenv("ATTN_QAT_TAIL_SPLIT", "7,3")
+    q, k, v, dout = make(lens_q, lens_k, 4, 2, 128, dtype, "cuda")
+    with deterministic_algorithms() if variant == "deterministic" else contextlib.nullcontext():
+        for causal in (None, "bottom_right"):
+            check_against_reference(q, k, v, dout, lens_q, lens_k, causal, mode=mode)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_equal_sequences_match_the_dense_batch():
+    """8 packed sequences of 256 are the dense (8, 256) batch: the same tiles, so the same numbers up to the order
+    in which the backward's fused dQ adds its tiles."""
+    b, n = 8, 256
+    q, k, v, dout = make([n] * b, [n] * b, 4, 2, 128, torch.bfloat16, "cuda")
+    for causal in (False, True):
+        ours = run_varlen(q, k, v, dout, [n] * b, [n] * b, causal=causal)
+        qd, kd, vd = (t.detach().view(b, n, *t.shape[1:]).requires_grad_() for t in (q, k, v))
+        out = attn_qat.attention(qd, kd, vd, causal=causal)
+        out.backward(dout.view(b, n, *dout.shape[1:]))
+        dense = (out.detach(), qd.grad, kd.grad, vd.grad)
+        for name, x, r in zip(("out", "dq", "dk", "dv"), ours, dense):
+            assert rel_error(x, r.reshape(x.shape)) < 1e-3, name
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cpu_and_cuda_agree():
+    lens = [33, 0, 16, 70]
+    q, k, v, dout = make(lens, lens, 2, 2, 64, torch.bfloat16, "cpu")
+    cpu = run_varlen(q, k, v, dout, lens, lens, causal=True)
+    gpu = run_varlen(q.cuda(), k.cuda(), v.cuda(), dout.cuda(), lens, lens, causal=True)
+    for a, b in zip(cpu, gpu):
+        assert rel_error(b, a) < 2e-3
