@@ -583,8 +583,7 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
     if (!fragment_store_ok(p->dq, p->dq_stride) || !fragment_store_ok(p->dk, p->dk_stride) ||
         !fragment_store_ok(p->dv, p->dv_stride))
         return NULL;
-    if (p->q_span != NULL) return NULL; /* packed sequences: the mma.sync kernels, for now */
-    const bool hidden_terms = p->causal || p->mask != NULL;
+    const bool hidden_terms = p->causal || p->mask != NULL || p->q_span != NULL; /* packed: other sequences' */
     if (hidden_terms && p->scratch == NULL) return NULL;
     /* boxes: Q and dO of 64 rows (dK/dV) and 128 rows (dQ); K and V of 128 rows (dK/dV) and 64 rows (dQ) */
     CUtensorMap q64, do64, k128, v128, q128, do128, k64, v64, dk16, dv16;

@@ -549,9 +549,9 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG, SM90_THREADS = 128 * (NWG + 1);
     if (!sm90_available((const void *)kernel)) return NULL;
     if (!fragment_store_ok(p->o, p->o_stride) || !fragment_store_ok(p->o_prime, p->o_prime_stride)) return NULL;
-    if (p->q_span != NULL) return NULL; /* packed sequences: the mma.sync kernel, for now */
-    /* hidden keys whose V is not finite need the mma.sync kernel's scrubbing: the outputs are checked */
-    const bool hidden_keys = p->causal || p->mask != NULL;
+    /* hidden keys whose V is not finite need the mma.sync kernel's scrubbing: the outputs are checked (packed
+       sequences hide the other sequences' keys, causal or not) */
+    const bool hidden_keys = p->causal || p->mask != NULL || p->q_span != NULL;
     if (hidden_keys && p->scratch == NULL) return NULL;
     CUtensorMap tm_q, tm_k, tm_v, tm_o, tm_o2;
     if (!make_tensor_map(&tm_q, p->q, DT, p->batch, p->heads_q, p->seqlen_q, D, p->q_stride, SM90_BM) ||
