@@ -3,6 +3,8 @@
     import attn_qat
     out = attn_qat.scaled_dot_product_attention(q, k, v, is_causal=True)   # like F.sdpa
     out = attn_qat.attention(q, k, v, causal=True, layout="bshd")          # like flash_attn_func
+    out = attn_qat.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,   # like flash_attn_varlen_func
+                                    max_seqlen_q, max_seqlen_k, causal=True)
 
 The numerics are fixed by docs/numerics.md; `attn_qat.reference` is their float64 executable form.
 """
@@ -16,12 +18,13 @@ from .kv_cache import NVFP4KVCache
 from .nvfp4 import NVFP4Tensor, dequantize, fake_quantize, fake_quantize_qkv, quantize
 from .ops import MODES
 from .prefill import nvfp4_attention, quantize_qkv
+from .varlen import attention_varlen
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MODES", "NVFP4KVCache", "NVFP4Tensor", "SUPPORTED_HEAD_DIMS", "attention", "dequantize", "fake_quantize",
-    "fake_quantize_qkv", "nvfp4", "nvfp4_attention", "ops", "quantize", "quantize_qkv",
+    "MODES", "NVFP4KVCache", "NVFP4Tensor", "SUPPORTED_HEAD_DIMS", "attention", "attention_varlen", "dequantize",
+    "fake_quantize", "fake_quantize_qkv", "nvfp4", "nvfp4_attention", "ops", "quantize", "quantize_qkv",
     "scaled_dot_product_attention",
     # integrations (docs/integrations.md)
     "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "all_reduce_gradients", "convert", "disable",

@@ -119,7 +119,7 @@ def _(q, k, v, v_along_tokens):
 
 
 @torch.library.register_fake("attn_qat::attention_forward")
-def _(q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens):
+def _(q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens, q_span=None, k_span=None):
     b, h, n, d = q.shape
     out = _empty_like_layout(q, b, h, n, d)
     out_prime = _empty_like_layout(q, b, h, n, d) if need_grad and _delta_from_out_prime(mode) else q.new_empty(0)
@@ -131,7 +131,7 @@ def _(q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens):
 
 @torch.library.register_fake("attn_qat::attention_backward")
 def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode, deterministic, v_along_tokens,
-      operands_quantized=False):
+      operands_quantized=False, q_span=None, k_span=None):
     return (_empty_like_layout(q, *q.shape), _empty_like_layout(k, *k.shape), _empty_like_layout(v, *v.shape))
 
 
@@ -163,13 +163,14 @@ torch.library.register_autograd("attn_qat::fake_quantize_qkv", _qkv_backward)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens = inputs
+    q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens, *spans = inputs
+    q_span, k_span = spans if spans else (None, None)
     out, out_prime, frame, row_sum, q_fq, k_fq, v_fq = output
     # The backward takes Q^F, K^F, V^F where the op returned them (as csrc/ops.cpp decides).
     ctx.operands_quantized = need_grad and _quantized_backward(mode)
     if ctx.operands_quantized:
         q, k, v = q_fq, k_fq, v_fq
-    ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask)
+    ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask, q_span, k_span)
     # only out carries a gradient; and without materialized gradients autograd passes None for the others
     # instead of zero-filling an O'-sized tensor every backward (marking them non-differentiable alone does not)
     ctx.mark_non_differentiable(out_prime, frame, row_sum, q_fq, k_fq, v_fq)
@@ -178,7 +179,7 @@ def _attention_setup_context(ctx, inputs, output):
 
 
 def _attention_backward(ctx, grad_out, *unused_grads):
-    q, k, v, out, out_prime, frame, row_sum, mask = ctx.saved_tensors
+    q, k, v, out, out_prime, frame, row_sum, mask, q_span, k_span = ctx.saved_tensors
     if grad_out is None:  # only when autograd differentiates this backward itself (create_graph=True)
         raise RuntimeError("attn_qat: double backward (a gradient of the attention gradients) is not supported")
     if grad_out.stride(-1) != 1:
@@ -188,8 +189,8 @@ def _attention_backward(ctx, grad_out, *unused_grads):
     # The gradients of Q^F, K^F, V^F are those of q, k, v: the straight-through estimator (numerics.md §4).
     dq, dk, dv = ops.attention_backward(grad_out.to(q.dtype), q, k, v, out, out_prime, mask, frame, row_sum,
                                         ctx.scale, ctx.causal, ctx.mode, torch.are_deterministic_algorithms_enabled(),
-                                        ctx.v_along_tokens, ctx.operands_quantized)
-    return dq, dk, dv, None, None, None, None, None, None
+                                        ctx.v_along_tokens, ctx.operands_quantized, q_span, k_span)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("attn_qat::attention_forward", _attention_backward,

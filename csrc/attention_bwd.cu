@@ -84,13 +84,14 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
 
     float dk[D / 8][4] = {}, dv[D / 8][4] = {};
     for (int h = hk * group; h < (hk + 1) * group; h++) {
-        const logit_map lm =
-            make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
+        const logit_map lm = make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset,
+                                            p.softmax_scale, p.q_span, p.k_span);
         const uint16_t *qg = (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1];
         const uint16_t *dog = (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1];
         const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
 
-        for (int q0 = causal_query_begin(&lm, k0) / BQ * BQ; q0 < nq; q0 += BQ) {
+        const int2 queries = key_rows_query_range(&lm, k0, min(k0 + BWD_KEYS, nk)); /* those that see a key here */
+        for (int q0 = queries.x / BQ * BQ; q0 < queries.y; q0 += BQ) {
             __syncthreads(); /* every warp is done with the previous Q, dO and statistics */
             bool bad = load_tile<BQ, D, DT>(qs, qg + q0 * p.q_stride[2], p.q_stride[2], min(BQ, nq - q0), vec);
             bad |= load_tile<BQ, D, DT>(dos, dog + q0 * p.dout_stride[2], p.dout_stride[2], min(BQ, nq - q0), vec);
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
                                       &row_delta[slot]);
             }
             bad = __syncthreads_or(bad); /* Q or dO holds Inf or NaN: they are scrubbed before dK, dV below */
-            const bool checked = __syncthreads_or(dead) || tile_needs_mask(&lm, q0, k0, BWD_KEYS);
+            const bool checked = __syncthreads_or(dead) || tile_needs_mask(&lm, rows_common_keys(&lm, q0, BQ), k0, BWD_KEYS);
 
             /* st[n], dpt[n]: queries 8n .. 8n+7 of the step, for the warp's 16 keys */
             float st[BQ / 8][4] = {}, dpt[BQ / 8][4] = {};
@@ -190,8 +191,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
         work_item_at((int)blockIdx.x, (nq + BWD_ROWS - 1) / BWD_ROWS, (int)p.heads_q, (int)p.batch, p.causal, true,
                      p.sm_count);
     const int h = wi.h, b = wi.b, hk = h / (int)(p.heads_q / p.heads_kv), q0 = wi.tile * BWD_ROWS;
-    const logit_map lm =
-        make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
+    const logit_map lm = make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale,
+                                        p.q_span, p.k_span);
     const uint16_t *kg = (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1];
     const uint16_t *vg = (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1];
 
@@ -209,8 +210,9 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     const bool warp_has_dead_row = load_fragment_row_stats(&p, stat0, q0 + row0, m, inv_l, delta);
 
     float dq[D / 8][4] = {};
-    const int key_end = causal_key_end(&lm, min(q0 + BWD_ROWS, nq) - 1);
-    for (int k0 = 0; k0 < key_end; k0 += BWD_KEYS) {
+    const int2 keys = query_rows_key_range(&lm, q0, min(q0 + BWD_ROWS, nq)); /* the keys any row sees */
+    const int2 common = rows_common_keys(&lm, q0, BWD_ROWS);                  /* and those every row sees */
+    for (int k0 = keys.x / BWD_KEYS * BWD_KEYS; k0 < keys.y; k0 += BWD_KEYS) {
         __syncthreads(); /* every warp is done with the previous K, V tile */
         const bool k_bad_here =
             load_tile<BWD_KEYS, D, DT>(ks, kg + k0 * p.k_stride[2], p.k_stride[2], min(BWD_KEYS, nk - k0), vec);
@@ -237,7 +239,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
         }
 
         uint32_t dsa[BWD_KEYS / 16][4];
-        const bool checked = tile_needs_mask(&lm, q0, k0, BWD_KEYS) || warp_has_dead_row;
+        const bool checked = tile_needs_mask(&lm, common, k0, BWD_KEYS) || warp_has_dead_row;
         const uint32_t live = dq_step_p<BWD_KEYS>(&lm, s, m, inv_l, q0 + row0, k0, checked);
         dq_step_ds<BWD_KEYS, DT>(s, dps, dsa, delta, live, checked);
         if (k_bad) { /* S is done with the raw K */

@@ -77,12 +77,12 @@ struct DqLayout {
     static constexpr int ALLOC = BAR_OFFSET + 8 * (1 + 2 * BWD90_STAGES) + 1024;
 };
 
-/* The dK/dV loop's next step: the next 64 queries of head h, or the first of head h + 1 (counters rather than a
-   division of the step index, whose ~40 dependent instructions stood at the top of every step: 5% of the stall
-   samples under ncu). */
-AQ_D void next_query_step(int *h, int *q0, int q_begin, int nq) {
+/* The dK/dV loop's next step: the next 64 queries of head h, or the first of head h + 1 once past q_end (counters
+   rather than a division of the step index, whose ~40 dependent instructions stood at the top of every step: 5% of
+   the stall samples under ncu). */
+AQ_D void next_query_step(int *h, int *q0, int q_begin, int q_end) {
     *q0 += BWD90_Q_STEP;
-    if (*q0 >= nq) *q0 = q_begin, ++*h;
+    if (*q0 >= q_end) *q0 = q_begin, ++*h;
 }
 
 /* The warp's dS^T rows (keys key0 .. key0 + 15, dkdv_step_ds's A fragments) into the step's dS^T tile (128 keys x
@@ -192,16 +192,20 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
                                       (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv, (int)p.batch, p.causal, false,
                                       p.sm_count);
     const int k0 = wi.tile * BWD90_KEYS, hk = wi.h, b = wi.b;
-    /* the first query step that sees key k0 (the same for every head: masks do not move it) */
-    const logit_map lm0 = make_logit_map(NULL, p.mask_stride, b, 0, nq, nk, p.causal, p.causal_offset, 0.0f);
-    const int q_begin = causal_query_begin(&lm0, k0) / BQ * BQ;
-    const int steps_per_head = (nq - q_begin + BQ - 1) / BQ;
+    /* the query steps [q_begin, q_end) holding a query that sees a key of the tile (the same for every head: masks
+       do not move them) */
+    const logit_map lm0 = make_logit_map(NULL, p.mask_stride, b, 0, nq, nk, p.causal, p.causal_offset, 0.0f, p.q_span,
+                                         p.k_span);
+    const int2 queries = key_rows_query_range(&lm0, k0, min(k0 + BWD90_KEYS, nk));
+    const int q_begin = queries.x / BQ * BQ, q_end = queries.y;
+    const int steps_per_head = max(q_end - q_begin + BQ - 1, 0) / BQ;
     /* the loop's first head and query step, and its number of steps (next_query_step) */
     int h_first = hk * group, q_first = q_begin, n_steps = group * steps_per_head;
-    if constexpr (TAIL) { /* not causal: q_begin = 0 */
+    if constexpr (TAIL) { /* not causal: a share of the item's steps, [u0, u1) of its group's heads in turn */
         int u0, u1;
         tail_split_units((int)blockIdx.x % ts.splits, ts.splits, n_steps, &u0, &u1);
-        h_first += u0 / steps_per_head, q_first = u0 % steps_per_head * BQ, n_steps = u1 - u0;
+        if (u1 > u0) h_first += u0 / steps_per_head, q_first = q_begin + u0 % steps_per_head * BQ;
+        n_steps = u1 - u0;
     }
 
     if (threadIdx.x == 0) {
@@ -223,7 +227,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         if (FUSED_DQ && warp == 1) { /* the dQ warp: adds each step's staged partials into dq_accum */
             if (lane == 0) {
                 for (int step = 0, h = h_first, q0 = q_first; step < n_steps;
-                     step++, next_query_step(&h, &q0, q_begin, nq)) {
+                     step++, next_query_step(&h, &q0, q_begin, q_end)) {
 #pragma unroll
                     for (int c = 0; c < 2; c++) {
                         mbar_wait(&dq_full[c], step & 1);
@@ -244,7 +248,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             tma_load_rows<D>(ks, &tm_k, kv_full, BWD90_KEYS, k0, hk, b);
             tma_load_rows<D>(vs, &tm_v, kv_full, BWD90_KEYS, k0, hk, b);
         }
-        for (int step = 0, h = h_first, q0 = q_first; step < n_steps; step++, next_query_step(&h, &q0, q_begin, nq)) {
+        for (int step = 0, h = h_first, q0 = q_first; step < n_steps; step++, next_query_step(&h, &q0, q_begin, q_end)) {
             const int s = step % L::STAGES;
             /* the statistics first, into registers: their global-load latency then overlaps the wait for the
                slot instead of delaying the step's TMA (consumers waited on it: 6-9% of their stall samples) */
@@ -285,10 +289,10 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 
     if (ping_pong && c == 1) named_barrier_arrive(PING_PONG_BARRIER, 256); /* warpgroup 0 takes the first turn */
     mbar_wait(kv_full, 0);
-    for (int step = 0, h = h_first, q0 = q_first; step < n_steps; step++, next_query_step(&h, &q0, q_begin, nq)) {
+    for (int step = 0, h = h_first, q0 = q_first; step < n_steps; step++, next_query_step(&h, &q0, q_begin, q_end)) {
         const int s = step % L::STAGES;
-        const logit_map lm =
-            make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
+        const logit_map lm = make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset,
+                                            p.softmax_scale, p.q_span, p.k_span);
         const unsigned char *qt = qs + s * L::STEP_BYTES, *dot = dos + s * L::STEP_BYTES;
         const float *st_m = stats + s * L::STATS_FLOATS;
 
@@ -314,7 +318,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             wgmma_ss<BQ, DT, 0>(st, k_major_desc(ks, BWD90_KEYS, 64 * c, kk), k_major_desc(qt, BQ, 0, kk), kk > 0);
         wgmma_commit();
         if constexpr (!dp_after_p) issue_dpt<D, DT>(dpt, vs, dot, c);
-        const bool checked = tile_needs_mask(&lm, q0, k0 + 64 * c, 64) || dead_rows != 0.0f;
+        const bool checked = tile_needs_mask(&lm, rows_common_keys(&lm, q0, BQ), k0 + 64 * c, 64) || dead_rows != 0.0f;
         if constexpr (dp_after_p) {
             wgmma_wait<0>();
         } else {
@@ -425,10 +429,11 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     const work_item wi = work_item_at((int)blockIdx.x, (nq + BWD90_ROWS - 1) / BWD90_ROWS, (int)p.heads_q,
                                       (int)p.batch, p.causal, true, p.sm_count);
     const int h = wi.h, b = wi.b, hk = h / (int)(p.heads_q / p.heads_kv), q0 = wi.tile * BWD90_ROWS;
-    const logit_map lm =
-        make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
-    const int key_end = causal_key_end(&lm, min(q0 + BWD90_ROWS, nq) - 1);
-    const int n_tiles = (key_end + BK - 1) / BK;
+    const logit_map lm = make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale,
+                                        p.q_span, p.k_span);
+    /* the key tiles kt0 .. kt0 + n_tiles - 1 hold the keys any row sees */
+    const int2 keys = query_rows_key_range(&lm, q0, min(q0 + BWD90_ROWS, nq));
+    const int kt0 = keys.x / BK, n_tiles = (keys.y + BK - 1) / BK - kt0;
 
     if (threadIdx.x == 0) {
         mbar_init(rows_full, 1);
@@ -450,8 +455,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
                 const int s = j % BWD90_STAGES;
                 mbar_wait(&kv_empty[s], ((j / BWD90_STAGES) & 1) ^ 1);
                 mbar_arrive_expect_tx(&kv_full[s], 2 * L::STEP_BYTES);
-                tma_load_rows<D>(ks + s * L::STEP_BYTES, &tm_k, &kv_full[s], BK, j * BK, hk, b);
-                tma_load_rows<D>(vs + s * L::STEP_BYTES, &tm_v, &kv_full[s], BK, j * BK, hk, b);
+                tma_load_rows<D>(ks + s * L::STEP_BYTES, &tm_k, &kv_full[s], BK, (kt0 + j) * BK, hk, b);
+                tma_load_rows<D>(vs + s * L::STEP_BYTES, &tm_v, &kv_full[s], BK, (kt0 + j) * BK, hk, b);
             }
         }
         return;
@@ -459,6 +464,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 
     setmaxnreg_inc<240>();
     const int c = warpgroup - 1, wrow = 64 * c, row0 = wrow + 16 * (warp % 4);
+    const int2 common = rows_common_keys(&lm, q0 + wrow, 64); /* the keys every row of the warpgroup sees */
     const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
     float m[2], inv_l[2], delta[2];
     const bool warp_has_dead_row = load_fragment_row_stats(&p, stat0, q0 + row0, m, inv_l, delta);
@@ -470,7 +476,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 
     mbar_wait(rows_full, 0);
     for (int j = 0; j < n_tiles; j++) {
-        const int s = j % BWD90_STAGES, k0 = j * BK;
+        const int s = j % BWD90_STAGES, k0 = (kt0 + j) * BK;
         const unsigned char *kt = ks + s * L::STEP_BYTES, *vt = vs + s * L::STEP_BYTES;
         /* S and dP as two groups: the P part of the step runs while the tensor cores compute dP */
         float sc[BK / 8][4], dps[BK / 8][4];
@@ -488,7 +494,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         wgmma_wait<1>();
         fence_registers(sc);
 
-        const bool checked = tile_needs_mask(&lm, q0 + wrow, k0, BK) || warp_has_dead_row;
+        const bool checked = tile_needs_mask(&lm, common, k0, BK) || warp_has_dead_row;
         const uint32_t live = dq_step_p<BK>(&lm, sc, m, inv_l, q0 + row0, k0, checked);
         wgmma_wait<0>();
         fence_registers(dps);
@@ -555,7 +561,8 @@ static dkdv90_kernel dkdv_sm90_kernel(bool quantize_p_for_dv, bool fused_dq) {
 }
 
 /* The dK/dV kernel's tail split (plan_tail_split): items of 128 keys, not causal (those items differ in length and
-   run longest first), parts of 64-query steps over the group's heads. */
+   run longest first), parts of 64-query steps over the group's heads. Packed sequences (causal 0, attn_qat.h): each
+   part takes its share of its item's own steps; the host caps the parts by every query's steps. */
 static tail_split dkdv_tail_plan(const aq_attention_bwd_params *p) {
     const int64_t items = (p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch;
     int sms = 0;
@@ -576,7 +583,7 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
     if (!fragment_store_ok(p->dq, p->dq_stride) || !fragment_store_ok(p->dk, p->dk_stride) ||
         !fragment_store_ok(p->dv, p->dv_stride))
         return NULL;
-    const bool hidden_terms = p->causal || p->mask != NULL;
+    const bool hidden_terms = p->causal || p->mask != NULL || p->q_span != NULL; /* packed: other sequences' */
     if (hidden_terms && p->scratch == NULL) return NULL;
     /* boxes: Q and dO of 64 rows (dK/dV) and 128 rows (dQ); K and V of 128 rows (dK/dV) and 64 rows (dQ) */
     CUtensorMap q64, do64, k128, v128, q128, do128, k64, v64, dk16, dv16;

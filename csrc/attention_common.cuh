@@ -212,7 +212,15 @@ AQ_D void store_fragment_rows(const float (&acc)[D / 8][4], uint16_t *g, int64_t
    score q.k and exp_scale = scale * log2(e), and the frame M = ceil(max u * exp_scale) is the same as ceil(max t),
    since rounding is monotonic and the scale is > 0 (the ops reject others: the Python entry points flip q's sign
    for a negative scale, and a zero one would turn a hidden key's -inf into NaN). With an additive mask, u = t and
-   exp_scale = 1. An unchecked step (no hidden key, hence no additive mask) takes u = s as it comes. */
+   exp_scale = 1. An unchecked step (no hidden key, hence no additive mask) takes u = s as it comes.
+
+   Which keys a query sees (attn_qat.h) is decided here and nowhere else, as spans: query row i sees the keys
+   [lo, hi) of query_key_span(i), less those an additive mask sets to -inf, and key j is seen by the queries of
+   key_query_span(j) (the same relation from the key's side). Dense attention's span is every key in range up to the
+   causal limit; packed sequences (q_span, k_span) read theirs from the tables attn_qat/varlen.py built. The kernels
+   take the two spans of a thread's C-fragment rows once per checked step (query_row_spans, key_row_spans; the
+   forwards keep theirs in shared memory, store_warp_row_spans), test each term against its row's span, and take
+   their tile ranges from the spans of a run of rows' first and last (the columns of the tables are non-decreasing). */
 typedef struct {
     const float *mask;            /* at (b, h), or NULL */
     int64_t mask_stride_i, mask_stride_j;
@@ -220,11 +228,15 @@ typedef struct {
     int64_t causal_offset;
     float scale;                  /* softmax_scale, for the masked formula */
     float exp_scale;              /* t = u * exp_scale (above) */
+    const int2 *q_span, *k_span;  /* packed sequences (attn_qat.h), or NULL */
 } logit_map;
 
 AQ_D logit_map make_logit_map(const float *mask, const int64_t mask_stride[4], int b, int h, int64_t seqlen_q,
-                              int64_t seqlen_k, int causal, int64_t causal_offset, float scale) {
+                              int64_t seqlen_k, int causal, int64_t causal_offset, float scale, const int32_t *q_span,
+                              const int32_t *k_span) {
     logit_map lm;
+    lm.q_span = (const int2 *)q_span;
+    lm.k_span = (const int2 *)k_span;
     lm.mask = mask ? mask + b * mask_stride[0] + h * mask_stride[1] : NULL;
     lm.mask_stride_i = mask_stride[2];
     lm.mask_stride_j = mask_stride[3];
@@ -237,18 +249,42 @@ AQ_D logit_map make_logit_map(const float *mask, const int64_t mask_stride[4], i
     return lm;
 }
 
-/* One past the last key that any query row <= last_row sees, in [0, seqlen_k]: later key tiles are skipped. */
-AQ_D int causal_key_end(const logit_map *lm, int last_row) {
-    if (!lm->causal) return lm->seqlen_k;
-    const int64_t end = (int64_t)last_row + lm->causal_offset + 1;
-    return (int)(end < 0 ? 0 : end > lm->seqlen_k ? lm->seqlen_k : end);
+AQ_HD int clamp_span_end(int64_t x, int n) { return (int)(x < 0 ? 0 : x > n ? n : x); }
+
+/* A span [x, y) read from a packed table, clamped into [0, n] with x <= y: whatever a table says, nothing outside the
+   tensors is read. */
+AQ_D int2 clamped_span(int2 s, int n) {
+    const int hi = clamp_span_end(s.y, n);
+    return make_int2(min(max(s.x, 0), hi), hi);
 }
 
-/* The first query row that sees key first_key or a later one, in [0, seqlen_q]: earlier query tiles are skipped. */
-AQ_D int causal_query_begin(const logit_map *lm, int first_key) {
-    if (!lm->causal) return 0;
-    const int64_t begin = (int64_t)first_key - lm->causal_offset;
-    return (int)(begin < 0 ? 0 : begin > lm->seqlen_q ? lm->seqlen_q : begin);
+/* The keys [x, y) that query row i sees (before the additive mask); empty for rows past seqlen_q. */
+AQ_D int2 query_key_span(const logit_map *lm, int i) {
+    if (i >= lm->seqlen_q) return make_int2(0, 0);
+    if (lm->q_span != NULL) return clamped_span(lm->q_span[i], lm->seqlen_k);
+    return make_int2(0, lm->causal ? clamp_span_end((int64_t)i + lm->causal_offset + 1, lm->seqlen_k) : lm->seqlen_k);
+}
+
+/* The queries [x, y) that see key j (before the additive mask); empty for keys past seqlen_k. */
+AQ_D int2 key_query_span(const logit_map *lm, int j) {
+    if (j >= lm->seqlen_k) return make_int2(0, 0);
+    if (lm->k_span != NULL) return clamped_span(lm->k_span[j], lm->seqlen_q);
+    return make_int2(lm->causal ? clamp_span_end((int64_t)j - lm->causal_offset, lm->seqlen_q) : 0, lm->seqlen_q);
+}
+
+/* The keys [x, y) that any query of rows [i0, i_end) sees (i_end <= seqlen_q; empty when i_end <= i0): key tiles
+   outside are skipped. Spans only grow along the rows, so these are the first row's start and the last row's end. */
+AQ_D int2 query_rows_key_range(const logit_map *lm, int i0, int i_end) {
+    if (i_end <= i0) return make_int2(0, 0);
+    const int lo = lm->q_span != NULL ? query_key_span(lm, i0).x : 0;
+    return make_int2(lo, max(lo, query_key_span(lm, i_end - 1).y));
+}
+
+/* The queries [x, y) that see any key of [j0, j_end) (j_end <= seqlen_k): query tiles outside are skipped. */
+AQ_D int2 key_rows_query_range(const logit_map *lm, int j0, int j_end) {
+    if (j_end <= j0) return make_int2(0, 0);
+    const int lo = key_query_span(lm, j0).x;
+    return make_int2(lo, max(lo, lm->k_span != NULL ? key_query_span(lm, j_end - 1).y : lm->seqlen_q));
 }
 
 typedef struct {
@@ -285,69 +321,89 @@ AQ_D work_item work_item_at(int t, int n_tiles, int heads, int batch, int causal
     return w;
 }
 
-/* Whether a tile of query rows [i0, ...) x keys [j0, j0 + nj) needs per-element visibility: an additive mask,
-   keys past seqlen_k, or a causal cut through it (its first row sees the fewest keys). Otherwise every key is
-   visible to every row (rows past seqlen_q do not count: their results are discarded or zeroed by a row flag). */
-AQ_D bool tile_needs_mask(const logit_map *lm, int i0, int j0, int nj) {
-    return lm->mask != NULL || j0 + nj > lm->seqlen_k ||
-           (lm->causal && (int64_t)j0 + nj - 1 > (int64_t)i0 + lm->causal_offset);
+/* The keys [x, y) that every row of [i0, i0 + ni) sees (before the mask; rows past seqlen_q do not count: their
+   results are discarded or zeroed by a row flag); empty (x >= y) when some row sees none. Dense: every key up to the
+   first row's causal limit (it sees the fewest); packed: spans grow along the rows, so from the last row's start to
+   the first row's end. Taken once per run of rows, so that tile_needs_mask is two compares a tile. */
+AQ_D int2 rows_common_keys(const logit_map *lm, int i0, int ni) {
+    const int i_last = min(i0 + ni, lm->seqlen_q) - 1;
+    if (i_last < i0) return make_int2(0, 0);
+    return make_int2(lm->q_span != NULL ? query_key_span(lm, i_last).x : 0, query_key_span(lm, i0).y);
 }
 
-/* Inside both sequences and allowed by the causal rule; the mask is only read at such positions. */
-AQ_D bool in_causal_range(const logit_map *lm, int i, int j) {
-    return i < lm->seqlen_q && j < lm->seqlen_k && (!lm->causal || (int64_t)j <= (int64_t)i + lm->causal_offset);
+/* Whether a tile of keys [j0, j0 + nj) of those rows needs per-element visibility: an additive mask, keys past
+   seqlen_k, or a key that some row does not see. Otherwise every key is visible to every row. */
+AQ_D bool tile_needs_mask(const logit_map *lm, int2 common, int j0, int nj) {
+    return lm->mask != NULL || j0 < common.x || j0 + nj > common.y;
 }
 
 AQ_D float mask_at(const logit_map *lm, int i, int j) {
     return lm->mask[i * lm->mask_stride_i + j * lm->mask_stride_j];
 }
 
-/* Whether key j is visible to query i (attn_qat.h): in range, causal, and not masked with -inf. Visibility is
-   apart from the score: a visible key whose score is -inf or NaN is not a hidden one. */
-AQ_D bool key_visible(const logit_map *lm, int i, int j) {
-    return in_causal_range(lm, i, j) && (lm->mask == NULL || mask_at(lm, i, j) != -INFINITY);
+/* The spans of the thread's two C-fragment rows (r = 0: row g, r = 1: row g + 8, from row_base): the keys of query
+   rows (forward, dQ) or the queries of key rows (dK/dV). */
+AQ_D void query_row_spans(const logit_map *lm, int row_base, int2 span[2]) {
+    const int lane = (int)threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < 2; r++) span[r] = query_key_span(lm, row_base + frag_c_row(lane, 2 * r));
 }
 
-/* For the fp32 score s = q_i . k_j: returns key_visible and sets *u to the logit u_ij (logit_map: t_ij = u_ij *
-   exp_scale), or to -inf for a hidden key (whose score, even NaN, is never used). */
-AQ_D bool masked_logit(const logit_map *lm, float s, int i, int j, float *u) {
-    *u = -INFINITY;
-    if (!in_causal_range(lm, i, j)) return false;
-    if (lm->mask == NULL) {
-        *u = s;
-        return true;
-    }
-    const float m = mask_at(lm, i, j);
-    if (m == -INFINITY) return false;
-    *u = (s * lm->scale + m) * AQ_LOG2E;
-    return true;
+AQ_D void key_row_spans(const logit_map *lm, int key_base, int2 span[2]) {
+    const int lane = (int)threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < 2; r++) span[r] = key_query_span(lm, key_base + frag_c_row(lane, 2 * r));
 }
 
-/* masked_logit for GENERAL, else (no additive mask: only the sequence ends and the causal rule hide keys)
-   the same result without a branch, so that the terms of a masked tile stay straight-line code. */
+AQ_D bool in_span(int2 span, int x) { return (x >= span.x) & (x < span.y); }
+
+/* For the fp32 score s = q_i . k_j, where `span` is the span of the term's row and `col` its column (key j of a query
+   row, or query i of a key row): whether key j is visible to query i (in the span, and not masked with -inf), and the
+   logit u_ij in *u (logit_map: t_ij = u_ij * exp_scale), or -inf for a hidden key (whose score, even NaN, is never
+   used). Visibility is apart from the score: a visible key whose score is -inf or NaN is not a hidden one. GENERAL:
+   an additive mask may be present (read only at visible positions); else the same result without a branch, so
+   that the terms of a masked tile stay straight-line code. */
 template <bool GENERAL>
-AQ_D bool visible_logit(const logit_map *lm, float s, int i, int j, float *u) {
+AQ_D bool span_logit(const logit_map *lm, int2 span, int col, float s, int i, int j, float *u) {
+    const bool in = in_span(span, col);
     if constexpr (GENERAL) {
-        return masked_logit(lm, s, i, j, u);
+        *u = -INFINITY;
+        if (!in) return false;
+        if (lm->mask == NULL) {
+            *u = s;
+            return true;
+        }
+        const float m = mask_at(lm, i, j);
+        if (m == -INFINITY) return false;
+        *u = (s * lm->scale + m) * AQ_LOG2E;
+        return true;
     } else {
-        const bool visible = (i < lm->seqlen_q) & (j < lm->seqlen_k) &
-                             (!lm->causal | ((int64_t)j <= (int64_t)i + lm->causal_offset));
-        *u = visible ? s : -INFINITY;
-        return visible;
+        *u = in ? s : -INFINITY;
+        return in;
     }
+}
+
+/* Whether key j is visible to query i (attn_qat.h). */
+AQ_D bool key_visible(const logit_map *lm, int i, int j) {
+    float u;
+    return span_logit<true>(lm, query_key_span(lm, i), j, 0.0f, i, j, &u);
 }
 
 /* The visible keys j0 .. j0+n-1 (n <= 64) of query i, and the visible queries i0 .. i0+n-1 of key j, as bit
    masks; only the rare non-finite path needs them whole. */
 AQ_D uint64_t visible_keys_of_query(const logit_map *lm, int i, int j0, int n) {
+    const int2 span = query_key_span(lm, i);
     uint64_t bits = 0;
-    for (int jj = 0; jj < n; jj++) bits |= (uint64_t)key_visible(lm, i, j0 + jj) << jj;
+    float u;
+    for (int jj = 0; jj < n; jj++) bits |= (uint64_t)span_logit<true>(lm, span, j0 + jj, 0.0f, i, j0 + jj, &u) << jj;
     return bits;
 }
 
 AQ_D uint64_t visible_queries_of_key(const logit_map *lm, int j, int i0, int n) {
+    const int2 span = key_query_span(lm, j);
     uint64_t bits = 0;
-    for (int ii = 0; ii < n; ii++) bits |= (uint64_t)key_visible(lm, i0 + ii, j) << ii;
+    float u;
+    for (int ii = 0; ii < n; ii++) bits |= (uint64_t)span_logit<true>(lm, span, i0 + ii, 0.0f, i0 + ii, j, &u) << ii;
     return bits;
 }
 
@@ -590,18 +646,38 @@ AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[
    thread keeps two rows (r = 0: row g, elements 0, 1; r = 1: row g+8, elements 2, 3) with their integer frame
    m[r], its part of l[r] (summed over the quad at the end) and whether it met a visible key. */
 
-/* Scores q.k -> logits u (logit_map: t = u * exp_scale), hidden keys -inf (attn_qat.h's visibility). */
+/* The spans of a warp's 16 query rows in shared memory (8 int4: [g] holds the spans of rows g and g + 8, the two C-
+   fragment rows of lanes 4g .. 4g + 3), written once per run of rows by the forward kernels so that a masked tile
+   reads its rows' spans with one 16-byte load: taken in the masked step itself (a branch and two global loads for
+   packed sequences, clamps for dense ones), they made the Hopper training forward spill more (ptxas, D = 128:
+   28/80 bytes of spills stored/loaded before spans, 52/92 so, 28/48 this way). Called by the whole warp. */
+AQ_D void store_warp_row_spans(const logit_map *lm, int row_base, int4 *warp_spans) {
+    const int lane = (int)threadIdx.x & 31;
+    __syncwarp(); /* the previous rows' spans are read */
+    if (lane < 8) {
+        const int2 a = query_key_span(lm, row_base + lane), b = query_key_span(lm, row_base + lane + 8);
+        warp_spans[lane] = make_int4(a.x, a.y, b.x, b.y);
+    }
+    __syncwarp();
+}
+
+/* Scores q.k -> logits u (logit_map: t = u * exp_scale), hidden keys -inf (attn_qat.h's visibility), the rows' spans
+   from store_warp_row_spans. */
 template <int BN>
 AQ_D void scores_to_logits(const logit_map *lm, float (&s)[BN / 8][4], int row_base, int k0, bool needs_mask,
-                         bool seen[2]) {
+                         bool seen[2], const int4 *warp_spans) {
     const int lane = (int)threadIdx.x & 31;
     auto masked = [&](auto general) {
+        const int4 both = warp_spans[lane >> 2];
+        const int2 span[2] = {make_int2(both.x, both.y), make_int2(both.z, both.w)};
 #pragma unroll
         for (int n = 0; n < BN / 8; n++)
 #pragma unroll
-            for (int e = 0; e < 4; e++)
-                seen[e >> 1] |= visible_logit<decltype(general)::value>(lm, s[n][e], row_base + frag_c_row(lane, e),
-                                                                     k0 + 8 * n + frag_c_col(lane, e), &s[n][e]);
+            for (int e = 0; e < 4; e++) {
+                const int j = k0 + 8 * n + frag_c_col(lane, e);
+                seen[e >> 1] |= span_logit<decltype(general)::value>(lm, span[e >> 1], j, s[n][e],
+                                                                     row_base + frag_c_row(lane, e), j, &s[n][e]);
+            }
     };
     if (needs_mask && lm->mask != NULL) {
         masked(std::true_type());
@@ -857,15 +933,15 @@ AQ_D void dkdv_step_stats(float4 (&v)[BQ / 16], const float *stat) {
 }
 
 /* P̂ of the step's term (n, e) from its score s (st[n][e]). With CHECKED, *live says whether the term counts (its
-   key is visible and its row has inv_l != 0), which also goes into *live_bits, and a dead term's P̂ is 0. */
+   key is visible and its row has inv_l != 0), which also goes into *live_bits, and a dead term's P̂ is 0; span: the
+   queries the thread's two key rows see (key_row_spans). */
 template <bool CHECKED>
 AQ_D float dkdv_term_p_hat(const logit_map *lm, float s, float m, float inv_l, int q0, int key_base, int n, int e,
-                           bool *live, uint32_t *live_bits) {
+                           const int2 (&span)[2], bool *live, uint32_t *live_bits) {
     if constexpr (CHECKED) {
-        const int lane = (int)threadIdx.x & 31;
+        const int lane = (int)threadIdx.x & 31, i = q0 + 8 * n + frag_c_col(lane, e);
         float u;
-        *live = masked_logit(lm, s, q0 + 8 * n + frag_c_col(lane, e), key_base + frag_c_row(lane, e), &u) &&
-                inv_l != 0.0f;
+        *live = span_logit<true>(lm, span[e >> 1], i, s, i, key_base + frag_c_row(lane, e), &u) && inv_l != 0.0f;
         *live_bits |= (uint32_t)*live << (4 * n + e);
         return *live ? p_hat(u, lm->exp_scale, m) : 0.0f;
     } else {
@@ -882,6 +958,8 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
                                const M &row_m, const InvL &row_inv_l, int q0, int key_base) {
     static_assert(BQ <= 64 && BQ % 16 == 0, "one live bit per term of the step, whole A fragments");
     uint32_t live_bits = CHECKED ? 0u : ~0u;
+    int2 span[2] = {};
+    if constexpr (CHECKED) key_row_spans(lm, key_base, span);
 #pragma unroll
     for (int kb = 0; kb < BQ / 16; kb++) { /* 16 queries at a time, so only their P̂ is kept aside */
         const float4 m4 = step_stat(row_m, kb), inv_l4 = step_stat(row_inv_l, kb);
@@ -895,7 +973,7 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
                 const float inv_l = float4_at(inv_l4, col);
                 bool live;
                 const float phat = dkdv_term_p_hat<CHECKED>(lm, st[n][e], float4_at(m4, col), inv_l, q0, key_base, n,
-                                                            e, &live, &live_bits);
+                                                            e, span, &live, &live_bits);
                 st[n][e] = live ? phat * inv_l : 0.0f;
                 xq[col][e >> 1] = phat;
             }
@@ -922,7 +1000,7 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
 template <int BQ, bool QUANTIZE_DV, aq_dtype DT, typename M, typename InvL>
 AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
                           const M &row_m, const InvL &row_inv_l, int q0, int key_base, bool checked) {
-    /* one checked variant for masks and causal alike: a third (visible_logit<false>, branch-free causal, as the
+    /* one checked variant for masks and causal alike: a third (span_logit<false>, branch-free causal, as the
        forward has) made the kernels spill and measured no faster (Wan 14B and Qwen causal shapes, H100) */
     if (checked) return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, true>(lm, st, pa, row_m, row_inv_l, q0, key_base);
     return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base);
@@ -944,6 +1022,8 @@ AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4],
                                          float4 *scales) {
     const int lane = (int)threadIdx.x & 31;
     uint32_t live_bits = CHECKED ? 0u : ~0u;
+    int2 span[2] = {};
+    if constexpr (CHECKED) key_row_spans(lm, key_base, span);
     /* the column maxima of 16 values a column (the lane's two keys, a[n][j] for column 8n + 2t + j), then over the
        8 lanes of the column set, halving the columns a lane holds at each level: lane bit 4 keeps n-blocks
        4 * bit + i, bit 3 then 2 * bit + i, bit 2 the one n-block g. select_column: the same choices without the
@@ -1001,7 +1081,7 @@ AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4],
                 const int col = 2 * h + (e & 1);
                 bool live;
                 st[n][e] = dkdv_term_p_hat<CHECKED>(lm, st[n][e], float4_at(m4, col), float4_at(inv_l4, col), q0,
-                                                    key_base, n, e, &live, &live_bits);
+                                                    key_base, n, e, span, &live, &live_bits);
             }
         }
     }
@@ -1090,6 +1170,8 @@ AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const f
     static_assert(BK <= 64, "one live bit per term of the step");
     const int lane = (int)threadIdx.x & 31;
     uint32_t live_bits = CHECKED ? 0u : ~0u;
+    int2 span[2] = {};
+    if constexpr (CHECKED) query_row_spans(lm, row_base, span);
 #pragma unroll
     for (int n = 0; n < BK / 8; n++)
 #pragma unroll
@@ -1097,9 +1179,9 @@ AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const f
             const int r = e >> 1;
             if constexpr (CHECKED) {
                 float u;
-                const bool live = masked_logit(lm, s[n][e], row_base + frag_c_row(lane, e),
-                                                    k0 + 8 * n + frag_c_col(lane, e), &u) &&
-                                  inv_l[r] != 0.0f;
+                const int j = k0 + 8 * n + frag_c_col(lane, e);
+                const bool live =
+                    span_logit<true>(lm, span[r], j, s[n][e], row_base + frag_c_row(lane, e), j, &u) && inv_l[r] != 0.0f;
                 s[n][e] = live ? p_hat(u, lm->exp_scale, m[r]) * inv_l[r] : 0.0f;
                 live_bits |= (uint32_t)live << (4 * n + e);
             } else {

@@ -53,12 +53,24 @@ typedef struct {
     float softmax_scale;
     int causal;
     int64_t last_visible;  /* i + causal_offset */
+    /* Keys outside [key_begin, key_end) are hidden (packed sequences: the row's span, attn_qat.h; else every key).
+       The loops run over [first, key_end), first = key_begin rounded down to a P block (16 keys from key 0). */
+    int64_t key_begin, key_end, first;
 } score_row;
+
+static int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 static score_row score_row_at(const float *k_head, const float *mask, const int64_t *mask_stride, int64_t b,
                               int64_t h, int64_t i, int64_t seqlen_k, int64_t head_dim, float softmax_scale,
-                              int causal, int64_t causal_offset) {
+                              int causal, int64_t causal_offset, const int32_t *q_span) {
     score_row r;
+    r.key_begin = 0;
+    r.key_end = seqlen_k;
+    if (q_span) {
+        r.key_end = clamp64(q_span[2 * i + 1], 0, seqlen_k);
+        r.key_begin = clamp64(q_span[2 * i], 0, r.key_end);
+    }
+    r.first = r.key_begin - r.key_begin % AQ_BLOCK;
     r.k = k_head;
     r.mask = mask ? mask + b * mask_stride[0] + h * mask_stride[1] + i * mask_stride[2] : NULL;
     r.mask_stride_j = mask_stride[3];
@@ -70,14 +82,15 @@ static score_row score_row_at(const float *k_head, const float *mask, const int6
     return r;
 }
 
-/* t_j in the log2 domain and whether key j is visible; returns whether any key is. Visibility is kept
-   apart from t: a visible key whose score is -inf (or NaN) is not a hidden key, and its row is not empty. */
+/* t_j in the log2 domain and whether key j is visible (for j in [r->first, r->key_end)); returns whether any key
+   is. Visibility is kept apart from t: a visible key whose score is -inf (or NaN) is not a hidden key, and its row
+   is not empty. */
 static int compute_scores(const score_row *r, const float *q, float *t, uint8_t *visible) {
     const float scale_log2 = r->softmax_scale * AQ_LOG2E;
     int any_visible = 0;
-    for (int64_t j = 0; j < r->seqlen_k; j++) {
+    for (int64_t j = r->first; j < r->key_end; j++) {
         const float mask_value = r->mask ? r->mask[j * r->mask_stride_j] : 0.0f;
-        visible[j] = !(r->causal && j > r->last_visible) && mask_value != -INFINITY;
+        visible[j] = j >= r->key_begin && !(r->causal && j > r->last_visible) && mask_value != -INFINITY;
         if (!visible[j]) continue;
         any_visible = 1;
         const float *k = r->k + j * r->head_dim;
@@ -91,22 +104,23 @@ static int compute_scores(const score_row *r, const float *q, float *t, uint8_t 
 /* M = ceil(max_j t_j) over the visible keys, ignoring NaN so that NaN reaches l and O instead of hiding
    in M. It is -inf for an empty row, and also for a visible row of only NaN or -inf scores: there
    2^(t - M) is NaN, so that row's l and O come out NaN rather than empty. */
-static float row_frame(const float *t, const uint8_t *visible, int64_t seqlen_k) {
+static float row_frame(const float *t, const uint8_t *visible, const score_row *r) {
     float max_t = -INFINITY;
-    for (int64_t j = 0; j < seqlen_k; j++)
+    for (int64_t j = r->first; j < r->key_end; j++)
         if (visible[j] && t[j] > max_t) max_t = t[j]; /* false for NaN */
     return ceilf(max_t);
 }
 
 /* P̂_j = 2^(t_j - M) for visible keys, 0 for hidden ones (they do not raise a block's amax either). */
-static void frame_values(const float *t, const uint8_t *visible, int64_t seqlen_k, float frame, float *p_hat) {
-    for (int64_t j = 0; j < seqlen_k; j++) p_hat[j] = visible[j] ? exp2f(t[j] - frame) : 0.0f;
+static void frame_values(const float *t, const uint8_t *visible, const score_row *r, float frame, float *p_hat) {
+    for (int64_t j = r->first; j < r->key_end; j++) p_hat[j] = visible[j] ? exp2f(t[j] - frame) : 0.0f;
 }
 
-/* P^F * l = fq16(P̂ * 2^11) * 2^-11, blocks of 16 keys from key 0. */
-static void quantize_frame_values(const float *p_hat, int64_t seqlen_k, float *p_fq) {
-    for (int64_t j0 = 0; j0 < seqlen_k; j0 += AQ_BLOCK) {
-        const int n = (int)(seqlen_k - j0 < AQ_BLOCK ? seqlen_k - j0 : AQ_BLOCK);
+/* P^F * l = fq16(P̂ * 2^11) * 2^-11, blocks of 16 keys from key 0 (the keys past key_end of a row's last block are
+   hidden: 0, which raises no amax). */
+static void quantize_frame_values(const float *p_hat, const score_row *r, float *p_fq) {
+    for (int64_t j0 = r->first; j0 < r->key_end; j0 += AQ_BLOCK) {
+        const int n = (int)(r->key_end - j0 < AQ_BLOCK ? r->key_end - j0 : AQ_BLOCK);
         float block[AQ_BLOCK];
         for (int e = 0; e < n; e++) block[e] = p_hat[j0 + e] * AQ_P_HEADROOM;
         aq_fake_quantize_block(block, n);
@@ -138,19 +152,19 @@ const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
             for (int64_t h = hkv * group; h < (hkv + 1) * group; h++) {
                 for (int64_t i = 0; i < p->seqlen_q; i++) {
                     const score_row r = score_row_at(k_head, p->mask, p->mask_stride, b, h, i, nk, dim,
-                                                     p->softmax_scale, p->causal, p->causal_offset);
+                                                     p->softmax_scale, p->causal, p->causal_offset, p->q_span);
                     load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
                     const int any_visible = compute_scores(&r, q_row, t, visible);
-                    const float frame = row_frame(t, visible, nk);
-                    frame_values(t, visible, nk, frame, p_hat);
+                    const float frame = row_frame(t, visible, &r);
+                    frame_values(t, visible, &r, frame, p_hat);
                     double row_sum = 0.0;
-                    for (int64_t j = 0; j < nk; j++) row_sum += p_hat[j];
-                    if (p->quantize_p) quantize_frame_values(p_hat, nk, p_fq);
+                    for (int64_t j = r.first; j < r.key_end; j++) row_sum += p_hat[j];
+                    if (p->quantize_p) quantize_frame_values(p_hat, &r, p_fq);
                     const float *weight = p->quantize_p ? p_fq : p_hat;
 
                     for (int64_t d = 0; d < dim; d++) o_acc[d] = o_prime_acc[d] = 0.0;
                     /* Hidden keys are skipped, so a NaN in a masked-out V row stays out of O. */
-                    for (int64_t j = 0; j < nk; j++) {
+                    for (int64_t j = r.first; j < r.key_end; j++) {
                         if (!visible[j]) continue;
                         const float *v = v_head + j * dim;
                         const double w = weight[j], w_prime = p_hat[j];
@@ -234,13 +248,13 @@ const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
                     for (int64_t d = 0; d < dim; d++) dq_acc[d] = 0.0;
                     if (row_sum != 0.0f) {
                         const score_row r = score_row_at(k_head, p->mask, p->mask_stride, b, h, i, nk, dim,
-                                                         p->softmax_scale, p->causal, p->causal_offset);
+                                                         p->softmax_scale, p->causal, p->causal_offset, p->q_span);
                         load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
                         load_row(p->dout, p->dtype, p->dout_stride, b, h, i, dim, dout_row);
                         compute_scores(&r, q_row, t, visible);
-                        frame_values(t, visible, nk, frame, p_hat);
-                        if (p->quantize_p_for_dv) quantize_frame_values(p_hat, nk, p_fq);
-                        for (int64_t j = 0; j < nk; j++) {
+                        frame_values(t, visible, &r, frame, p_hat);
+                        if (p->quantize_p_for_dv) quantize_frame_values(p_hat, &r, p_fq);
+                        for (int64_t j = r.first; j < r.key_end; j++) {
                             if (!visible[j]) continue;
                             const float prob = p_hat[j] / row_sum;
                             const double dv_weight = p->quantize_p_for_dv ? p_fq[j] / row_sum : prob;

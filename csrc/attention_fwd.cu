@@ -36,14 +36,15 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIM
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *qs = (uint16_t *)smem, *ks = qs + FWD_BM * LD, *vs = ks + BN * LD;
     uint64_t *v_nonfinite = (uint64_t *)(vs + BN * LD); /* D column masks, for scrub_nonfinite_tile */
+    int4 *warp_spans = (int4 *)(v_nonfinite + D) + 8 * ((int)threadIdx.x / 32); /* the warp's rows' spans */
 
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
     /* causal: the last query tiles see the most keys, so they are scheduled first */
     const int qtile = p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
     const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, q0 = qtile * FWD_BM;
-    const logit_map lm =
-        make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale);
+    const logit_map lm = make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale,
+                                        p.q_span, p.k_span);
     const uint16_t *kg = (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1];
     const uint16_t *vg = (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1];
 
@@ -64,8 +65,10 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIM
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     bool seen[2] = {false, false};
 
-    const int key_end = causal_key_end(&lm, min(q0 + FWD_BM, nq) - 1);
-    for (int k0 = 0; k0 < key_end; k0 += BN) {
+    const int2 keys = query_rows_key_range(&lm, q0, min(q0 + FWD_BM, nq)); /* the keys any row sees */
+    const int2 common = rows_common_keys(&lm, q0, FWD_BM);                  /* and those every row sees */
+    store_warp_row_spans(&lm, q0 + row0, warp_spans);
+    for (int k0 = keys.x / BN * BN; k0 < keys.y; k0 += BN) {
         __syncthreads(); /* every warp is done with the previous K, V tile */
         load_tile<BN, D, DT>(ks, kg + k0 * p.k_stride[2], p.k_stride[2], min(BN, nk - k0), vec);
         const bool v_bad =
@@ -90,7 +93,7 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIM
             }
         }
 
-        scores_to_logits<BN>(&lm, s, q0 + row0, k0, tile_needs_mask(&lm, q0, k0, BN), seen);
+        scores_to_logits<BN>(&lm, s, q0 + row0, k0, tile_needs_mask(&lm, common, k0, BN), seen, warp_spans);
         online_softmax_tile<BN, D, WITH_O_PRIME>(s, o, o2, m, l, lm.exp_scale);
 
         /* O += P V, one 16-key block of P (two C fragments = one A fragment) at a time */
@@ -150,7 +153,8 @@ template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
 static const char *launch_fwd(const aq_attention_fwd_params *p, cudaStream_t stream, bool vec, const int *only_if) {
     void (*kernel)(const aq_attention_fwd_params, bool, const int *) =
         attention_fwd_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME>;
-    const int smem = (FWD_BM + 2 * fwd_keys_per_tile(D)) * (D + AQ_SMEM_PAD) * 2 + D * (int)sizeof(uint64_t);
+    const int smem = (FWD_BM + 2 * fwd_keys_per_tile(D)) * (D + AQ_SMEM_PAD) * 2 + D * (int)sizeof(uint64_t) +
+                     FWD_BM * (int)sizeof(int2); /* the rows' spans (store_warp_row_spans) */
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cudaGetErrorString(err);
     const dim3 grid((unsigned)((p->seqlen_q + FWD_BM - 1) / FWD_BM), (unsigned)p->heads_q, (unsigned)p->batch);

@@ -43,7 +43,7 @@ static constexpr __host__ __device__ int sm90_keys_per_tile(int d, bool with_o_p
 
 /* Shared memory: Q (BM x D), then STAGES K tiles and STAGES V tiles (BN x D), each as D / 64 swizzled panels,
    then the mbarriers and, QUANTIZED, the consumer warps' P block scales (4 bytes x 2 x BN / 32 block pairs x 32
-   lanes a warp). */
+   lanes a warp), then the spans of every consumer warp's 16 rows (store_warp_row_spans). */
 template <int D, int BN, int BM, bool QUANTIZED>
 struct Sm90Layout {
     static constexpr int Q_BYTES = BM * D * 2, TILE_BYTES = BN * D * 2;
@@ -51,7 +51,9 @@ struct Sm90Layout {
     static constexpr int BAR_OFFSET = V_OFFSET + SM90_STAGES * TILE_BYTES;
     static constexpr int SCALES_OFFSET = BAR_OFFSET + 8 * (2 + 4 * SM90_STAGES);
     static_assert(SCALES_OFFSET % 16 == 0, "the scales are read as 16-byte vectors");
-    static constexpr int BYTES = SCALES_OFFSET + (QUANTIZED ? (BM / 16) * 2 * (BN / 32) * 32 * 4 : 0);
+    static constexpr int SPANS_OFFSET = SCALES_OFFSET + (QUANTIZED ? (BM / 16) * 2 * (BN / 32) * 32 * 4 : 0);
+    static constexpr int BYTES = SPANS_OFFSET + BM * 8;
+    static_assert(SPANS_OFFSET % 16 == 0, "the spans are read as 16-byte vectors");
     static constexpr int ALLOC = BYTES + 1024; /* the panels need 1024-byte alignment */
 };
 
@@ -149,7 +151,7 @@ __global__ void __launch_bounds__(128)
    item, so that the producer loads the next item's Q while the consumers store the last one's outputs and the
    K/V ring runs on across items (bf16 mode: Wan cross-attention 1.00 -> 0.78 ms, D = 64 at 4k 1.59 -> 1.43).
    TAIL: a CTA per part of the split last wave's items (tail_split, not causal): its key tiles are those of its
-   FWD_TAIL_KEYS-key units [u0, u1), and it writes its rows' partial results (FwdTailPart) for
+   FWD_TAIL_KEYS-key units [u0, u1) of the keys the item sees, and it writes its rows' partial results (FwdTailPart) for
    attention_fwd_merge_kernel; the main kernel then skips those items.
    128 (NWG + 1) threads. Tensor maps: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), boxes of 64 columns x 64 NWG (Q)
    or BN (K, V) tokens; o and o2 (the outputs O and O', boxes of 16 rows: the quantized kernels write them through
@@ -187,6 +189,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     uint32_t *warp_scales = (uint32_t *)(smem + L::SCALES_OFFSET) +
                             max((int)threadIdx.x / 32 - 4, 0) * 2 * (BN / 32) * 32;
     const uint32_t *quad_scales = warp_scales + ((int)threadIdx.x & 28);
+    int4 *warp_spans = (int4 *)(smem + L::SPANS_OFFSET) + max((int)threadIdx.x / 32 - 4, 0) * 8;
     uint64_t *q_full = bars, *q_empty = bars + 1, *k_full = bars + 2, *v_full = k_full + SM90_STAGES,
              *k_empty = v_full + SM90_STAGES, *v_empty = k_empty + SM90_STAGES;
 
@@ -217,13 +220,18 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
         }
         w.q0 = qtile * SM90_BM;
         w.lm = make_logit_map(p.mask, p.mask_stride, w.b, w.h, nq, p.seqlen_k, p.causal, p.causal_offset,
-                              p.softmax_scale);
-        w.n_tiles = (causal_key_end(&w.lm, min(w.q0 + SM90_BM, nq) - 1) + BN - 1) / BN;
-        w.kt0 = 0;
-        if constexpr (TAIL) { /* not causal: every key, in units of FWD_TAIL_KEYS */
+                              p.softmax_scale, p.q_span, p.k_span);
+        /* the key tiles holding a key that some row of the item sees */
+        const int2 keys = query_rows_key_range(&w.lm, w.q0, min(w.q0 + SM90_BM, nq));
+        const int first = keys.x / BN, end = (keys.y + BN - 1) / BN;
+        w.kt0 = first, w.n_tiles = end - first;
+        if constexpr (TAIL) { /* the item's own keys (every key unless packed) in FWD_TAIL_KEYS units, this part's */
+            constexpr int PER_UNIT = FWD_TAIL_KEYS / BN;
+            const int unit0 = keys.x / FWD_TAIL_KEYS;
             int u0, u1;
-            tail_split_units(t % ts.splits, ts.splits, (p.seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS, &u0, &u1);
-            w.kt0 = u0 * (FWD_TAIL_KEYS / BN), w.n_tiles = min(u1 * (FWD_TAIL_KEYS / BN), w.n_tiles) - w.kt0;
+            tail_split_units(t % ts.splits, ts.splits, (keys.y + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS - unit0, &u0, &u1);
+            w.kt0 = max((unit0 + u0) * PER_UNIT, first);
+            w.n_tiles = max(min((unit0 + u1) * PER_UNIT, end) - w.kt0, 0);
         }
         return w;
     };
@@ -295,6 +303,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
         const fwd_tile w = tile_at(t);
         const int q0 = w.q0, h = w.h, b = w.b, n_tiles = w.n_tiles, k0 = w.kt0 * BN;
         const logit_map lm = w.lm;
+        store_warp_row_spans(&lm, q0 + row0, warp_spans); /* after the last item's reads: the warp's own */
         float o[D / 8][4], o2[D / 8][4]; /* o2: O', unused (and optimised away) without WITH_O_PRIME */
 #pragma unroll
         for (int n = 0; n < D / 8; n++)
@@ -337,13 +346,14 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
            owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
            its E2M1 roundings in place (quantize_scores), and sc packed into the A operand of O += P V (pack_p, which
            scales the roundings into P^F * 2^11, exact in 16 bits). */
-        auto needs_mask = [&](int j) { return tile_needs_mask(&lm, q0 + wrow, k0 + j * BN, BN); };
+        const int2 common = rows_common_keys(&lm, q0 + wrow, 64); /* the keys every row of the warpgroup sees */
+        auto needs_mask = [&](int j) { return tile_needs_mask(&lm, common, k0 + j * BN, BN); };
         /* quantized: the lane's block scale (a DT pair, for pack_p) and reciprocal (for quantize_scores) of each
            block pair (online_softmax_p_scales), stored to warp_scales */
         uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1];
         float p_recips[QUANTIZE_P ? BN / 32 : 1];
         auto softmax_scores = [&](int j, bool masked, float alpha[2]) {
-            scores_to_logits<BN>(&lm, sc, q0 + row0, k0 + j * BN, masked, seen);
+            scores_to_logits<BN>(&lm, sc, q0 + row0, k0 + j * BN, masked, seen, warp_spans);
             if constexpr (QUANTIZE_P) {
                 online_softmax_p_scales<BN, DT, D == 128>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
                 __syncwarp(); /* the last tile's reads are done */
@@ -511,7 +521,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
    Launcher */
 
 /* The forward's tail split (plan_tail_split): the quantized kernels' items of 128 query rows, not causal (those
-   items differ in length and run longest first), parts of FWD_TAIL_KEYS-key units. The D = 64 inference forward
+   items differ in length and run longest first), parts of FWD_TAIL_KEYS-key units. Packed sequences come with
+   causal 0 whatever their rule (attn_qat.h): each part then takes its share of its item's own keys, and the host,
+   which cannot see those, caps the parts by all the keys' units (a part of a short item may get none). The D = 64
+   inference forward
    splits only a grid of less than one wave, where the parts fill idle SMs: with more waves its split measured 1-2%
    slower on the H200, the D = 128 one's 1-1.5% faster (4k, Wan 1.3B; performance.md v19). */
 static tail_split fwd_tail_plan(const aq_attention_fwd_params *p) {
@@ -536,8 +549,9 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG, SM90_THREADS = 128 * (NWG + 1);
     if (!sm90_available((const void *)kernel)) return NULL;
     if (!fragment_store_ok(p->o, p->o_stride) || !fragment_store_ok(p->o_prime, p->o_prime_stride)) return NULL;
-    /* hidden keys whose V is not finite need the mma.sync kernel's scrubbing: the outputs are checked */
-    const bool hidden_keys = p->causal || p->mask != NULL;
+    /* hidden keys whose V is not finite need the mma.sync kernel's scrubbing: the outputs are checked (packed
+       sequences hide the other sequences' keys, causal or not) */
+    const bool hidden_keys = p->causal || p->mask != NULL || p->q_span != NULL;
     if (hidden_keys && p->scratch == NULL) return NULL;
     CUtensorMap tm_q, tm_k, tm_v, tm_o, tm_o2;
     if (!make_tensor_map(&tm_q, p->q, DT, p->batch, p->heads_q, p->seqlen_q, D, p->q_stride, SM90_BM) ||

@@ -48,7 +48,14 @@ typedef struct {
    mma.sync kernels.)
    Query head h reads kv head h / (Hq / Hkv). The kernels see operands already fake-quantized by the
    pre-pass (or raw ones for bf16 / drop-in) and quantize only P.
-   Key j is visible to query i iff (!causal || j <= i + causal_offset) and mask[b,h,i,j] != -inf.
+   Key j is visible to query i iff (!causal || j <= i + causal_offset) and mask[b,h,i,j] != -inf; or, for packed
+   sequences (q_span set), iff q_span[2i] <= j < q_span[2i+1].
+   Packed sequences (attn_qat/varlen.py builds the spans; batch 1, no mask, causal 0): q_span (Nq, 2) int32 holds
+   the keys [lo, hi) each query sees and k_span (Nk, 2) the queries [lo, hi) that see each key, the same relation
+   from both sides (a row that sees nothing has lo == hi). Both columns of both are non-decreasing along the tokens,
+   so the keys a run of queries sees lie in [q_span[first].lo, q_span[last].hi) and the kernels visit only those
+   tiles (and in the backward a key tile only the queries of [k_span[first].lo, k_span[last].hi)). Values outside
+   [0, Nk] (resp. [0, Nq]) are clamped: nothing outside the tensors is read whatever the spans say.
    mask (optional): additive fp32, strides for (b, h, i, j), 0 where broadcast; added to the scaled
    score before the log2(e) factor: t_ij = (q_i . k_j * scale + mask_ij) * log2(e).
    Row statistics, (B, Hq, Nq) contiguous fp32: frame_m = M_i = ceil(max_j t_ij), an integer, and
@@ -70,6 +77,7 @@ typedef struct {
     int64_t causal_offset;
     int quantize_p;          /* 1: O uses P^F = fq16(P̂ * 2^11) * 2^-11, blocks of 16 keys from key 0 */
     aq_dtype dtype;          /* of q, k, v, o, o_prime: AQ_BFLOAT16 or AQ_FLOAT16 */
+    const int32_t *q_span, *k_span; /* NULL, or packed sequences (above) */
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_fwd_sm90.cu) */
     float *tail_workspace;   /* CUDA: NULL, or aq_attention_fwd_tail_floats floats (the split last wave's parts) */
 } aq_attention_fwd_params;
@@ -100,6 +108,7 @@ typedef struct {
     int64_t causal_offset;
     int quantize_p_for_dv;
     aq_dtype dtype;
+    const int32_t *q_span, *k_span; /* NULL, or packed sequences (as in aq_attention_fwd_params) */
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_bwd_sm90.cu) */
     float *dq_accum;         /* CUDA: NULL, or aq_attention_bwd_dq_accum_floats floats (see above) */
     float *tail_workspace;   /* CUDA: NULL, or aq_attention_bwd_tail_floats floats (the split last wave's parts) */

@@ -292,8 +292,38 @@ void set_mask(const std::optional<Tensor> &mask, const AttentionShape &s, const 
 
 void set_causal(int64_t causal, const AttentionShape &s, int *flag, int64_t *offset) {
     STD_TORCH_CHECK(causal >= CAUSAL_NONE && causal <= CAUSAL_BOTTOM_RIGHT, "attn_qat: bad causal code ", causal);
-    *flag = causal != CAUSAL_NONE;
-    *offset = causal == CAUSAL_BOTTOM_RIGHT ? s.seqlen_k - s.seqlen_q : 0;
+    if (flag) *flag = causal != CAUSAL_NONE;
+    if (offset) *offset = causal == CAUSAL_BOTTOM_RIGHT ? s.seqlen_k - s.seqlen_q : 0;
+}
+
+// Packed sequences (attn_qat/varlen.py): the spans of keys each query sees and of queries that see each key, int32
+// (Nq, 2) and (Nk, 2) contiguous on the query's device (attn_qat.h). They carry the causal rule and the sequence
+// boundaries themselves, so they come with batch 1, no mask and causal none.
+struct Spans {
+    const int32_t *q = nullptr, *k = nullptr;
+};
+
+Spans check_spans(const std::optional<Tensor> &q_span, const std::optional<Tensor> &k_span, const AttentionShape &s,
+                  const Tensor &q, bool has_mask, int64_t causal) {
+    Spans spans;
+    STD_TORCH_CHECK(q_span.has_value() == k_span.has_value(), "attn_qat: q_span and k_span come together");
+    if (!q_span.has_value()) return spans;
+    STD_TORCH_CHECK(s.batch == 1 && !has_mask && causal == CAUSAL_NONE,
+                    "attn_qat: spans (packed sequences) need batch 1, no mask and causal none (they hold the causal "
+                    "rule)");
+    const std::pair<const Tensor *, int64_t> both[2] = {{&*q_span, s.seqlen_q}, {&*k_span, s.seqlen_k}};
+    for (const auto &[t, n] : both) {
+        STD_TORCH_CHECK(t->scalar_type() == ScalarType::Int && t->dim() == 2 && t->size(0) == n && t->size(1) == 2 &&
+                            t->is_contiguous(),
+                        "attn_qat: q_span and k_span must be contiguous int32 (query tokens, 2) and (key tokens, 2)");
+        STD_TORCH_CHECK(t->is_cpu() == q.is_cpu() && t->get_device_index() == q.get_device_index(),
+                        "attn_qat: q_span and k_span must be on the device of the query");
+        STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 8 == 0,
+                        "attn_qat: q_span and k_span must be 8-byte aligned (a span is read as one int2)");
+    }
+    spans.q = static_cast<const int32_t *>(q_span->data_ptr());
+    spans.k = static_cast<const int32_t *>(k_span->data_ptr());
+    return spans;
 }
 
 // The kernels take the row max on raw scores and scale inside the exp (attention_common.cuh's logit_map), which
@@ -309,7 +339,7 @@ void check_scale(double scale) {
 // Runs the forward kernel on operands the caller has already prepared.
 void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::optional<Tensor> &mask,
                  double scale, int64_t causal, bool quantize_p, const Tensor &out, const Tensor *out_prime,
-                 const Tensor &frame, const Tensor &row_sum, const AttentionShape &s) {
+                 const Tensor &frame, const Tensor &row_sum, const AttentionShape &s, const Spans &spans = Spans()) {
     check_scale(scale);
     aq_attention_fwd_params p = {};
     p.q = q.data_ptr();
@@ -337,8 +367,10 @@ void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::o
     set_causal(causal, s, &p.causal, &p.causal_offset);
     p.quantize_p = quantize_p;
     p.dtype = kernel_dtype(q, false);
+    p.q_span = spans.q;
+    p.k_span = spans.k;
     Tensor nonfinite_flag; // the CUDA launcher's flag for non-finite values under hidden keys (attention_fwd_sm90.cu)
-    if (!q.is_cpu() && (p.causal || p.mask)) {
+    if (!q.is_cpu() && (p.causal || p.mask || p.q_span)) {
         nonfinite_flag = torch::stable::new_empty(q, {1}, ScalarType::Int);
         p.scratch = static_cast<int *>(nonfinite_flag.data_ptr());
     }
@@ -370,9 +402,11 @@ bool delta_from_out_prime(int64_t mode) { return mode == MODE_ATTN_QAT || mode =
 // microseconds of host time in its autograd wrapper (performance.md v16).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
 attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, double scale, int64_t causal, int64_t mode,
-                  bool need_grad, bool v_along_tokens) {
+                  bool need_grad, bool v_along_tokens, std::optional<Tensor> q_span, std::optional<Tensor> k_span) {
     check_mode(mode);
     const AttentionShape s = check_attention_inputs(q, k, v);
+    set_causal(causal, s, nullptr, nullptr); // a bad code fails before any work
+    const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
     const bool quantize = mode != MODE_BF16;
     Tensor qf = quantize ? fake_quantize_operand(q, false) : q;
     Tensor kf = quantize ? fake_quantize_operand(k, false) : k;
@@ -384,7 +418,8 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
     Tensor out_prime = with_prime ? empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim) : none();
     Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
-    run_forward(qf, kf, vf, mask, scale, causal, quantize, out, with_prime ? &out_prime : nullptr, frame, row_sum, s);
+    run_forward(qf, kf, vf, mask, scale, causal, quantize, out, with_prime ? &out_prime : nullptr, frame, row_sum, s,
+                spans);
     if (!with_operands) return {out, out_prime, frame, row_sum, none(), none(), none()};
     return {out, out_prime, frame, row_sum, qf, kf, vf};
 }
@@ -394,10 +429,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                                                       Tensor out_prime, std::optional<Tensor> mask, Tensor frame,
                                                       Tensor row_sum, double scale, int64_t causal, int64_t mode,
                                                       bool deterministic, bool v_along_tokens,
-                                                      bool operands_quantized) {
+                                                      bool operands_quantized, std::optional<Tensor> q_span,
+                                                      std::optional<Tensor> k_span) {
     check_mode(mode);
     check_scale(scale);
     const AttentionShape s = check_attention_inputs(q, k, v);
+    set_causal(causal, s, nullptr, nullptr);
+    const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
     STD_TORCH_CHECK(dout.dim() == 4 && dout.size(0) == s.batch && dout.size(1) == s.heads_q &&
                         dout.size(2) == s.seqlen_q && dout.size(3) == s.head_dim && dout.stride(3) == 1,
                     "attn_qat: grad_output must match the output's shape with a contiguous last dimension");
@@ -417,7 +455,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
         Tensor scratch = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
         frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
         row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
-        run_forward(q, k, v, mask, scale, causal, false, scratch, nullptr, frame, row_sum, s);
+        run_forward(q, k, v, mask, scale, causal, false, scratch, nullptr, frame, row_sum, s, spans);
     }
     const Tensor &for_delta = delta_from_prime ? out_prime : out;
     STD_TORCH_CHECK(frame.scalar_type() == ScalarType::Float && row_sum.scalar_type() == ScalarType::Float &&
@@ -461,8 +499,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     set_causal(causal, s, &p.causal, &p.causal_offset);
     p.quantize_p_for_dv = mode == MODE_ATTN_QAT || mode == MODE_LOW_PRECISION_O;
     p.dtype = kernel_dtype(q, false);
+    p.q_span = spans.q;
+    p.k_span = spans.k;
     Tensor nonfinite_flag; // the CUDA launcher's flag for non-finite values under hidden keys (attention_bwd_sm90.cu)
-    if (!q.is_cpu() && (p.causal || p.mask)) {
+    if (!q.is_cpu() && (p.causal || p.mask || p.q_span)) {
         nonfinite_flag = torch::stable::new_empty(q, {1}, ScalarType::Int);
         p.scratch = static_cast<int *>(nonfinite_flag.data_ptr());
     }
@@ -573,11 +613,11 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
     m.def("nvfp4_dequantize(Tensor codes, Tensor scales, int axis, int axis_len, ScalarType dtype) -> Tensor");
     m.def("fake_quantize_qkv(Tensor q, Tensor k, Tensor v, bool v_along_tokens) -> (Tensor, Tensor, Tensor)");
     m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal, int mode, "
-          "bool need_grad, bool v_along_tokens) -> (Tensor out, Tensor out_prime, Tensor frame, Tensor row_sum, "
-          "Tensor q_fq, Tensor k_fq, Tensor v_fq)");
+          "bool need_grad, bool v_along_tokens, Tensor? q_span=None, Tensor? k_span=None) -> (Tensor out, "
+          "Tensor out_prime, Tensor frame, Tensor row_sum, Tensor q_fq, Tensor k_fq, Tensor v_fq)");
     m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor out_prime, "
           "Tensor? mask, Tensor frame, Tensor row_sum, float scale, int causal, int mode, bool deterministic, "
-          "bool v_along_tokens, bool operands_quantized=False) "
+          "bool v_along_tokens, bool operands_quantized=False, Tensor? q_span=None, Tensor? k_span=None) "
           "-> (Tensor dq, Tensor dk, Tensor dv)");
     m.def("attention_forward_prequantized(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal) "
           "-> (Tensor out, Tensor frame, Tensor row_sum)");

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: use the carried build of attn_qat/_C (or build here if it does not load),
 # run the GPU tests and the named benchmarks, and leave logs and JSON under $OUT.
-#   bash dev/gpu_session.sh [tests] [quant] [attention] [v_block_axis] [prefill] [decode] [main]
+#   bash dev/gpu_session.sh [tests] [quant] [attention] [v_block_axis] [prefill] [decode] [varlen] [main]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/attn_qat_out}"
@@ -23,6 +23,7 @@ for part in "$@"; do
     v_block_axis) python3 benchmarks/bench_v_block_axis.py --out "$OUT/v_block_axis.json" 2>&1 | tee "$OUT/bench_v_block_axis.log" ;;
     prefill) python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
     decode) python3 benchmarks/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/bench_decode.log" ;;
+    varlen) python3 benchmarks/bench_varlen.py --out "$OUT/varlen.json" 2>&1 | tee "$OUT/bench_varlen.log" ;;
     main) python3 -m attn_qat 2>&1 | tee "$OUT/main.log" ;;
     *) echo "unknown part $part" ;;
     esac

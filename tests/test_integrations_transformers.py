@@ -255,3 +255,73 @@ def test_torch_compile_and_toggle():
     loss = compiled(ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(model.model.layers[1].self_attn.k_proj.weight.grad).all()
+
+
+def _documents(device, lengths=(7, 20, 1, 33)):
+    return [torch.randint(0, VOCAB, (n,), device=device) for n in lengths]
+
+
+@pytest.mark.parametrize("source", ["position_ids", "flash_kwargs"])
+def test_packed_batch_equals_each_document_alone(device, source, monkeypatch):
+    """A padding-free batch (documents one after another in one row, positions restarting, as
+    DataCollatorWithFlattening makes it) runs each layer as attn_qat.attention_varlen, where transformers'
+    FlashAttention path would run its varlen kernel: every document's logits are those of the document alone
+    (bit for bit on the CPU: the C kernels, the linear layers and the norms work row by row), and it trains."""
+    from transformers import DataCollatorWithFlattening
+
+    torch.manual_seed(11)
+    model = twin(tiny_qwen3(64, device))
+    docs = _documents(device)
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=source == "flash_kwargs")
+    batch = {name: t.to(device) if isinstance(t, torch.Tensor) else t  # max_length_q, max_length_k are ints
+             for name, t in collator([{"input_ids": d.tolist()} for d in docs]).items()}
+    assert ("cu_seq_lens_q" in batch) == (source == "flash_kwargs")
+    calls = []
+    varlen = attn_qat.varlen._attention_varlen
+
+    def record(*args, **kwargs):
+        calls.append(args[3])  # cu_seqlens_q on the host
+        return varlen(*args, **kwargs)
+
+    monkeypatch.setattr(attn_qat.varlen, "_attention_varlen", record)
+    out = model(**batch)
+    assert calls == [[0, 7, 27, 28, 61]] * 2  # both layers, the boundaries read once
+    alone = torch.cat([model(d[None]).logits[0] for d in docs])
+    packed = out.logits[0]
+    if device == "cpu":
+        assert torch.equal(packed, alone)
+    else:
+        assert rel_error(packed, alone) < 2e-2
+    # the masked SDPA path on the same batch is not the same computation: P's blocks there count from the row's
+    # first key, not from each document's
+    monkeypatch.setattr(tf_integration, "_packed_sequences", lambda *args: None)
+    assert not torch.equal(model(**batch).logits[0], packed)
+    out.loss.backward()
+    grad = model.model.layers[0].self_attn.k_proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_packed_routing_needs_the_packing_mask(device):
+    """A mask that is not exactly the packing's (here one that also hides a key) keeps the SDPA path, which honours
+    it; without positions that restart, nothing is packed."""
+    module = _attention_module()
+    setattr(module, STATE_ATTR, AttentionState(QATConfig()))
+    lengths = [10, 14]
+    q = torch.randn(1, 4, 24, 64, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 24, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    seq = torch.repeat_interleave(torch.arange(2), torch.tensor(lengths)).to(device)
+    mask = ((seq[:, None] == seq[None, :]) & torch.ones(24, 24, dtype=torch.bool, device=device).tril())[None, None]
+    assert tf_integration._packed_sequences(q, k, v, mask, 0.0, True, {"position_ids": position_ids}) == (
+        [0, 10, 24], [0, 10, 24])
+    assert tf_integration._packed_sequences(q, k, v, None, 0.0, True, {"position_ids": position_ids}) is not None
+    other = mask.clone()
+    other[..., 20, 12] = False
+    assert tf_integration._packed_sequences(q, k, v, other, 0.0, True, {"position_ids": position_ids}) is None
+    assert tf_integration._packed_sequences(q, k, v, None, 0.0, True,
+                                            {"position_ids": torch.arange(24, device=device)[None]}) is None
+    # the packed call agrees with the masked one on the first sequence, whose blocks start at key 0 either way (up to
+    # the masked path's logit rounding, numerics.md §8), and differs a little on the second, whose blocks do not
+    packed, _ = tf_integration.attn_qat_attention_forward(module, q, k, v, mask, position_ids=position_ids)
+    masked, _ = tf_integration.attn_qat_attention_forward(module, q, k, v, mask)  # no positions: not packed
+    assert rel_error(packed[:, :10], masked[:, :10]) < 1e-2 and rel_error(packed, masked) < 0.1

@@ -6,13 +6,20 @@ boolean, True = attend, or None when `is_causal` can stand in for it). Afterward
 `from_pretrained(..., attn_implementation="attn_qat")` and `model.set_attn_implementation("attn_qat")`
 work for every model built on the AttentionInterface (Llama, Qwen2/3, Mistral, Gemma, ...).
 Needs transformers >= 4.54; tested with 4.54.1, 4.56.2, 4.57.6, 5.17.0, 5.23.0 and 5.24.0.
+
+Packed batches (padding-free training: `DataCollatorWithFlattening`, several documents in one batch-1 row) run as
+`attn_qat.attention_varlen`, each document attending only to itself, where transformers' FlashAttention path would
+run its varlen kernel: when the call brings `cu_seq_lens_q`, `cu_seq_lens_k`, `max_length_q` and `max_length_k`
+(`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`), or `position_ids` that restart inside the row (the
+sequences then start where the position is the row's smallest, as `prepare_fa_kwargs_from_position_ids` reads them).
 """
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .config import (TRANSFORMERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version, run_sdpa,
-                     warn_once)
+                     unsupported_reason, warn_once)
 
 IMPLEMENTATION = "attn_qat"
 # The tag an `attn_qat.NVFP4Cache` puts on the keys it returns (kv_cache_transformers.CACHE_LAYER_ATTR; kept
@@ -80,6 +87,15 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
     if kwargs.get("output_attentions", False):
         warn_once("output_attentions=True is not supported; the attention weights are None", state.warned, UserWarning)
 
+    module_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # A causal model's decoding step sees every cached key and comes without a mask, but V must stay blocked as in
+    # the model's causal forward (numerics.md §2), or the step would not compute what the training forward did.
+    v_block_axis = "head_dim" if module_causal and state.config.v_block_axis == "auto" else state.config.v_block_axis
+
+    packed = _packed_sequences(query, key, value, attention_mask, dropout, module_causal, kwargs)
+    if packed is not None:
+        return _attend_packed(query, key, value, *packed, module_causal, scaling, state, v_block_axis), None
+
     q_length, kv_length = query.shape[2], key.shape[2]
     sliding_window = kwargs.get("sliding_window")
     if sliding_window is not None and attention_mask is None and kv_length > sliding_window:
@@ -88,19 +104,150 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
         raise ValueError(f"attn_qat (transformers): sliding_window={sliding_window} with {kv_length} keys needs an "
                          "attention mask; build it with the 'attn_qat' (or 'sdpa') mask function")
 
-    module_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # Shape test first, as transformers does, so that dynamic shapes under torch.compile stay booleans.
     is_causal = q_length > 1 and attention_mask is None and module_causal
     if is_causal and kv_length > q_length:
         key, value = key[:, :, :q_length], value[:, :, :q_length]
-    # A causal model's decoding step sees every cached key and comes without a mask, but V must stay blocked as in
-    # the model's causal forward (numerics.md §2), or the step would not compute what the training forward did.
-    v_block_axis = "head_dim" if module_causal and state.config.v_block_axis == "auto" else state.config.v_block_axis
 
     out = run_sdpa(query, key, value, attention_mask, dropout, is_causal, scaling, query.shape[1] != key.shape[1],
                    config=state.config, warned=state.warned, inference=state.inference,
                    where="attn_qat (transformers)", v_block_axis=v_block_axis)
     return out.transpose(1, 2).contiguous(), None
+
+
+# Host copies of what a packed batch's sequence boundaries were read from (cu_seq_lens, position_ids), and whether a
+# mask is exactly the packing's: every layer of one forward gets the same tensors, so each is read (a device sync) and
+# checked once, not once a layer.
+_host_lengths: "WeakTensorKeyDictionary" = WeakTensorKeyDictionary()
+_mask_checks: "WeakTensorKeyDictionary" = WeakTensorKeyDictionary()
+
+
+def _host_cu_seqlens(t) -> Optional[List[int]]:
+    if not isinstance(t, torch.Tensor):
+        return [int(x) for x in t]
+    if t.dim() != 1 or t.is_floating_point():
+        return None
+    cached = _host_lengths.get(t)
+    if cached is None or cached[0] != t._version:
+        cached = (t._version, t.tolist())
+        _host_lengths[t] = cached
+    return cached[1]
+
+
+def _cu_from_position_ids(position_ids: torch.Tensor, length: int) -> Optional[List[int]]:
+    """Sequence boundaries of a batch-1 row whose positions restart, as transformers' FlashAttention path reads them
+    (prepare_fa_kwargs_from_position_ids: a sequence starts wherever the position is the row's smallest); None for a
+    row of one sequence, or positions of another shape."""
+    if position_ids.numel() != length or position_ids.is_floating_point():
+        return None
+    cached = _host_lengths.get(position_ids)
+    if cached is None or cached[0] != position_ids._version:
+        positions = position_ids.reshape(-1).tolist()
+        first = min(positions)
+        starts = [i for i, p in enumerate(positions) if p == first]
+        cached = (position_ids._version, starts + [length] if len(starts) > 1 and starts[0] == 0 else None)
+        _host_lengths[position_ids] = cached
+    return cached[1]
+
+
+def _mask_is_packing(mask: torch.Tensor, cu_q: List[int], cu_k: List[int], causal: bool) -> bool:
+    """Whether `mask` is exactly the boolean mask of the packed sequences (each query sees the keys of its own
+    sequence, up to the bottom-right causal limit when causal): what transformers' mask functions build for an SDPA-
+    style implementation from position_ids that restart. Checked once per mask tensor, in chunks of rows."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2:] != (cu_q[-1], cu_k[-1]):
+        return False
+    key = (tuple(cu_q), tuple(cu_k), causal)
+    cached = _mask_checks.get(mask)
+    if cached is not None and cached[0] == (mask._version, key):
+        return cached[1]
+    device = mask.device
+    lens_q = torch.tensor([b - a for a, b in zip(cu_q, cu_q[1:])], device=device)
+    lens_k = torch.tensor([b - a for a, b in zip(cu_k, cu_k[1:])], device=device)
+    seqs = torch.arange(len(lens_q), device=device)
+    seq_q, seq_k = seqs.repeat_interleave(lens_q), seqs.repeat_interleave(lens_k)
+    row_q = torch.arange(cu_q[-1], device=device) - torch.tensor(cu_q[:-1], device=device)[seq_q]
+    row_k = torch.arange(cu_k[-1], device=device) - torch.tensor(cu_k[:-1], device=device)[seq_k]
+    limit = row_q + (lens_k - lens_q)[seq_q]  # bottom-right: key r of the sequence visible iff r <= limit
+    ok = True
+    for i0 in range(0, cu_q[-1], 2048):
+        i1 = min(i0 + 2048, cu_q[-1])
+        expected = seq_q[i0:i1, None] == seq_k[None, :]
+        if causal:
+            expected &= row_k[None, :] <= limit[i0:i1, None]
+        ok = bool((mask[..., i0:i1, :] == expected).all())
+        if not ok:
+            break
+    _mask_checks[mask] = ((mask._version, key), ok)
+    return ok
+
+
+def _packed_sequences(query, key, value, attention_mask, dropout, causal, kwargs) -> Optional[Tuple[List[int],
+                                                                                                    List[int]]]:
+    """(cu_seqlens_q, cu_seqlens_k) on the host when this call is a packed batch that transformers' FlashAttention
+    path would run as varlen attention (module docstring) and attn_qat can run it, else None (the call then goes the
+    SDPA way). A mask that comes along must be exactly the packing's (transformers builds one from restarting
+    position_ids for SDPA-style implementations); any other mask keeps the SDPA path, which honours it."""
+    if query.dim() != 4 or query.shape[0] != 1 or kwargs.get("sliding_window") is not None:
+        return None
+    if unsupported_reason(query, key, value, None, dropout, False, True) is not None:
+        return None  # the SDPA path falls back (or raises under strict) with its reason
+    n_q, n_k = query.shape[2], key.shape[2]
+    if all(kwargs.get(name) is not None for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                                        "max_length_k")):
+        source = (kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"])
+    elif kwargs.get("position_ids") is not None and n_q == n_k and n_q > 1 and not torch.compiler.is_compiling():
+        # Under torch.compile, restarting positions are left to the mask transformers builds from them (the SDPA path,
+        # correct but without the per-sequence blocks): reading them here would break every layer's graph.
+        source = kwargs["position_ids"]
+    else:
+        return None
+    return _read_packing(source, n_q, n_k, attention_mask, causal)
+
+
+@torch.compiler.disable  # reads device values on the host (once per forward, cached): torch.compile graphs stop here
+def _read_packing(source, n_q: int, n_k: int, attention_mask, causal: bool) -> Optional[Tuple[List[int], List[int]]]:
+    if isinstance(source, tuple):
+        cu_q, cu_k = _host_cu_seqlens(source[0]), _host_cu_seqlens(source[1])
+    else:
+        cu_q = cu_k = _cu_from_position_ids(source, n_q)
+    if cu_q is None or cu_k is None or len(cu_q) != len(cu_k) or len(cu_q) < 2:
+        return None
+    if cu_q[0] != 0 or cu_k[0] != 0 or cu_q[-1] != n_q or cu_k[-1] != n_k:
+        return None
+    if any(b < a for a, b in zip(cu_q, cu_q[1:])) or any(b < a for a, b in zip(cu_k, cu_k[1:])):
+        return None
+    if attention_mask is not None and not _mask_is_packing(attention_mask, cu_q, cu_k, causal):
+        return None
+    return cu_q, cu_k
+
+
+def _attend_packed(query, key, value, cu_q, cu_k, causal, scaling, state, v_block_axis):
+    """A packed batch through attn_qat.attention_varlen: query (1, H, S, D), key and value (1, H_kv, S_kv, D) hold
+    the sequences one after another; returns (1, S, H, D). Causal sequences align bottom-right, as FlashAttention's
+    varlen kernel (the same as top-left where each sequence has as many queries as keys)."""
+    from ..attention import _check_heads, _check_qkv
+    from ..ops import v_along_tokens
+    from ..varlen import _attention_varlen
+
+    fn = "attention_varlen (transformers)"
+    mode = state.config.inference_mode if state.inference else state.config.mode
+    query, key, value = _check_qkv(query, key, value, fn)
+    _check_heads(query, key, value, fn)
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    along_tokens = v_along_tokens(v_block_axis, causal, fn)
+    run = lambda: _attention_varlen(query, key, value, cu_q, cu_k, max(lens_q), max(lens_k),  # noqa: E731
+                                    "bottom_right" if causal else None, scale, mode, along_tokens, False, fn)
+    if state.inference:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            warn_once("this attention was converted for inference (attn_qat.convert); its output carries no "
+                      "gradient", state.warned, UserWarning)
+        with torch.no_grad():
+            out = run()
+    else:
+        out = run()
+    return out.unsqueeze(0)
 
 
 def _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, scaling, is_causal, state, kwargs):

@@ -1,0 +1,250 @@
+"""Packed-sequence ("varlen") attention: flash_attn_varlen_func's interface on attn_qat's kernels.
+
+Several sequences packed along one token axis, q (total_q, H, D) and k, v (total_k, H_kv, D), with cumulative
+lengths cu_seqlens_q and cu_seqlens_k, attend each within its own sequence. The result equals each sequence run alone
+through `attn_qat.attention` (numerics.md §2, "Packed sequences"): the keys of the other sequences are hidden keys,
+and the 16-element blocks of P and V are counted from each sequence's first key.
+
+How it runs. The kernels see the packed tensors as a batch of one and learn which keys each token sees from two
+small int32 tables (`_Plan`: the spans of csrc/attn_qat.h), so a query tile visits only the key tiles of its own
+sequence and the cost is that of the sequences run as a batch. P and V are blocked along the keys' axis in blocks of
+16 counted from key 0, so each sequence's keys must start at a multiple of 16: when every cu_seqlens_k entry is one,
+the call runs on the tensors in place; otherwise K and V are copied into a packed layout whose sequences are padded
+with zero rows to multiples of 16 (differentiable indexing, so autograd returns dK and dV of the original rows). The
+queries are never copied: their blocks run along head_dim and their rows are independent.
+"""
+import functools
+import math
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .attention import _EmptyAttention, _check_heads, _check_qkv, lse_from_stats
+from .ops import CAUSAL_NONE, check_softmax_scale, mode_code, ops, positive_scale, v_along_tokens
+
+BLOCK = 16  # numerics.md §1: the tokens of a P or V block
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+__all__ = ["attention_varlen"]
+
+
+def _alignment(causal, fn: str) -> Optional[str]:
+    """None (not causal), "top_left" or "bottom_right"; True means bottom-right, as in flash_attn_varlen_func."""
+    if causal is False or causal is None:
+        return None
+    if causal is True:
+        return "bottom_right"
+    if isinstance(causal, str) and causal in CAUSAL_ALIGNMENTS:
+        return causal
+    raise ValueError(f"attn_qat.{fn}: causal must be False, True (bottom-right, like flash_attn_varlen_func), "
+                     f"'top_left' or 'bottom_right'; got {causal!r}")
+
+
+def _check_packed(name: str, t, fn: str):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"attn_qat.{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"attn_qat.{fn}: {name} must be 3-D (total tokens, heads, head_dim), got shape "
+                         f"{tuple(t.shape)}")
+
+
+def _check_cu_seqlens(name: str, cu, device: torch.device, fn: str):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"attn_qat.{fn}: {name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"attn_qat.{fn}: {name} must be int32 (as flash_attn_varlen_func takes it), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"attn_qat.{fn}: {name} must be 1-D with num_seqs + 1 entries, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"attn_qat.{fn}: {name} is on {cu.device}, the query on {device}")
+
+
+def _check_max_seqlen(name: str, value, fn: str):
+    """A max_seqlen argument: an int, or a 0-d integer tensor (transformers passes cu_seq_lens.diff().max())."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"attn_qat.{fn}: {name} must be an int (or a one-element integer tensor), got a "
+                            f"{value.dtype} tensor of shape {tuple(value.shape)}")
+        return value.reshape(1)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"attn_qat.{fn}: {name} must be an int, got {type(value).__name__}")
+    return None
+
+
+def _check_lengths(name: str, cu: List[int], total: int, fn: str) -> None:
+    if cu[0] != 0:
+        raise ValueError(f"attn_qat.{fn}: {name} must start at 0, got {cu[0]}")
+    for s in range(len(cu) - 1):
+        if cu[s + 1] < cu[s]:
+            raise ValueError(f"attn_qat.{fn}: {name} must be non-decreasing, but entry {s + 1} ({cu[s + 1]}) is below "
+                             f"entry {s} ({cu[s]})")
+    if cu[-1] != total:
+        raise ValueError(f"attn_qat.{fn}: the last entry of {name} ({cu[-1]}) must equal the number of packed tokens "
+                         f"({total})")
+
+
+def _check_max(name: str, value: int, lengths: Sequence[int], fn: str) -> None:
+    longest = max(lengths, default=0)
+    if value < longest:
+        raise ValueError(f"attn_qat.{fn}: {name}={value} is below the longest sequence ({longest} tokens)")
+
+
+def _round_up(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
+class _Plan:
+    """How one packing runs: the spans the kernels read (csrc/attn_qat.h) and, when K and V must be padded, where
+    their rows go. Built on the host from the cumulative lengths, once per packing (functools.lru_cache)."""
+
+    def __init__(self, cu_q: Tuple[int, ...], cu_k: Tuple[int, ...], alignment: Optional[str], pad: bool,
+                 device: torch.device):
+        num = len(cu_q) - 1
+        starts_q = torch.tensor(cu_q[:-1], dtype=torch.int64)
+        len_q = torch.tensor([cu_q[s + 1] - cu_q[s] for s in range(num)], dtype=torch.int64)
+        len_k = torch.tensor([cu_k[s + 1] - cu_k[s] for s in range(num)], dtype=torch.int64)
+        # where each sequence's keys start in the kernels' layout, and how many rows it has there
+        rows_k = torch.tensor([_round_up(n) for n in len_k.tolist()], dtype=torch.int64) if pad else len_k
+        starts_k = torch.cumsum(rows_k, 0) - rows_k
+        self.total_k = int(rows_k.sum())
+        # the key position a query's causal limit is counted from: row i of a sequence sees keys j <= i + offset
+        offset = (len_k - len_q) if alignment == "bottom_right" else torch.zeros_like(len_q)
+
+        # queries: sequence s's row r sees keys starts_k[s] + [0, limit), limit = len_k (or the causal one)
+        seq_q = torch.repeat_interleave(torch.arange(num), len_q)
+        row = torch.arange(cu_q[-1]) - starts_q[seq_q]
+        limit = len_k[seq_q]
+        if alignment is not None:
+            limit = torch.minimum(limit, (row + offset[seq_q] + 1).clamp_min(0))
+        lo = starts_k[seq_q]
+        q_span = torch.stack((lo, lo + limit), dim=1)
+        # keys (padding rows too): sequence s's key r is seen by queries starts_q[s] + [first, len_q); padding keys
+        # and keys no query sees get the empty span at the sequence's end, which keeps both columns non-decreasing
+        seq_k = torch.repeat_interleave(torch.arange(num), rows_k)
+        key = torch.arange(self.total_k) - starts_k[seq_k]
+        end = starts_q[seq_k] + len_q[seq_k]
+        first = torch.zeros_like(key) if alignment is None else (key - offset[seq_k]).clamp_min(0)
+        first = torch.where(key < len_k[seq_k], torch.minimum(starts_q[seq_k] + first, end), end)
+        k_span = torch.stack((first, end), dim=1)
+        self.q_span = q_span.to(torch.int32).contiguous().to(device)
+        self.k_span = k_span.to(torch.int32).contiguous().to(device)
+        # the padded layout's row of each original key row
+        self.k_rows = None
+        if pad:
+            seq = torch.repeat_interleave(torch.arange(num), len_k)
+            self.k_rows = (torch.arange(cu_k[-1]) - torch.tensor(cu_k[:-1], dtype=torch.int64)[seq] +
+                           starts_k[seq]).to(device)
+
+
+@torch.compiler.disable  # host-side planning: torch.compile graphs stop here, as at the host read of cu_seqlens
+@functools.lru_cache(maxsize=16)
+def _plan(cu_q: Tuple[int, ...], cu_k: Tuple[int, ...], alignment: Optional[str], pad: bool,
+          device: torch.device) -> _Plan:
+    return _Plan(cu_q, cu_k, alignment, pad, device)
+
+
+def _host_values(cu_q: torch.Tensor, cu_k: torch.Tensor, extra: Sequence[Optional[torch.Tensor]]) -> List[List[int]]:
+    """cu_seqlens_q, cu_seqlens_k (and max_seqlen tensors) on the host, in one transfer (one device sync)."""
+    parts = [cu_q, cu_k] + [t.to(cu_q.device, torch.int32) for t in extra if t is not None]
+    flat = torch.cat(parts).cpu().tolist()
+    n = cu_q.numel()
+    values = [flat[:n], flat[n:2 * n]]
+    rest = iter(flat[2 * n:])
+    values += [next(rest) if t is not None else None for t in extra]
+    return values
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Union[int, torch.Tensor],
+    max_seqlen_k: Union[int, torch.Tensor],
+    *,
+    causal: Union[bool, str] = False,
+    softmax_scale: Optional[float] = None,
+    mode: str = "attn_qat",
+    v_block_axis: str = "auto",
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """4-bit attention over packed sequences, like `flash_attn_varlen_func`.
+
+    q (total_q, H, D), k and v (total_k, H_kv, D): the sequences' tokens one after another, bfloat16 or float16
+    (float32 under autocast), D in {64, 128}, H a multiple of H_kv, any strides with a contiguous last dimension.
+    cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) on q's device, the cumulative lengths (0 first, the totals last;
+    a sequence may be empty). max_seqlen_q, max_seqlen_k: ints at least the longest lengths (only checked). Sequence s
+    is queries cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1 attending to keys cu_seqlens_k[s] .. cu_seqlens_k[s+1] - 1,
+    and its output equals `attn_qat.attention` on that sequence alone (P and V blocked from its first key,
+    numerics.md §2). Returns (total_q, H, D); with `return_lse` also the natural-log log-sum-exp (H, total_q) float32,
+    -inf for a query that sees no key, not differentiable.
+
+    `causal`: False, True or "bottom_right" (key j of a sequence visible to its query i iff j <= i + len_k - len_q,
+    as flash_attn_varlen_func), or "top_left" (j <= i, as torch's SDPA). `softmax_scale`, `mode` as in
+    `attn_qat.attention`; `v_block_axis` "auto" blocks V along tokens (per sequence) when not causal, along head_dim
+    when causal (numerics.md §2).
+
+    The call reads cu_seqlens_q and cu_seqlens_k on the host once (a device synchronisation), to check them and to
+    plan the kernels' work; plans are cached per packing. When every cu_seqlens_k entry is a multiple of 16 the
+    kernels run on q, k and v in place; otherwise K and V are copied into a layout whose sequences are padded with
+    zero rows to multiples of 16 (the padding keys are hidden), which costs a copy of K and V (and of their
+    gradients) per call. Queries are never copied.
+    """
+    fn = "attention_varlen"
+    mode_code(mode)  # a bad mode fails here, before any work
+    alignment = _alignment(causal, fn)
+    along_tokens = v_along_tokens(v_block_axis, alignment is not None, fn)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_packed(name, t, fn)
+    # (1, H, N, D) views of the packed (N, H, D) memory: the kernels' batch of one
+    q4, k4, v4 = _check_qkv(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), fn)
+    _check_heads(q4, k4, v4, fn)
+    device = q4.device
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device, fn)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device, fn)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"attn_qat.{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences; "
+                         f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    max_tensors = [_check_max_seqlen("max_seqlen_q", max_seqlen_q, fn),
+                   _check_max_seqlen("max_seqlen_k", max_seqlen_k, fn)]
+    scale = 1.0 / math.sqrt(q4.shape[-1]) if softmax_scale is None else check_softmax_scale(softmax_scale,
+                                                                                                 "softmax_scale", fn)
+    cu_q, cu_k, max_q, max_k = _host_values(cu_seqlens_q, cu_seqlens_k, max_tensors)
+    max_q = max_seqlen_q if max_q is None else max_q
+    max_k = max_seqlen_k if max_k is None else max_k
+    return _attention_varlen(q4, k4, v4, cu_q, cu_k, max_q, max_k, alignment, scale, mode, along_tokens, return_lse,
+                             fn)
+
+
+def _attention_varlen(q4, k4, v4, cu_q: List[int], cu_k: List[int], max_q: int, max_k: int,
+                      alignment: Optional[str], scale: float, mode: str, along_tokens: bool, return_lse: bool,
+                      fn: str):
+    """attention_varlen on checked (1, H, N, D) views and host cumulative lengths (the transformers integration
+    enters here with lengths it read once per forward)."""
+    _check_lengths("cu_seqlens_q", cu_q, q4.shape[2], fn)
+    _check_lengths("cu_seqlens_k", cu_k, k4.shape[2], fn)
+    _check_max("max_seqlen_q", max_q, [b - a for a, b in zip(cu_q, cu_q[1:])], fn)
+    _check_max("max_seqlen_k", max_k, [b - a for a, b in zip(cu_k, cu_k[1:])], fn)
+    if q4.numel() == 0 or k4.numel() == 0:
+        # no query, or no key to see (numerics.md §6): zeros, -inf, zero gradients, as attn_qat.attention
+        out = _EmptyAttention.apply(q4, k4, v4)[0].transpose(0, 1)
+        lse = torch.full((q4.shape[1], q4.shape[2]), float("-inf"), dtype=torch.float32, device=q4.device)
+        return (out, lse) if return_lse else out
+    # blocks of P and V along the keys need every sequence's keys to start at a multiple of 16 (bf16 mode has none)
+    pad = mode != "bf16" and any(c % BLOCK for c in cu_k)
+    plan = _plan(tuple(cu_q), tuple(cu_k), alignment, pad, q4.device)
+    if pad:
+        def padded(t):  # (1, H, N, D) -> (1, H, N_padded, D), zero rows between the sequences
+            rows = t[0].transpose(0, 1)
+            out = rows.new_zeros((plan.total_k,) + tuple(rows.shape[1:])).index_copy(0, plan.k_rows, rows)
+            return out.transpose(0, 1).unsqueeze(0)
+        k4, v4 = padded(k4), padded(v4)
+    need_grad = torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad)
+    qs, scale = positive_scale(q4, scale)
+    out, _, frame, row_sum, *_ = ops.attention_forward(qs, k4, v4, None, scale, CAUSAL_NONE, mode_code(mode), need_grad,
+                                                       along_tokens, plan.q_span, plan.k_span)
+    out = out[0].transpose(0, 1)
+    if not return_lse:
+        return out
+    return out, lse_from_stats(frame.detach(), row_sum.detach())[0]
