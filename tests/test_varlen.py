@@ -397,5 +397,5 @@ def test_cpu_and_cuda_agree():
     q, k, v, dout = make(lens, lens, 2, 2, 64, torch.bfloat16, "cpu")
     cpu = run_varlen(q, k, v, dout, lens, lens, causal=True)
     gpu = run_varlen(q.cuda(), k.cuda(), v.cuda(), dout.cuda(), lens, lens, causal=True)
-    for a, b in zip(cpu, gpu):
-        assert rel_error(b, a) < 2e-3
+    for a, b in zip(cpu, gpu):  # as test_attention's agreement: isolated P codes may flip (numerics.md §7)
+        assert rel_error(b, a) < 5e-3
