@@ -1,4 +1,4 @@
-"""CPU tests of the fine-tuning experiment (examples/finetune_lm.py) and of
+"""CPU tests of the fine-tuning experiments (examples/finetune_lm.py, examples/finetune_wan.py) and of
 dev/split_file.sh / dev/join_file.sh, which carry the 98 MB model file to a GPU machine in parts.
 
 A tiny Llama GGUF (2 layers, hidden 128, 2 query / 1 KV heads of head_dim 64, a byte-level BPE vocabulary of 272
@@ -245,7 +245,17 @@ def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
     assert "fine-tuning" not in result.stdout
 
 
-@pytest.mark.parametrize("script, library", [("finetune_lm.py", "transformers")])
+def test_finetune_wan_smoke_cpu(tmp_path):
+    pytest.importorskip("diffusers")
+    out = tmp_path / "wan"
+    run_script(["examples/finetune_wan.py", "--preset", "smoke", "--device", "cpu", "--out", str(out),
+                "--pretrained", str(tmp_path / "pretrained.pt")])
+    summary = check_report(out, ("sample_psnr_vs_bf16", "sample_psnr_vs_source"))
+    assert set(summary["extras"]["sample_psnr_vs_bf16"]) == set(ENTRIES) - {"bf16"}
+    assert summary["config"]["pretrain_result"]["weights_sha256"]
+
+
+@pytest.mark.parametrize("script, library", [("finetune_lm.py", "transformers"), ("finetune_wan.py", "diffusers")])
 def test_help_without_the_libraries(script, library):
     from test_examples import HIDDEN_IMPORTS
     result = subprocess.run([sys.executable, "-c", HIDDEN_IMPORTS, f"examples/{script}"], cwd=REPO,
