@@ -147,18 +147,18 @@ class MasterWeightAdamW:
     @torch.no_grad()
     def step(self, lr, clip=1.0):
         """One step from the model's gradients; returns the gradient norm before clipping (a 0-d tensor)."""
+        with_grad = [(m.grad, p.grad) for m, p in zip(self.master, self.params) if p.grad is not None]
         for m, p in zip(self.master, self.params):
             if p.grad is None:
                 m.grad.zero_()
-            else:
-                m.grad.copy_(p.grad)
             p.grad = None
+        if with_grad:
+            torch._foreach_copy_(*map(list, zip(*with_grad)))  # one launch per dtype group, not per tensor
         norm = torch.nn.utils.clip_grad_norm_(self.master, clip)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        for m, p in zip(self.master, self.params):
-            p.copy_(m)
+        torch._foreach_copy_(self.params, self.master)
         return norm
 
 
@@ -298,6 +298,18 @@ class RunStore:
             writer.writeheader()
             writer.writerows(rows)
 
+    def setups(self):
+        """What each invocation that ran something recorded after its setup (machine, versions, data hashes)."""
+        path = self.runs / "setup.json"
+        return json.loads(path.read_text()) if path.exists() else []
+
+    def add_setup(self, record):
+        self.runs.mkdir(parents=True, exist_ok=True)
+        records = self.setups() + [record]
+        tmp = self.runs / "setup.json.tmp"
+        tmp.write_text(json.dumps(records, indent=1) + "\n")
+        os.replace(tmp, self.runs / "setup.json")
+
     def load_all(self):
         """{entry: {seed: payload}} of every run in the folder."""
         found = {}
@@ -329,6 +341,8 @@ def run_experiment(task, args, log=print):
         if todo or need_base:
             task.setup()
             log(f"setup done in {deadline.elapsed():.0f} s")
+            store.add_setup(dict(environment(args.device), config=task.config_summary(),
+                                 arms=args.arms, seeds=args.seeds))
         if need_base:
             t0 = time.perf_counter()
             for entry, payload in evaluate_base(task).items():
@@ -501,10 +515,20 @@ def report(task, store, args, log=print):
         return None
     losses, boot = loss_report(runs, curves)
     extras = task.report_extras(runs, boot)  # {entry: {column: value}} and a free-form part
+    setups = store.setups()
+    # The data and model behind the runs must be the same in every invocation that added runs to this folder.
+    keys = [json.dumps({k: v for k, v in r["config"].items() if k in ("data", "pretrain", "gguf_sha256", "dims")},
+                       sort_keys=True) for r in setups]
+    consistent = len(set(keys)) <= 1
+    if not consistent:
+        log("WARNING: the invocations that wrote these runs saw different data or pretrained weights (runs/setup.json)")
     summary = {
         "experiment": task.name,
-        "environment": environment(args.device),
-        "config": task.config_summary(),
+        "environment": ({k: v for k, v in setups[-1].items() if k not in ("config", "arms", "seeds")} if setups
+                        else environment(args.device)),
+        "config": setups[-1]["config"] if setups else task.config_summary(),
+        "invocations": [{k: r[k] for k in ("git_commit", "date", "device", "torch", "arms", "seeds")} for r in setups],
+        "invocations_consistent": consistent,
         "loss_label": task.loss_label,
         "interval": f"95% percentile interval, paired bootstrap over {boot.n} held-out items, {RESAMPLES} resamples",
         "entries": losses,

@@ -179,7 +179,8 @@ def load_gguf_model(path, sha256, dtype=torch.bfloat16, device="cpu"):
     if packed:
         raise RuntimeError(f"transformers kept GGUF-packed layers ({packed[:3]}...): they cannot be fine-tuned")
     model.config.use_cache = False
-    return to_bf16_weights(model) if dtype == torch.bfloat16 else model.to(dtype), tokenizer
+    model = to_bf16_weights(model) if dtype == torch.bfloat16 else model.to(dtype)
+    return model.to(device), tokenizer
 
 
 def cache_keyword(model):
@@ -328,7 +329,7 @@ class LMTask:
         self.gguf = locate_gguf(args.gguf)
         print(f"loading {self.gguf} (checking its SHA-256)", flush=True)
         model, self.tokenizer = load_gguf_model(self.gguf, args.gguf_sha256, torch.bfloat16, self.device)
-        self.base_model = model.to(self.device).eval()
+        self.base_model = model.eval()
         register_packed_prefill()
         root = stdlib_root()
         train_files, heldout_files = corpus_files(root)

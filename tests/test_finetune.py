@@ -243,6 +243,9 @@ def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
     result = run_script(["examples/finetune_lm.py", "--preset", "smoke", "--device", "cpu", "--gguf", str(path),
                          "--gguf-sha256", sha256(path), "--out", str(out)])
     assert "fine-tuning" not in result.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["invocations"]) == 1 and summary["invocations_consistent"]
+    assert summary["config"]["data"]["heldout"]["tokens_sha256"]
 
 
 def test_finetune_wan_smoke_cpu(tmp_path):
@@ -284,3 +287,18 @@ def test_split_and_join(tmp_path):
     result = subprocess.run(["bash", "dev/join_file.sh", str(bad), digest, str(parts / "model.bin.part00")], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode != 0 and "SHA-256" in result.stderr and not bad.exists()
+
+
+def test_master_weights_keep_small_updates():
+    """bf16 weights with fp32 master copies: steps too small for a bf16 weight's last bit still add up."""
+    common = load_example("finetune_common")
+    weight = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    optimizer = common.MasterWeightAdamW([weight], lr=1e-4)
+    for _ in range(30):  # Adam moves each step by ~lr; 1e-4 is far below half of bf16's spacing under 1.0 (2^-9)
+        weight.grad = torch.ones_like(weight)
+        norm = optimizer.step(1e-4)
+    assert float(norm) == pytest.approx(2.0)
+    assert optimizer.master[0].dtype == torch.float32 and torch.allclose(optimizer.master[0], torch.full((4,), 0.997),
+                                                                         atol=1e-4)
+    assert torch.equal(weight, torch.full((4,), 0.99609375, dtype=torch.bfloat16))  # the master, rounded to bf16
+    assert weight.grad is None
