@@ -2,6 +2,7 @@
 # The fine-tuning experiments of issue 29 on a GPU machine reached through device calls, one step per call:
 #
 #   bash dev/finetune_gpu.sh build             build attn_qat/_C with the CUDA kernels unless a kept build loads
+#                                              (lm and wan do this first too)
 #   bash dev/finetune_gpu.sh stash DIR         keep the carried GGUF parts in DIR (e.g. .gguf) under /tmp/gguf_parts,
 #                                              which outlives the call while the machine stays warm
 #   bash dev/finetune_gpu.sh lm [OPTIONS]      join and check the GGUF (parts from /tmp/gguf_parts and .gguf), run
@@ -25,10 +26,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-step=${1:-}
-[ $# -gt 0 ] && shift
-case "$step" in
-build)
+build() {
     if python3 -c "import attn_qat, sys; sys.exit(0 if attn_qat._C.with_cuda else 1)" 2>/dev/null; then
         echo "attn_qat/_C loads with the CUDA kernels: no build"
     else
@@ -39,12 +37,20 @@ build)
         }
         echo "built attn_qat/_C in $(($(date +%s) - start)) s"
     fi
+}
+
+step=${1:-}
+[ $# -gt 0 ] && shift
+case "$step" in
+build)
+    build
     ;;
 stash)
     mkdir -p /tmp/gguf_parts
     cp -v "${1:?usage: stash DIR}"/"$GGUF".part* /tmp/gguf_parts/
     ;;
 lm)
+    build
     if [ ! -f "/tmp/$GGUF" ]; then
         declare -A found
         for part in /tmp/gguf_parts/"$GGUF".part* .gguf/"$GGUF".part*; do
@@ -67,6 +73,7 @@ lm)
     exit $status
     ;;
 wan)
+    build
     (nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true) | tee -a "$OUT/finetune_wan.log"
     status=0
     python3 examples/finetune_wan.py --out /tmp/finetune_wan --pretrained /tmp/wan_pretrained.pt "$@" 2>&1 |
