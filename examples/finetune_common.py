@@ -513,20 +513,24 @@ def report(task, store, args, log=print):
     if not runs:
         log(f"no runs in {store.runs}: nothing to report")
         return None
-    losses, boot = loss_report(runs, curves)
-    extras = task.report_extras(runs, boot)  # {entry: {column: value}} and a free-form part
     setups = store.setups()
+    # The configuration of the runs (not of this invocation, which may be --report-only on another machine).
+    config = setups[-1]["config"] if setups else task.config_summary()
+    losses, boot = loss_report(runs, curves)
+    extras = task.report_extras(runs, boot, config)  # {"columns": {entry: {column: value}}, ...}
     # The data and model behind the runs must be the same in every invocation that added runs to this folder.
     keys = [json.dumps({k: v for k, v in r["config"].items() if k in ("data", "pretrain", "gguf_sha256", "dims")},
                        sort_keys=True) for r in setups]
     consistent = len(set(keys)) <= 1
     if not consistent:
         log("WARNING: the invocations that wrote these runs saw different data or pretrained weights (runs/setup.json)")
+    all_seeds = sorted(set(args.seeds) | {s for r in setups for s in r["seeds"]})
+    all_arms = [a for a in ARMS if a in set(args.arms) | {a for r in setups for a in r["arms"]}]
     summary = {
         "experiment": task.name,
         "environment": ({k: v for k, v in setups[-1].items() if k not in ("config", "arms", "seeds")} if setups
                         else environment(args.device)),
-        "config": setups[-1]["config"] if setups else task.config_summary(),
+        "config": config,
         "invocations": [{k: r[k] for k in ("git_commit", "date", "device", "torch", "arms", "seeds")} for r in setups],
         "invocations_consistent": consistent,
         "loss_label": task.loss_label,
@@ -534,7 +538,7 @@ def report(task, store, args, log=print):
         "entries": losses,
         "extras": extras,
         "runs": {e: sorted(map(str, seeds)) for e, seeds in runs.items()},
-        "missing": [f"{arm} seed {s}" for s in args.seeds for arm in args.arms if not store.has(arm, s)],
+        "missing": [f"{arm} seed {s}" for s in all_seeds for arm in all_arms if not store.has(arm, s)],
     }
     out = store.out
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -448,7 +448,7 @@ class LMTask:
 
     # ----------------------------------------------------------------- report
 
-    def report_extras(self, runs, boot):
+    def report_extras(self, runs, boot, config):
         """Greedy agreement with the bf16 fine-tune of the same seed (tokens and prefix, with bootstrap intervals over
         the prompts) and the fake-quant vs real-path comparison of every FP4 entry."""
         reference = runs.get("bf16", {})
@@ -503,8 +503,8 @@ class LMTask:
             columns.setdefault(entry, {})["fake_vs_real"] = (f"max \\|Δ loss\\| {worst_loss:.1e}, "
                                                              f"tokens {100 * worst_tokens:.1f}%")
         return {"columns": columns, "greedy_agreement_with_bf16": agreement, "fake_quant_vs_real_nvfp4": real,
-                "greedy": {"prompts": n_prompts, "prompt_len": self.args.prompt_len,
-                           "new_tokens": self.args.new_tokens,
+                "greedy": {"prompts": n_prompts, "prompt_len": config.get("prompt_len"),
+                           "new_tokens": config.get("new_tokens"),
                            "interval": "95% percentile interval, bootstrap over prompts"}}
 
 

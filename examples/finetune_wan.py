@@ -377,7 +377,7 @@ class WanTask:
 
     # ----------------------------------------------------------------- report
 
-    def report_extras(self, runs, boot):
+    def report_extras(self, runs, boot, config):
         columns, psnr_bf16, psnr_source, real = {}, {}, {}, {}
         for entry, seeds in runs.items():
             rows = [torch.tensor(p["psnr_vs_source"]) for p in seeds.values() if "psnr_vs_source" in p]
@@ -409,7 +409,7 @@ class WanTask:
                                                              f"{worst_sample:.1e}")
         return {"columns": columns, "sample_psnr_vs_bf16": psnr_bf16, "sample_psnr_vs_source": psnr_source,
                 "fake_quant_vs_real_nvfp4": real,
-                "sampling": {"videos": self.args.sample_videos, "euler_steps": self.args.sample_steps,
+                "sampling": {"videos": config.get("sample_videos"), "euler_steps": config.get("sample_steps"),
                              "psnr_peak": "range (max - min) of each reference video",
                              "interval": "95% percentile interval, bootstrap over the sampled videos"}}
 
