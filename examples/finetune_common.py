@@ -1,0 +1,683 @@
+"""The fine-tuning protocol that finetune_lm.py and finetune_wan.py share.
+
+One pretrained model (bf16 weights) is fine-tuned once per arm and seed. Every arm of a seed takes the same
+steps, the same batches in the same order and the same learning-rate schedule; the seed picks the batches. Arms:
+
+    bf16              the model's own attention (PyTorch SDPA): the control
+    attn_qat, drop_in, high_precision_p, low_precision_o
+                      attn_qat in that mode (docs/numerics.md §5), evaluated with FP4 attention
+
+Evaluations without training (post-training quantization, PTQ):
+
+    base, base_ptq    the pretrained model with bf16 / FP4 attention
+    ptq               each seed's bf16 fine-tune evaluated with FP4 attention
+
+Every entry is evaluated item by item on one fixed held-out set (the same items for every arm and seed), so
+entries are compared pairwise over the items: 95% intervals are percentile intervals of a paired bootstrap over
+the held-out items (10,000 resamples, one set of resamples for every statistic of a report). An interval covers
+the variation of the held-out sample, not that of the seeds: the seeds are reported one by one next to it.
+
+Training: AdamW on fp32 master copies of the bf16 weights (a bf16 weight rounds away updates below half its
+last bit, which at fine-tuning learning rates are most of them), bf16 autocast, linear warmup then cosine decay
+to 10% of the peak, gradient clipping at 1.0; the logged gradient norm is before clipping.
+
+Outputs under --out: runs/<entry>_seed<k>.json (per-item held-out losses and the task's extras) and
+runs/<arm>_seed<k>.csv (the training curve), each written as its run ends, so a timeout loses at most the run in
+progress and a rerun skips the runs already there; then summary.json, results.csv, table.md, loss.png,
+grad_norm.png and gaps.png, recomputed over every run in the folder (runs of several invocations merge).
+"""
+import csv
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import attn_qat
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import smooth  # noqa: E402
+
+ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o")
+FP4_ARMS = ARMS[1:]
+# Entries of a report, in table order. "base" and "base_ptq" have no seed (stored as seed "base").
+ENTRIES = ("base", "base_ptq", "bf16", "ptq") + FP4_ARMS
+DESCRIPTIONS = {
+    "base": "pretrained model, bf16 attention",
+    "base_ptq": "pretrained model, FP4 attention (PTQ, no training)",
+    "bf16": "bf16 fine-tune (control)",
+    "ptq": "bf16 fine-tune, FP4 attention (PTQ, no training)",
+    "attn_qat": "Attn-QAT fine-tune",
+    "drop_in": "drop-in QAT fine-tune (FP4 forward, bf16 backward)",
+    "high_precision_p": "QAT, dV from the unquantized P (breaks principle 1)",
+    "low_precision_o": "QAT, D = dO·O (breaks principle 2)",
+}
+CURVE_FIELDS = ("step", "train_loss", "grad_norm", "lr", "val_loss", "val_loss_fp4", "elapsed_s")
+BASE_SEED = "base"
+RESAMPLES = 10_000
+
+
+# ------------------------------------------------------------------------------------------ options
+
+def add_protocol_args(parser, presets, out):
+    """The options both experiments take; `presets` maps a preset name to the defaults of every option set to
+    None here (finish_args fills them)."""
+    names = ", ".join(presets)
+    parser.add_argument("--preset", choices=sorted(presets), default=None,
+                        help=f"run size ({names}; default: h100 when a GPU is present, else smoke)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    parser.add_argument("--seeds", default=None, help="comma list of seeds (they pick the batches; preset default)")
+    parser.add_argument("--steps", type=int, default=None, help="fine-tuning steps per arm")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate of the fine-tunes")
+    parser.add_argument("--warmup-steps", type=int, default=None)
+    parser.add_argument("--eval-every", type=int, default=None, help="steps between curve evaluations")
+    parser.add_argument("--out", default=out, help="results folder (runs already in it are kept and merged)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="start no run that would end after this many minutes of the invocation (measured per "
+                             "run; the rest is left for a later invocation, which skips the runs done)")
+    parser.add_argument("--overwrite", action="store_true", help="redo runs whose results are in --out")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only recompute summary.json, results.csv and the plots from the runs in --out")
+    parser.set_defaults(presets=presets)
+
+
+def finish_args(parser, args):
+    presets = args.presets
+    del args.presets
+    if args.preset is None:
+        args.preset = "h100" if torch.device(args.device).type == "cuda" else "smoke"
+    for key, value in presets[args.preset].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = set(args.arms) - set(ARMS)
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    args.arms = [a for a in ARMS if a in args.arms]  # bf16 first: the report pairs every arm with it
+    try:
+        args.seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds must be a comma list of integers, got {args.seeds!r}")
+    if not args.seeds:
+        parser.error("--seeds is empty")
+    return args
+
+
+def lr_at(step, steps, warmup, peak):
+    """Linear warmup to `peak`, then cosine decay to 10% of it (step counts from 1)."""
+    if step <= warmup:
+        return peak * step / max(1, warmup)
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ------------------------------------------------------------------------------------------ training
+
+def to_bf16_weights(model):
+    """Casts the model's floating-point weights to bf16, leaving those the model keeps in fp32
+    (`_keep_in_fp32_modules`, e.g. Wan's time embedder, norms and scale-shift tables) in fp32; returns the model."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(torch.float32 if keep & set(name.split(".")) else torch.bfloat16)
+    return model
+
+
+class MasterWeightAdamW:
+    """AdamW on fp32 master copies of a (bf16) model's parameters: gradients are copied to the masters, clipped
+    there, the masters step, and the model's weights are set to the masters rounded to their dtype."""
+
+    def __init__(self, params, lr, weight_decay=0.0, betas=(0.9, 0.95)):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        for m in self.master:
+            m.grad = torch.zeros_like(m)
+        fused = all(p.device.type == "cuda" for p in self.params)
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
+
+    @torch.no_grad()
+    def step(self, lr, clip=1.0):
+        """One step from the model's gradients; returns the gradient norm before clipping (a 0-d tensor)."""
+        with_grad = [(m.grad, p.grad) for m, p in zip(self.master, self.params) if p.grad is not None]
+        for m, p in zip(self.master, self.params):
+            if p.grad is None:
+                m.grad.zero_()
+            p.grad = None
+        if with_grad:
+            torch._foreach_copy_(*map(list, zip(*with_grad)))  # one launch per dtype group, not per tensor
+        norm = torch.nn.utils.clip_grad_norm_(self.master, clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        torch._foreach_copy_(self.params, self.master)
+        return norm
+
+
+class Deadline:
+    """Decides whether another run fits in --max-minutes, from the longest run so far (plus 25%: an FP4 arm can take
+    longer than the bf16 arm before it)."""
+
+    def __init__(self, minutes):
+        self.start = time.perf_counter()
+        self.limit = None if minutes is None else 60 * minutes
+        self.longest = 0.0
+
+    def elapsed(self):
+        return time.perf_counter() - self.start
+
+    def record(self, seconds):
+        self.longest = max(self.longest, seconds)
+
+    def allows(self):
+        return self.limit is None or self.elapsed() + 1.25 * self.longest <= self.limit
+
+
+def train(task, model, arm, seed, args, log, generator=None, weight_decay=None):
+    """Fine-tunes `model` (prepared for `arm`) in place for args.steps steps (schedule: args.lr, args.warmup_steps;
+    evaluations every args.eval_every); returns the curve rows (CURVE_FIELDS). Batches come from `generator`
+    (default: task.batch_generator(seed)).
+
+    The gradient norm and loss stay on the device until an evaluation, so the host does not wait for the device at
+    every step. At each evaluation the held-out curve subset is evaluated; the bf16 arm also evaluates it with FP4
+    attention (its PTQ curve).
+    """
+    weight_decay = task.weight_decay if weight_decay is None else weight_decay
+    optimizer = MasterWeightAdamW(model.parameters(), lr=args.lr, weight_decay=weight_decay)
+    generator = task.batch_generator(seed) if generator is None else generator
+    rows, pending = [], []
+    sync = (lambda: torch.cuda.synchronize(model_device(model))) if task.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    model.train()
+    for step in range(1, args.steps + 1):
+        batch = task.train_batch(generator)
+        lr = lr_at(step, args.steps, args.warmup_steps, args.lr)
+        with task.autocast():
+            loss = task.loss(model, batch)
+        loss.backward()
+        norm = optimizer.step(lr)
+        pending.append((step, loss.detach(), norm, lr))
+        if step % args.eval_every == 0 or step == args.steps:
+            values = torch.stack([torch.stack((l.float(), n.float())) for _, l, n, _ in pending]).tolist()
+            for (s, _, _, r), (l, n) in zip(pending, values):
+                rows.append({"step": s, "train_loss": l, "grad_norm": n, "lr": r, "val_loss": "", "val_loss_fp4": "",
+                             "elapsed_s": ""})
+            pending = []
+            row = rows[-1]
+            row["val_loss"] = task.curve_loss(model)
+            if arm == "bf16":
+                attn_qat.enable(model)
+                row["val_loss_fp4"] = task.curve_loss(model)
+                attn_qat.disable(model)
+            row["elapsed_s"] = time.perf_counter() - start
+            fp4 = f", FP4 {row['val_loss_fp4']:.4f}" if arm == "bf16" else ""
+            log(f"  {arm} seed {seed}: step {step}/{args.steps}, train loss {row['train_loss']:.4f}, |g| "
+                f"{row['grad_norm']:.3f}, held-out (curve subset) {row['val_loss']:.4f}{fp4}, {row['elapsed_s']:.0f} s")
+    model.eval()
+    return rows
+
+
+def model_device(model):
+    return next(model.parameters()).device
+
+
+def finetune(task, arm, seed, args, log):
+    """One fine-tune and its evaluations: {entry: payload} ("bf16" also gives "ptq"), and the curve rows."""
+    model = task.fresh_model()
+    if arm == "bf16":
+        # Train with the library's attention (a disabled attn_qat runs it); enable only to evaluate in FP4.
+        attn_qat.disable(attn_qat.convert(attn_qat.prepare(model, task.qat_config("attn_qat"))))
+    else:
+        # strict: an attention call attn_qat cannot take raises instead of quietly running bf16 SDPA.
+        attn_qat.prepare(model, task.qat_config(arm))
+    t0 = time.perf_counter()
+    rows = train(task, model, arm, seed, args, log)
+    train_s = time.perf_counter() - t0
+    payloads = {}
+    if arm == "bf16":
+        payloads["bf16"] = task.evaluate(model, fp4=False, entry="bf16", seed=seed)
+        attn_qat.enable(model)
+        payloads["ptq"] = task.evaluate(model, fp4=True, entry="ptq", seed=seed)
+    else:
+        attn_qat.convert(model)  # the inference forward (numerics.md §3), as a deployed model runs it
+        payloads[arm] = task.evaluate(model, fp4=True, entry=arm, seed=seed)
+    for payload in payloads.values():
+        payload.update(train_s=train_s, steps=args.steps, tokens_per_step=task.tokens_per_step)
+    del model
+    if task.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return payloads, rows
+
+
+def evaluate_base(task):
+    model = task.fresh_model()
+    attn_qat.disable(attn_qat.convert(attn_qat.prepare(model, task.qat_config("attn_qat"))))
+    model.eval()
+    payloads = {"base": task.evaluate(model, fp4=False, entry="base", seed=BASE_SEED)}
+    attn_qat.enable(model)
+    payloads["base_ptq"] = task.evaluate(model, fp4=True, entry="base_ptq", seed=BASE_SEED)
+    del model
+    return payloads
+
+
+# ------------------------------------------------------------------------------------------ results
+
+class RunStore:
+    """runs/<entry>_seed<seed>.json payloads and runs/<arm>_seed<seed>.csv curves under `out`."""
+
+    def __init__(self, out):
+        self.out = pathlib.Path(out)
+        self.runs = self.out / "runs"
+
+    def path(self, entry, seed, ext="json"):
+        return self.runs / f"{entry}_seed{seed}.{ext}"
+
+    def has(self, entry, seed):
+        return self.path(entry, seed).exists()
+
+    def save(self, entry, seed, payload):
+        self.runs.mkdir(parents=True, exist_ok=True)
+        path = self.path(entry, seed)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(dict(payload, entry=entry, seed=seed)) + "\n")
+        os.replace(tmp, path)  # a run killed while writing leaves no half file behind
+
+    def save_curve(self, arm, seed, rows):
+        self.runs.mkdir(parents=True, exist_ok=True)
+        with open(self.path(arm, seed, "csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CURVE_FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def setups(self):
+        """What each invocation that ran something recorded after its setup (machine, versions, data hashes)."""
+        path = self.runs / "setup.json"
+        return json.loads(path.read_text()) if path.exists() else []
+
+    def add_setup(self, record):
+        self.runs.mkdir(parents=True, exist_ok=True)
+        records = self.setups() + [record]
+        tmp = self.runs / "setup.json.tmp"
+        tmp.write_text(json.dumps(records, indent=1) + "\n")
+        os.replace(tmp, self.runs / "setup.json")
+
+    def load_all(self):
+        """{entry: {seed: payload}} of every run in the folder."""
+        found = {}
+        for path in sorted(self.runs.glob("*_seed*.json")):
+            payload = json.loads(path.read_text())
+            found.setdefault(payload["entry"], {})[payload["seed"]] = payload
+        return found
+
+    def load_curves(self):
+        """{arm: {seed: rows}} with numbers parsed ('' stays '')."""
+        curves = {}
+        for path in sorted(self.runs.glob("*_seed*.csv")):
+            arm, seed = path.stem.rsplit("_seed", 1)
+            with open(path, newline="") as f:
+                rows = [{k: (float(v) if v != "" else "") for k, v in row.items()} for row in csv.DictReader(f)]
+            curves.setdefault(arm, {})[int(seed)] = rows
+        return curves
+
+
+def run_experiment(task, args, log=print):
+    """Runs the base evaluations and every (seed, arm) not yet in --out, seed by seed (bf16 first), within
+    --max-minutes; then writes the report over all runs in --out. Returns the summary."""
+    store = RunStore(args.out)
+    if not args.report_only:
+        deadline = Deadline(args.max_minutes)
+        todo = [(seed, arm) for seed in args.seeds for arm in args.arms
+                if args.overwrite or not store.has(arm, seed)]
+        need_base = args.overwrite or not (store.has("base", BASE_SEED) and store.has("base_ptq", BASE_SEED))
+        if todo or need_base:
+            task.setup()
+            log(f"setup done in {deadline.elapsed():.0f} s")
+            store.add_setup(dict(environment(args.device), config=task.config_summary(),
+                                 arms=args.arms, seeds=args.seeds))
+        if need_base:
+            t0 = time.perf_counter()
+            for entry, payload in evaluate_base(task).items():
+                store.save(entry, BASE_SEED, payload)
+            log(f"base model evaluated in {time.perf_counter() - t0:.0f} s")
+        skipped = []
+        for seed, arm in todo:
+            if not deadline.allows():
+                skipped.append(f"{arm} seed {seed}")
+                continue
+            t0 = time.perf_counter()
+            log(f"fine-tuning {arm}, seed {seed} ({deadline.elapsed():.0f} s into this invocation)")
+            payloads, rows = finetune(task, arm, seed, args, log)
+            store.save_curve(arm, seed, rows)
+            for entry, payload in payloads.items():
+                store.save(entry, seed, payload)
+            seconds = time.perf_counter() - t0
+            deadline.record(seconds)
+            log(f"{arm} seed {seed}: {seconds:.0f} s, held-out loss " + ", ".join(
+                f"{e} {p['loss']:.4f}" for e, p in payloads.items()))
+        if skipped:
+            log(f"--max-minutes {args.max_minutes} reached: not run ({len(skipped)}): {', '.join(skipped)}; run the "
+                "same command again to do them (runs already in --out are skipped)")
+    summary = report(task, store, args, log)
+    return summary
+
+
+# --------------------------------------------------------------------------------------- statistics
+
+class Bootstrap:
+    """Paired bootstrap over `n` held-out items: one fixed set of resampled index vectors, used for every
+    statistic of a report, so that all intervals resample the same items together."""
+
+    def __init__(self, n, resamples=RESAMPLES, seed=0):
+        generator = torch.Generator().manual_seed(seed)
+        self.n = n
+        self.index = torch.randint(0, n, (resamples, n), generator=generator)
+
+    @staticmethod
+    def _interval(values):
+        values = values[torch.isfinite(values)]
+        if values.numel() == 0:
+            return [float("nan"), float("nan")]
+        q = torch.quantile(values, torch.tensor([0.025, 0.975], dtype=values.dtype))
+        return [float(q[0]), float(q[1])]
+
+    def mean(self, x):
+        """(mean, [low, high]) of the mean of x (n,)."""
+        x = x.double()
+        return float(x.mean()), self._interval(x[self.index].mean(1))
+
+    def ratio(self, num, den):
+        """(mean(num) / mean(den), interval) over the same resamples."""
+        num, den = num.double(), den.double()
+        return float(num.mean() / den.mean()), self._interval(num[self.index].mean(1) / den[self.index].mean(1))
+
+
+def stack_seeds(per_seed, seeds):
+    return torch.stack([torch.tensor(per_seed[s], dtype=torch.float64) for s in seeds])
+
+
+def loss_report(runs, curves, item_key="item_losses"):
+    """The loss part of the summary: per entry, the held-out loss, its gap to bf16, the fraction of the PTQ gap
+    recovered and gradient-norm statistics, each with paired bootstrap intervals (see the module docstring)."""
+    items = {e: {s: p[item_key] for s, p in seeds.items()} for e, seeds in runs.items() if e in ENTRIES}
+    sizes = {len(v) for seeds in items.values() for v in seeds.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"runs in this folder have different numbers of held-out items ({sorted(sizes)}); they do "
+                         "not come from one configuration: use one --out per configuration")
+    boot = Bootstrap(sizes.pop())
+    out = {}
+    for entry in ENTRIES:
+        if entry not in items:
+            continue
+        seeds = sorted(items[entry], key=str)
+        x = stack_seeds(items[entry], seeds)
+        mean, ci = boot.mean(x.mean(0))
+        info = {"description": DESCRIPTIONS[entry], "seeds": seeds, "loss": mean, "loss_ci": ci,
+                "loss_per_seed": {str(s): float(x[i].mean()) for i, s in enumerate(seeds)}}
+        reference = "base" if entry == "base_ptq" else ("bf16" if entry not in ("base", "bf16") else None)
+        if reference is not None and reference in items:
+            common = [s for s in seeds if s in items[reference]]
+            if common:
+                d = stack_seeds(items[entry], common) - stack_seeds(items[reference], common)
+                gap, gap_ci = boot.mean(d.mean(0))
+                ref_loss = float(stack_seeds(items[reference], common).mean())
+                info[f"gap_to_{reference}"] = {
+                    "seeds": common, "mean": gap, "ci": gap_ci, "relative": gap / ref_loss,
+                    "per_seed": {str(s): dict(zip(("mean", "ci"), boot.mean(d[i]))) for i, s in enumerate(common)}}
+        if entry in FP4_ARMS and "ptq" in items and "bf16" in items:
+            common = [s for s in seeds if s in items["ptq"] and s in items["bf16"]]
+            if common:
+                arm, ptq, bf16 = (stack_seeds(items[e], common) for e in (entry, "ptq", "bf16"))
+                value, ci = boot.ratio((ptq - arm).mean(0), (ptq - bf16).mean(0))
+                # The ratio's interval means something only when the PTQ gap itself is resolved (its interval above 0).
+                _, gap_ci = boot.mean((ptq - bf16).mean(0))
+                info["recovered"] = {
+                    "seeds": common, "mean": value, "ci": ci, "ptq_gap_resolved": gap_ci[0] > 0,
+                    "per_seed": {str(s): dict(zip(("mean", "ci"), boot.ratio(ptq[i] - arm[i], ptq[i] - bf16[i])))
+                                 for i, s in enumerate(common)}}
+        if entry in curves:
+            info["grad_norm"] = grad_norm_stats(curves, entry)
+        out[entry] = info
+    return out, boot
+
+
+def grad_norm_stats(curves, arm):
+    """Gradient-norm statistics of an arm's curves: median over all steps, largest after warmup (first 10% of the
+    steps), median over the last quarter, and that last-quarter median over bf16's of the same seed."""
+    per_seed = {}
+    for seed, rows in sorted(curves[arm].items()):
+        norms = [r["grad_norm"] for r in rows]
+        finite = [n for n in norms if math.isfinite(n)]
+        n = len(norms)
+        late = [x for x in norms[3 * n // 4:] if math.isfinite(x)]
+        entry = {"median": statistics.median(finite) if finite else float("nan"),
+                 "max_after_warmup": max((x for x in norms[n // 10:] if math.isfinite(x)), default=float("nan")),
+                 "late_median": statistics.median(late) if late else float("nan"),
+                 "nonfinite": n - len(finite)}
+        bf16_rows = curves.get("bf16", {}).get(seed)
+        if bf16_rows:
+            ref = [r["grad_norm"] for r in bf16_rows[3 * len(bf16_rows) // 4:] if math.isfinite(r["grad_norm"])]
+            if ref:
+                entry["late_median_over_bf16"] = entry["late_median"] / statistics.median(ref)
+        per_seed[str(seed)] = entry
+    keys = ("median", "max_after_warmup", "late_median", "late_median_over_bf16")
+    mean = {k: statistics.fmean(v[k] for v in per_seed.values()) for k in keys
+            if all(k in v for v in per_seed.values())}
+    mean["nonfinite"] = sum(v["nonfinite"] for v in per_seed.values())
+    return {"mean_over_seeds": mean, "per_seed": per_seed}
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def git_commit():
+    """ATTN_QAT_COMMIT wins (the GPU machine gets a copy of the working tree without this .git), else git."""
+    commit = os.environ.get("ATTN_QAT_COMMIT")
+    if commit:
+        return commit
+    here = pathlib.Path(__file__).resolve().parent
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, text=True,
+                                        stderr=subprocess.DEVNULL).strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def environment(device):
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return {"git_commit": git_commit(), "date": datetime.date.today().isoformat(), "device": name,
+            "torch": torch.__version__, "python": platform.python_version(), "attn_qat": attn_qat.__version__}
+
+
+def fmt_ci(value, ci, digits=4, scale=1.0, sign=False):
+    if value is None or not math.isfinite(value):
+        return "–"
+    f = f"{{:{'+' if sign else ''}.{digits}f}}"
+    return f"{f.format(value * scale)} [{f.format(ci[0] * scale)}, {f.format(ci[1] * scale)}]"
+
+
+def report(task, store, args, log=print):
+    """summary.json, results.csv, table.md and the plots from every run under --out."""
+    runs, curves = store.load_all(), store.load_curves()
+    if not runs:
+        log(f"no runs in {store.runs}: nothing to report")
+        return None
+    setups = store.setups()
+    # The configuration of the runs (not of this invocation, which may be --report-only on another machine).
+    config = setups[-1]["config"] if setups else task.config_summary()
+    losses, boot = loss_report(runs, curves)
+    extras = task.report_extras(runs, boot, config)  # {"columns": {entry: {column: value}}, ...}
+    # The data and model behind the runs must be the same in every invocation that added runs to this folder.
+    keys = [json.dumps({k: v for k, v in r["config"].items() if k in ("data", "pretrain", "gguf_sha256", "dims")},
+                       sort_keys=True) for r in setups]
+    consistent = len(set(keys)) <= 1
+    if not consistent:
+        log("WARNING: the invocations that wrote these runs saw different data or pretrained weights (runs/setup.json)")
+    all_seeds = sorted(set(args.seeds) | {s for r in setups for s in r["seeds"]})
+    all_arms = [a for a in ARMS if a in set(args.arms) | {a for r in setups for a in r["arms"]}]
+    summary = {
+        "experiment": task.name,
+        "environment": ({k: v for k, v in setups[-1].items() if k not in ("config", "arms", "seeds")} if setups
+                        else environment(args.device)),
+        "config": config,
+        "invocations": [{k: r[k] for k in ("git_commit", "date", "device", "torch", "arms", "seeds")} for r in setups],
+        "invocations_consistent": consistent,
+        "loss_label": task.loss_label,
+        "interval": f"95% percentile interval, paired bootstrap over {boot.n} held-out items, {RESAMPLES} resamples",
+        "entries": losses,
+        "extras": extras,
+        "runs": {e: sorted(map(str, seeds)) for e, seeds in runs.items()},
+        "missing": [f"{arm} seed {s}" for s in all_seeds for arm in all_arms if not store.has(arm, s)],
+    }
+    out = store.out
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_results_csv(out / "results.csv", losses, extras.get("columns", {}))
+    table = markdown_table(task, losses, extras.get("columns", {}))
+    (out / "table.md").write_text(table)
+    plot(task, out, runs, curves, losses)
+    log(table)
+    log(f"wrote {out}/ (summary.json, results.csv, table.md, plots)")
+    return summary
+
+
+def write_results_csv(path, losses, extra_columns):
+    rows = []
+    for entry, info in losses.items():
+        gap = info.get("gap_to_bf16") or info.get("gap_to_base") or {}
+        rec = info.get("recovered", {})
+        gn = info.get("grad_norm", {}).get("mean_over_seeds", {})
+        row = {"entry": entry, "description": info["description"], "seeds": " ".join(map(str, info["seeds"])),
+               "loss": info["loss"], "loss_ci_low": info["loss_ci"][0], "loss_ci_high": info["loss_ci"][1],
+               "loss_per_seed": " ".join(f"{v:.5f}" for v in info["loss_per_seed"].values()),
+               "gap_reference": "bf16" if "gap_to_bf16" in info else ("base" if "gap_to_base" in info else ""),
+               "gap": gap.get("mean", ""), "gap_ci_low": gap.get("ci", ["", ""])[0],
+               "gap_ci_high": gap.get("ci", ["", ""])[1], "gap_relative": gap.get("relative", ""),
+               "recovered": rec.get("mean", ""), "recovered_ci_low": rec.get("ci", ["", ""])[0],
+               "recovered_ci_high": rec.get("ci", ["", ""])[1],
+               "recovered_per_seed": " ".join(f"{v['mean']:.3f}" for v in rec.get("per_seed", {}).values()),
+               "recovered_ptq_gap_resolved": rec.get("ptq_gap_resolved", ""),
+               "grad_norm_median": gn.get("median", ""), "grad_norm_max_after_warmup": gn.get("max_after_warmup", ""),
+               "grad_norm_late_over_bf16": gn.get("late_median_over_bf16", ""),
+               "nonfinite_grad_norms": gn.get("nonfinite", "")}
+        row.update(extra_columns.get(entry, {}))
+        rows.append(row)
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown_table(task, losses, extra_columns):
+    present = {k for cols in extra_columns.values() for k in cols}
+    extra_names = [k for k in task.table_columns if k in present]
+    head = ["entry", "seeds", "held-out loss [95% CI]", "gap [95% CI]", "gap %", "PTQ gap recovered [95% CI]",
+            "recovered per seed", "median \\|g\\|", "late \\|g\\| / bf16"] + [task.table_columns[k] for k in extra_names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for entry, info in losses.items():
+        gap_key = "gap_to_bf16" if "gap_to_bf16" in info else ("gap_to_base" if "gap_to_base" in info else None)
+        gap = info.get(gap_key, {}) if gap_key else {}
+        rec = info.get("recovered", {})
+        gn = info.get("grad_norm", {}).get("mean_over_seeds", {})
+        cells = [f"`{entry}`", str(len(info["seeds"])) if entry not in ("base", "base_ptq") else "–",
+                 fmt_ci(info["loss"], info["loss_ci"]),
+                 (fmt_ci(gap["mean"], gap["ci"], sign=True) + f" (vs {gap_key[7:]})") if gap else "–",
+                 f"{100 * gap['relative']:+.2f}%" if gap else "–",
+                 (fmt_ci(rec.get("mean"), rec.get("ci"), digits=0, scale=100) + " %"
+                  + ("" if rec["ptq_gap_resolved"] else " (PTQ gap not resolved)")) if rec else "–",
+                 " / ".join(f"{100 * v['mean']:.0f}%" for v in rec.get("per_seed", {}).values()) if rec else "–",
+                 f"{gn['median']:.3f}" if "median" in gn else "–",
+                 f"{gn['late_median_over_bf16']:.2f}" if "late_median_over_bf16" in gn else "–"]
+        cells += [str(extra_columns.get(entry, {}).get(k, "–")) for k in extra_names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(task, out, runs, curves, losses):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots")
+        return
+    colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
+    colors["ptq"] = "C5"
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(13, 5))
+    for arm, seeds in curves.items():
+        for i, (seed, rows) in enumerate(sorted(seeds.items())):
+            label = arm if i == 0 else None
+            ax_train.plot([r["step"] for r in rows], smooth([r["train_loss"] for r in rows]), color=colors[arm],
+                          lw=1, alpha=0.7, label=label)
+            evals = [r for r in rows if r["val_loss"] != ""]
+            ax_val.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color=colors[arm], ms=3,
+                        lw=1, alpha=0.8, label=label)
+            if arm == "bf16":
+                ax_val.plot([r["step"] for r in evals], [r["val_loss_fp4"] for r in evals], "s--", color=colors["ptq"],
+                            ms=3, lw=1, alpha=0.8, label="ptq (bf16 fine-tune, FP4 attention)" if i == 0 else None)
+    for entry, style in (("base", ":"), ("base_ptq", "-.")):
+        if entry in losses:
+            ax_val.axhline(losses[entry]["loss"], color="gray", ls=style, lw=1, label=f"{entry} (all held-out items)")
+    ax_train.set(xlabel="step", ylabel=task.loss_label, title="training loss (EMA), every seed")
+    ax_val.set(xlabel="step", ylabel=task.loss_label, title="held-out loss (curve subset), every seed")
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(task.title)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for arm, seeds in curves.items():
+        for i, (seed, rows) in enumerate(sorted(seeds.items())):
+            steps, norms = [r["step"] for r in rows], [r["grad_norm"] for r in rows]
+            ax.plot(steps, norms, color=colors[arm], lw=0.4, alpha=0.25)
+            ax.plot(steps, smooth(norms), color=colors[arm], lw=1.2, label=arm if i == 0 else None)
+    ax.set(xlabel="step", ylabel="gradient norm before clipping", yscale="log",
+           title=f"{task.title}: gradient norm (clip at 1.0), every seed (EMA bold, raw faint)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "grad_norm.png", dpi=110)
+    plt.close(fig)
+
+    bars = [(e, info.get("gap_to_bf16") or info.get("gap_to_base")) for e, info in losses.items()]
+    bars = [(e, g) for e, g in bars if g]
+    if bars:
+        fig, ax = plt.subplots(figsize=(9, 0.6 * len(bars) + 1.5))
+        for y, (entry, gap) in enumerate(bars):
+            lo, hi = gap["ci"]
+            ax.errorbar([gap["mean"]], [y], xerr=[[gap["mean"] - lo], [hi - gap["mean"]]], fmt="o",
+                        color=colors.get(entry, "gray"), capsize=4)
+            for seed, v in gap["per_seed"].items():
+                ax.plot([v["mean"]], [y], "x", color=colors.get(entry, "gray"), alpha=0.5)
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_yticks(range(len(bars)), [f"{e} − {'base' if e == 'base_ptq' else 'bf16'}" for e, _ in bars])
+        ax.set(xlabel=f"held-out loss difference ({task.loss_label})",
+               title="gap with 95% paired bootstrap interval (o) and per seed (x)")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "gaps.png", dpi=110)
+        plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------- agreement
+
+def prefix_fraction(a, b):
+    """(B,) fraction of the T positions before the first disagreement of rows of a and b (B, T)."""
+    agree = (a == b).to(torch.int64)
+    return agree.cumprod(dim=1).sum(dim=1).double() / a.shape[1]
+

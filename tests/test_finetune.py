@@ -1,0 +1,304 @@
+"""CPU tests of the fine-tuning experiments (examples/finetune_lm.py, examples/finetune_wan.py) and of
+dev/split_file.sh / dev/join_file.sh, which carry the 98 MB model file to a GPU machine in parts.
+
+A tiny Llama GGUF (2 layers, hidden 128, 2 query / 1 KV heads of head_dim 64, a byte-level BPE vocabulary of 272
+tokens; Q4_1 linear weights, a Q8_0 embedding and fp32 norms, as the real SmolLM2 file has) is written here with the
+gguf package and loaded through finetune_lm.load_gguf_model, the loader the experiment uses: CI covers that path
+without the real file. The smoke runs go through every arm, the reports and the fake-quant vs real NVFP4 checks.
+"""
+import csv
+import hashlib
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o")
+ENTRIES = ("base", "base_ptq", "bf16", "ptq") + ARMS[1:]
+# A few merges, so the vocabulary is a real byte-level BPE one (each merge's result is a token).
+MERGES = ("Ġ Ġ", "ĠĠ ĠĠ", "e r", "i n", "s e", "l f", "se lf", "r e", "o n", "d e", "Ġ t", "a t", "e n")
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def load_example(name):
+    sys.path.insert(0, str(REPO / "examples"))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def byte_alphabet():
+    """GPT-2's printable stand-in for each byte (bytes_to_unicode), in byte order."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def permute_qk(w, heads):
+    """llama.cpp's reordering of a Q or K projection's rows for its rotary layout (transformers undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_llama_gguf(path, hidden=128, layers=2, heads=2, kv_heads=1, ffn=256, seed=0):
+    """Writes the tiny Llama GGUF; returns the HF-ordered weights as the loader must give them back (float32,
+    after the file's quantization)."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    rng = np.random.default_rng(seed)
+    tokens = list(SPECIAL) + byte_alphabet() + [m.replace(" ", "") for m in MERGES]
+    token_types = [3] * len(SPECIAL) + [1] * (len(tokens) - len(SPECIAL))  # 3: control, 1: normal
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny llama for attn_qat tests")
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(list(MERGES))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+
+    expected = {}
+
+    def add_quantized(name, hf_name, w, kind, heads_for_permute=None):
+        stored = permute_qk(w, heads_for_permute) if heads_for_permute else w
+        data = quants.quantize(stored, kind)
+        writer.add_tensor(name, data, raw_dtype=kind)
+        expected[hf_name] = torch.from_numpy(quants.dequantize(quants.quantize(w, kind), kind).copy())
+
+    def add_f32(name, hf_name, w):
+        writer.add_tensor(name, w)
+        expected[hf_name] = torch.from_numpy(w.copy())
+
+    normal = lambda *shape: (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    add_quantized("token_embd.weight", "model.embed_tokens.weight", normal(len(tokens), hidden), Q.Q8_0)
+    for i in range(layers):
+        blk, hf = f"blk.{i}", f"model.layers.{i}"
+        add_f32(f"{blk}.attn_norm.weight", f"{hf}.input_layernorm.weight", np.ones(hidden, np.float32))
+        add_quantized(f"{blk}.attn_q.weight", f"{hf}.self_attn.q_proj.weight", normal(hidden, hidden), Q.Q4_1, heads)
+        add_quantized(f"{blk}.attn_k.weight", f"{hf}.self_attn.k_proj.weight", normal(kv_heads * head_dim, hidden),
+                      Q.Q4_1, kv_heads)
+        add_quantized(f"{blk}.attn_v.weight", f"{hf}.self_attn.v_proj.weight", normal(kv_heads * head_dim, hidden),
+                      Q.Q4_1)
+        add_quantized(f"{blk}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", normal(hidden, hidden), Q.Q4_1)
+        add_f32(f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", np.ones(hidden, np.float32))
+        add_quantized(f"{blk}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", normal(ffn, hidden), Q.Q4_1)
+        add_quantized(f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", normal(ffn, hidden), Q.Q4_1)
+        add_quantized(f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", normal(hidden, ffn), Q.Q4_1)
+    add_f32("output_norm.weight", "model.norm.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def sha256(path):
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    expected = write_tiny_llama_gguf(path)
+    return path, expected
+
+
+def test_load_tiny_gguf(tiny_gguf):
+    path, expected = tiny_gguf
+    lm = load_example("finetune_lm")
+    model, tokenizer = lm.load_gguf_model(path, sha256(path), dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size) == (2, 128, 2, 1, 256, 272)
+    assert getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False)
+    assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith("_proj"))
+    # The weights are the file's, dequantized, in transformers' order (Q and K rows un-permuted).
+    state = model.state_dict()
+    for name, weight in expected.items():
+        assert torch.equal(state[name], weight), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # no output.weight in the file: tied
+
+    snippet = "def f(self, x):\n    return x  # done\n"
+    ids = tokenizer(snippet, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == snippet
+    assert tokenizer.convert_tokens_to_ids("<|endoftext|>") == 0
+    assert tokenizer.convert_tokens_to_ids("self") == len(SPECIAL) + 256 + MERGES.index("se lf")
+
+    bf16_model, _ = lm.load_gguf_model(path, sha256(path))  # the experiment's default: bf16 weights
+    assert {p.dtype for p in bf16_model.parameters()} == {torch.bfloat16}
+
+
+def test_gguf_checksum_and_missing_file(tiny_gguf, tmp_path):
+    path, _ = tiny_gguf
+    lm = load_example("finetune_lm")
+    with pytest.raises(ValueError, match="SHA-256"):
+        lm.load_gguf_model(path, "0" * 64)
+    with pytest.raises(FileNotFoundError, match="--gguf"):
+        lm.locate_gguf(tmp_path / "absent.gguf")
+
+
+def test_corpus_split_is_by_name():
+    lm = load_example("finetune_lm")
+    train, heldout = lm.corpus_files()
+    assert heldout and not set(train) & set(heldout)
+    assert set(heldout) <= set(lm.HELDOUT_FILES)
+    assert not any(part in lm.EXCLUDED_DIRS for f in train for part in f.split("/")[:-1])
+    assert len(lm.HELDOUT_FILES) == len(set(lm.HELDOUT_FILES))
+
+
+def test_bootstrap_intervals():
+    common = load_example("finetune_common")
+    torch.manual_seed(0)
+    boot = common.Bootstrap(400)
+    x = torch.randn(400, dtype=torch.float64) + 1.0
+    mean, (low, high) = boot.mean(x)
+    assert low < mean < high and low < 1.0 < high  # a 95% interval around the sample mean covers the true mean
+    assert abs((high - low) - 2 * 1.96 / 20) < 0.05  # about ±1.96 standard errors
+    value, (low, high) = boot.ratio(2 * x, x)
+    assert value == pytest.approx(2.0) and low == pytest.approx(2.0) and high == pytest.approx(2.0)
+    assert common.prefix_fraction(torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4]]),
+                                  torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])).tolist() == [1.0, 0.25]
+
+
+def run_script(args, timeout=600):
+    result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def check_report(out, extra_keys):
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["entries"]) == set(ENTRIES)
+    assert summary["environment"]["git_commit"] is None or len(summary["environment"]["git_commit"]) >= 7
+    assert summary["missing"] == []
+    for entry in ARMS[1:]:
+        info = summary["entries"][entry]
+        assert math.isfinite(info["loss"]) and "recovered" in info and "gap_to_bf16" in info
+        assert info["grad_norm"]["mean_over_seeds"]["nonfinite"] == 0
+    assert "gap_to_base" in summary["entries"]["base_ptq"]
+    for key in extra_keys:
+        assert key in summary["extras"]
+    # On the CPU, the packed prefill / packed attention and the NVFP4 cache compute what the fake-quant forward does,
+    # bit for bit.
+    for entry, seeds in summary["extras"]["fake_quant_vs_real_nvfp4"].items():
+        for values in seeds.values():
+            assert values["max_abs_item_loss_difference"] == 0.0, entry
+    with open(out / "results.csv", newline="") as f:
+        assert [r["entry"] for r in csv.DictReader(f)] == list(ENTRIES)
+    assert (out / "table.md").read_text().startswith("| entry |")
+    for arm in ARMS:
+        with open(out / "runs" / f"{arm}_seed0.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    if importlib.util.find_spec("matplotlib"):
+        assert all((out / name).exists() for name in ("loss.png", "grad_norm.png", "gaps.png"))
+    return summary
+
+
+def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
+    path, _ = tiny_gguf
+    out = tmp_path / "lm"
+    run_script(["examples/finetune_lm.py", "--preset", "smoke", "--device", "cpu", "--gguf", str(path),
+                "--gguf-sha256", sha256(path), "--out", str(out)])
+    summary = check_report(out, ("greedy_agreement_with_bf16", "fake_quant_vs_real_nvfp4"))
+    for entry, seeds in summary["extras"]["fake_quant_vs_real_nvfp4"].items():
+        for values in seeds.values():
+            assert values["cache_token_agreement"] == 1.0 and values["cache_max_logit_difference"] == 0.0, entry
+    assert summary["config"]["data"]["heldout"]["files"] >= 1
+    # A second invocation finds every run done and only rewrites the report.
+    result = run_script(["examples/finetune_lm.py", "--preset", "smoke", "--device", "cpu", "--gguf", str(path),
+                         "--gguf-sha256", sha256(path), "--out", str(out)])
+    assert "fine-tuning" not in result.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["invocations"]) == 1 and summary["invocations_consistent"]
+    assert summary["config"]["data"]["heldout"]["tokens_sha256"]
+
+
+def test_finetune_wan_smoke_cpu(tmp_path):
+    pytest.importorskip("diffusers")
+    out = tmp_path / "wan"
+    run_script(["examples/finetune_wan.py", "--preset", "smoke", "--device", "cpu", "--out", str(out),
+                "--pretrained", str(tmp_path / "pretrained.pt")])
+    summary = check_report(out, ("sample_psnr_vs_bf16", "sample_psnr_vs_source"))
+    assert set(summary["extras"]["sample_psnr_vs_bf16"]) == set(ENTRIES) - {"bf16"}
+    assert summary["config"]["pretrain_result"]["weights_sha256"]
+
+
+@pytest.mark.parametrize("script, library", [("finetune_lm.py", "transformers"), ("finetune_wan.py", "diffusers")])
+def test_help_without_the_libraries(script, library):
+    from test_examples import HIDDEN_IMPORTS
+    result = subprocess.run([sys.executable, "-c", HIDDEN_IMPORTS, f"examples/{script}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " ".join(result.stdout.split()).startswith("usage: ") and library in result.stdout
+
+
+def test_split_and_join(tmp_path):
+    source = tmp_path / "model.bin"
+    source.write_bytes(torch.randint(0, 256, (3 * 1024 * 1024 + 17,), dtype=torch.uint8).numpy().tobytes())
+    parts = tmp_path / "parts"
+    subprocess.run(["bash", "dev/split_file.sh", str(source), str(parts), "1"], cwd=REPO, check=True,
+                   capture_output=True)
+    names = sorted(p.name for p in parts.iterdir())
+    assert names == ["model.bin.part00", "model.bin.part01", "model.bin.part02", "model.bin.part03", "model.bin.sha256"]
+    assert all((parts / n).stat().st_size <= 1024 * 1024 for n in names[:-1])
+    joined = tmp_path / "joined.bin"
+    digest = sha256(source)
+    result = subprocess.run(["bash", "dev/join_file.sh", str(joined), digest, *sorted(map(str, parts.glob("*.part*")))],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert joined.read_bytes() == source.read_bytes()
+    # A missing part is caught by the checksum, and nothing is left behind.
+    bad = tmp_path / "bad.bin"
+    result = subprocess.run(["bash", "dev/join_file.sh", str(bad), digest, str(parts / "model.bin.part00")], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "SHA-256" in result.stderr and not bad.exists()
+
+
+def test_master_weights_keep_small_updates():
+    """bf16 weights with fp32 master copies: steps too small for a bf16 weight's last bit still add up."""
+    common = load_example("finetune_common")
+    weight = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    optimizer = common.MasterWeightAdamW([weight], lr=1e-4)
+    for _ in range(30):  # Adam moves each step by ~lr; 1e-4 is far below half of bf16's spacing under 1.0 (2^-9)
+        weight.grad = torch.ones_like(weight)
+        norm = optimizer.step(1e-4)
+    assert float(norm) == pytest.approx(2.0)
+    assert optimizer.master[0].dtype == torch.float32 and torch.allclose(optimizer.master[0], torch.full((4,), 0.997),
+                                                                         atol=1e-4)
+    assert torch.equal(weight, torch.full((4,), 0.99609375, dtype=torch.bfloat16))  # the master, rounded to bf16
+    assert weight.grad is None
