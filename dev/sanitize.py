@@ -140,6 +140,37 @@ def training(b, hq, hkv, nq, nk, d, *, dtype=torch.bfloat16, causal=None, mask=N
     return " ".join(f"{n} {e:.1e}" for n, e in errors.items())
 
 
+def varlen(lens_q, lens_k, hq, hkv, d, causal=False):
+    """attention_varlen forward + backward on packed sequences (lengths off the 16-key grid: the padded copy), each
+    sequence against the reference run alone."""
+    g = generator()
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, dout = randn(tq, hq, d, g=g).cuda(), randn(tq, hq, d, g=g).cuda()
+    k, v = randn(tk, hkv, d, g=g).cuda(), randn(tk, hkv, d, g=g).cuda()
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32).cuda()  # noqa: E731
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    poison()
+    out = attn_qat.attention_varlen(qg, kg, vg, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                    causal="bottom_right" if causal else False)
+    poison()
+    out.backward(dout)
+    worst, i0, j0 = {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}, 0, 0
+    for nq, nk in zip(lens_q, lens_k):
+        part = lambda t, a, n: t[a:a + n].transpose(0, 1)[None].cpu()  # noqa: E731  (1, H, n, D)
+        args = (part(q, i0, nq), part(k, j0, nk), part(v, j0, nk))
+        c = "bottom_right" if causal else None
+        ref = reference.attention(*args, causal=c)
+        grads = reference.attention_backward(*args, part(dout, i0, nq), causal=c)
+        ours = (part(out.detach(), i0, nq), part(qg.grad, i0, nq), part(kg.grad, j0, nk), part(vg.grad, j0, nk))
+        worst["out"] = max(worst["out"], forward_error(ours[0], ref)[0])
+        for n, x, r in zip(("dq", "dk", "dv"), ours[1:], grads):
+            if r.norm() > 0:
+                worst[n] = max(worst[n], rel_error(x, r))
+        i0, j0 = i0 + nq, j0 + nk
+    assert worst["out"] <= FWD_TOL and max(worst["dq"], worst["dk"], worst["dv"]) <= BWD_TOL, worst
+    return " ".join(f"{n} {e:.1e}" for n, e in worst.items())
+
+
 # ------------------------------------------------------------------------------------------------
 # inference: packed prefill, and decode on the NVFP4 KV cache
 
@@ -219,11 +250,17 @@ def cases():
         ("tail_split", "ATTN_QAT_TAIL_SPLIT=2,3, N300x400 D64", lambda: split(lambda: t(1, 2, 2, 300, 400, 64))),
         ("tail_split_d128", "ATTN_QAT_TAIL_SPLIT=2,3, N200x300 D128 mask",
          lambda: split(lambda: t(1, 2, 1, 200, 300, 128, mask="bool"))),
+        ("varlen", "packed 33 + 1 + 70 keys (padded copy) D64 GQA",
+         lambda: varlen([20, 1, 70], [33, 1, 70], 4, 2, 64)),
+        ("varlen_causal", "packed 40 + 17 + 128, causal bottom-right D128",
+         lambda: varlen([40, 17, 128], [40, 30, 128], 2, 2, 128, causal=True)),
         ("prefill", "N77x93 D64 bshd", lambda: prefill(1, 2, 1, 77, 93, 64, False, "bshd")),
         ("prefill_causal", "N50x130 D128 bhsd causal", lambda: prefill(2, 2, 2, 50, 130, 128, True, "bhsd")),
         ("decode", "Tq1 D128 lengths 37, 5", lambda: decode(2, 4, 2, 128, [37, 5], 1)),
         ("decode_3", "Tq3 D64 lengths 70, 2 (one row sees no key)", lambda: decode(2, 2, 1, 64, [70, 2], 3)),
         ("decode_paged", "Tq1 D64 pages of 16, lengths 40, 17", lambda: decode(2, 2, 2, 64, [40, 17], 1, page_size=16)),
+        ("decode_group3", "Tq1 D64, 9 query heads over 3 KV heads (SmolLM2's shape)",
+         lambda: decode(1, 9, 3, 64, [90], 1)),
         ("decode_paged_3", "Tq3 D128 fp16 pages of 32, lengths 65, 30",
          lambda: decode(2, 4, 1, 128, [65, 30], 3, page_size=32, dtype=torch.float16)),
     ]
