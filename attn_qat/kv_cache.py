@@ -6,7 +6,7 @@ Storage (numerics.md §2: a decoding query does not see every key, so K and V ar
 
 - K: ``k_codes`` (num_pages, Hkv, page_size, D/2) uint8 (channel 2i in the low nibble, 2i+1 in the high one) and
   ``k_scales`` (num_pages, Hkv, page_size, D/16) uint8 E4M3 bytes.
-- V: the same per-token codes and scales, arranged for the decode kernel (csrc/attn_qat.h): ``v_codes``
+- V: the same per-token codes and scales, arranged for the decode kernel (csrc/binding/attn_qat.h): ``v_codes``
   (num_pages, Hkv, page_size/2, D) holds tokens 2p and 2p+1 in row p, interleaved by 16-bit halves (half 0 of
   token 2p, half 0 of token 2p+1, half 1 of token 2p, ...), and ``v_scales`` (num_pages, Hkv, page_size/16, D)
   holds each 16-token unit's scales block-major, its tokens in the order 0, 1, 8, 9, 2, 3, 10, 11, ....
@@ -26,7 +26,7 @@ sequence's first key). For a causal prefix it is the training forward's O (`attn
 causal=True)`), up to the fp32 summation order of the kernels. `attn_qat.reference.attention_forward(...,
 operands_quantized=True)` is the float64 definition the tests compare with.
 
-Paths: on CUDA with 1 to 16 query tokens the decode kernel (csrc/decode_cuda.cu) reads the packed cache
+Paths: on CUDA with 1 to 16 query tokens the decode kernel (csrc/decode/decode_cuda.cu) reads the packed cache
 directly: split over the context, the query heads of a KV group on the tensor cores. Otherwise (the CPU,
 or more than 16 query tokens) a composite path dequantizes K and V into dtype buffers and runs the
 attention forward kernel on them, with a mask for the per-sequence lengths: correct, but it reads the

@@ -1,5 +1,5 @@
 """Python side of the attn_qat ops: loads the C extension, and registers the fake (meta) kernels
-for torch.compile and the autograd formulas. The ops themselves are declared in csrc/ops.cpp."""
+for torch.compile and the autograd formulas. The ops themselves are declared in csrc/binding/ops.cpp."""
 import math
 import struct
 
@@ -9,9 +9,9 @@ from . import _C  # noqa: F401  (loading the library registers torch.ops.attn_qa
 
 ops = torch.ops.attn_qat
 
-# numerics.md §5; the codes match csrc/ops.cpp's Mode.
+# numerics.md §5; the codes match csrc/binding/ops.cpp's Mode.
 MODES = ("attn_qat", "high_precision_p", "low_precision_o", "drop_in", "bf16")
-# Causal codes of csrc/ops.cpp: none, top-left (SDPA), bottom-right (FlashAttention).
+# Causal codes of csrc/binding/ops.cpp: none, top-left (SDPA), bottom-right (FlashAttention).
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 # The axis V's blocks run along (numerics.md §2): "auto" picks by whether every query sees every key.
 V_BLOCK_AXES = ("auto", "tokens", "head_dim")
@@ -28,12 +28,12 @@ def v_along_tokens(v_block_axis: str, hides_keys: bool, fn: str) -> bool:
 
 
 def _quantized_backward(mode: int) -> bool:
-    """As csrc/ops.cpp: whether the mode's backward differentiates through Q^F, K^F, V^F."""
+    """As csrc/binding/ops.cpp: whether the mode's backward differentiates through Q^F, K^F, V^F."""
     return MODES[mode] in ("attn_qat", "high_precision_p", "low_precision_o")
 
 
 def _delta_from_out_prime(mode: int) -> bool:
-    """As csrc/ops.cpp: whether the mode's backward takes delta from O', so that a training forward returns O'."""
+    """As csrc/binding/ops.cpp: whether the mode's backward takes delta from O', so that a training forward returns O'."""
     return MODES[mode] in ("attn_qat", "high_precision_p")
 
 
@@ -51,12 +51,12 @@ def _float32(x: float) -> float:
         return math.inf
 
 
-_LOG2E_F32 = _float32(math.log2(math.e))  # csrc/attn_qat.h's AQ_LOG2E
+_LOG2E_F32 = _float32(math.log2(math.e))  # csrc/binding/attn_qat.h's AQ_LOG2E
 
 
 def check_softmax_scale(scale, name: str, fn: str) -> float:
     """`scale` as a float, or a ValueError naming the argument `name` of `attn_qat.{fn}`: the kernels compute
-    scale * log2(e) in float32 (csrc/ops.cpp's check_scale), so it must be finite and stay finite there."""
+    scale * log2(e) in float32 (csrc/binding/ops.cpp's check_scale), so it must be finite and stay finite there."""
     try:
         value = float(scale)
     except (TypeError, ValueError):
@@ -70,7 +70,7 @@ def check_softmax_scale(scale, name: str, fn: str) -> float:
 
 def positive_scale(q: torch.Tensor, scale: float):
     """(q, scale) for the attention ops, which take scale > 0 (their kernels find the row max on the raw scores
-    and scale inside the exp, csrc/attention_common.cuh's logit_map): a negative scale becomes the same logits
+    and scale inside the exp, csrc/attention/attention_common.cuh's logit_map): a negative scale becomes the same logits
     from -q, since q.k * scale == (-q).k * (-scale) exactly and the NVFP4 block rule is symmetric in sign; a zero
     scale (every logit 0), or one too small for a float32, becomes zero queries with scale 1."""
     if _float32(abs(scale)) == 0:
@@ -79,7 +79,7 @@ def positive_scale(q: torch.Tensor, scale: float):
 
 
 def _token_major(t: torch.Tensor) -> bool:
-    """Same rule as csrc/ops.cpp: (B, H, N, D) views of (B, N, H, D) memory keep that layout."""
+    """Same rule as csrc/binding/ops.cpp: (B, H, N, D) views of (B, N, H, D) memory keep that layout."""
     return t.size(1) > 1 and t.size(2) > 1 and t.stride(1) < t.stride(2)
 
 
@@ -166,7 +166,7 @@ def _attention_setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens, *spans = inputs
     q_span, k_span = spans if spans else (None, None)
     out, out_prime, frame, row_sum, q_fq, k_fq, v_fq = output
-    # The backward takes Q^F, K^F, V^F where the op returned them (as csrc/ops.cpp decides).
+    # The backward takes Q^F, K^F, V^F where the op returned them (as csrc/binding/ops.cpp decides).
     ctx.operands_quantized = need_grad and _quantized_backward(mode)
     if ctx.operands_quantized:
         q, k, v = q_fq, k_fq, v_fq
@@ -185,7 +185,7 @@ def _attention_backward(ctx, grad_out, *unused_grads):
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     # Like PyTorch's own attention backward: dQ summed by atomics (fast) unless deterministic algorithms are
-    # asked for (torch.use_deterministic_algorithms), then bit-identical run to run (csrc/attn_qat.h).
+    # asked for (torch.use_deterministic_algorithms), then bit-identical run to run (csrc/binding/attn_qat.h).
     # The gradients of Q^F, K^F, V^F are those of q, k, v: the straight-through estimator (numerics.md §4).
     dq, dk, dv = ops.attention_backward(grad_out.to(q.dtype), q, k, v, out, out_prime, mask, frame, row_sum,
                                         ctx.scale, ctx.causal, ctx.mode, torch.are_deterministic_algorithms_enabled(),

@@ -1,4 +1,4 @@
-"""Decode speed on an NVFP4 KV cache (attn_qat.NVFP4KVCache.attention, csrc/decode_cuda.cu) against torch SDPA
+"""Decode speed on an NVFP4 KV cache (attn_qat.NVFP4KVCache.attention, csrc/decode/decode_cuda.cu) against torch SDPA
 in bf16 on a bf16 cache of the same tokens, in one process.
 
 Bytes: the decode kernel reads each sequence's packed K and V (codes + E4M3 scales, 144 bytes per token and KV

@@ -1,4 +1,4 @@
-"""torch.library.opcheck on every op of torch.ops.attn_qat (csrc/ops.cpp's STABLE_TORCH_LIBRARY): the schema
+"""torch.library.opcheck on every op of torch.ops.attn_qat (csrc/binding/ops.cpp's STABLE_TORCH_LIBRARY): the schema
 (test_schema: no undeclared mutation or aliasing), the autograd registration, the fake kernels of attn_qat/ops.py
 against the real ones (test_faketensor: shapes, dtypes, strides) and AOT dispatch with dynamic shapes. Small shapes,
 a few seconds on the CPU; the same on CUDA under the gpu marker. An op without a CPU kernel (kv_cache_decode) is
@@ -130,7 +130,7 @@ def registered_ops():
 
 
 def test_every_op_has_cases():
-    assert registered_ops() == sorted(CASES), "an op of csrc/ops.cpp has no opcheck cases here (or one went away)"
+    assert registered_ops() == sorted(CASES), "an op of csrc/binding/ops.cpp has no opcheck cases here (or one went away)"
     for name in registered_ops():
         on_cpu = torch._C._dispatch_has_kernel_for_dispatch_key(f"attn_qat::{name}", "CPU")
         assert on_cpu == (name not in CUDA_ONLY), f"{name}: a CPU kernel {'appeared' if on_cpu else 'is missing'}"

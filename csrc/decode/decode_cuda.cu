@@ -56,7 +56,7 @@
      2t + 9 of query row 8 nb + g). The lane's O elements o[mt][nb][e] are channel g * D/8 + 2 mt + (e >> 1),
      query row 8 nb + 2t + (e & 1): the rows whose softmax state the lane keeps.
    - Units with hidden keys (pv_checked) take the same fragments, with non-finite V values set aside. */
-#include "attention_common.cuh"
+#include "attention/attention_common.cuh"
 
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * 32)

@@ -2,8 +2,8 @@
    Scores use fp32 accumulation like the GPU (they decide the frame M and the P codes); every other sum is double. */
 #include <stdlib.h>
 
-#include "attn_qat.h"
-#include "nvfp4.h"
+#include "binding/attn_qat.h"
+#include "format/nvfp4.h"
 
 static float load_half(const void *base, aq_dtype dtype, int64_t offset) {
     uint16_t h = ((const uint16_t *)base)[offset];

@@ -15,8 +15,8 @@
    Left to the mma.sync kernels by the launcher: operands TMA cannot take, and hidden terms over non-finite Q, dO
    or K: with hidden terms the kernels flag any gradient that came out non-finite, and the mma.sync kernels,
    launched behind them, then do the whole backward again (as in attention_fwd_sm90.cu). */
-#include "attention_sm90.h"
-#include "hopper.cuh"
+#include "sm90/attention_sm90.h"
+#include "sm90/hopper.cuh"
 
 #define BWD90_THREADS 384 /* producer warpgroup + 2 consumer warpgroups */
 #define BWD90_STAGES 3

@@ -16,8 +16,8 @@
    take, and hidden keys (causal or masked) whose V rows hold Inf or NaN, which must stay absent (numerics.md §8)
    where this kernel's P V multiplies them by 0: with hidden keys it flags any output that came out non-finite
    (flag_if_nonfinite), and the mma.sync kernel, launched behind it, then does the whole call again. */
-#include "attention_sm90.h"
-#include "hopper.cuh"
+#include "sm90/attention_sm90.h"
+#include "sm90/hopper.cuh"
 
 #define SM90_STAGES 2       /* K/V ring slots */
 /* The tail split (tail_split): the quantized kernels' query rows a CTA (fwd_tail_plan checks), and the keys of a

@@ -1,7 +1,7 @@
 /* Attention backward on CUDA (numerics.md §4), deterministic and without atomics: delta = rowsum(dO * O'), then
    dK/dV per key tile (summing over the query heads of its KV group) and dQ per query tile, both recomputing P. */
-#include "attention_common.cuh"
-#include "attention_sm90.h"
+#include "attention/attention_common.cuh"
+#include "sm90/attention_sm90.h"
 
 #define BWD_KEYS 64 /* keys per dK/dV CTA (16 per warp) and per dQ key tile */
 #define BWD_ROWS 64 /* query rows per dQ CTA (16 per warp) */

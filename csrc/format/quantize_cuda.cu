@@ -4,8 +4,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "attn_qat.h"
-#include "nvfp4.h"
+#include "binding/attn_qat.h"
+#include "format/nvfp4.h"
 
 // ----------------------------------------------------------------------------------------------
 // CUDA kernels

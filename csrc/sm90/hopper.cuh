@@ -12,7 +12,7 @@
 
 #include <algorithm>
 
-#include "attention_common.cuh"
+#include "attention/attention_common.cuh"
 
 /* Device code for sm_90a (wgmma, setmaxnreg) is generated only in the sm_90a pass of nvcc; the host pass and the
    passes for other targets see the kernels' bodies as empty. */

@@ -7,8 +7,8 @@
 
 #include <type_traits>
 
-#include "attn_qat.h"
-#include "nvfp4.h"
+#include "binding/attn_qat.h"
+#include "format/nvfp4.h"
 
 #define AQ_THREADS 128            /* 4 warps per CTA in every attention kernel */
 #define AQ_SMEM_PAD 8             /* 16-bit elements appended to each shared-memory row: 16 bytes, so the 8 rows

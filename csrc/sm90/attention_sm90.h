@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "attn_qat.h"
+#include "binding/attn_qat.h"
 
 /* Runs the forward on the wgmma kernel when this device, this build and these operands allow it; *taken says
    whether it ran. When *fallback_flag comes back non-NULL, the caller must still launch the mma.sync forward on
