@@ -1,5 +1,5 @@
-/* Device helpers shared by the attention forward and backward kernels (attention_fwd.cu, attention_bwd.cu):
-   mma.sync / ldmatrix wrappers, fragment index maps, padded shared-memory tiles, masking, and the P fake-quant. */
+/* Device helpers shared by every attention kernel (sm80/, sm90/ through hopper.cuh, decode/): mma.sync / ldmatrix
+   wrappers, fragment index maps, padded shared-memory tiles, masking and spans, the work order, and the P fake-quant. */
 #pragma once
 
 #include <cuda_fp16.h>
