@@ -146,14 +146,6 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
     return tuple(t.to(run_dtype(t)) for t in (q, k, v))
 
 
-def _check_heads(q, k, v, fn):
-    """The batch and head rules of (B, H, N, D) operands; `_check_qkv` applies them already (kept for callers that
-    checked them apart)."""
-    problem = input_problem(q, k, v, enable_gqa=True, ndims=(4,))
-    if problem is not None:
-        raise problem.exception(fn)
-
-
 # Additive mask values at or below this count as -inf. Models mask with torch.finfo(dtype).min, which
 # overflows to -inf in the fp32 score anyway; a row masked entirely that way is then an empty row
 # (output 0, zero gradients) rather than NaN.

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .attention import _EmptyAttention, _check_heads, _check_qkv, lse_from_stats
+from .attention import _EmptyAttention, _check_qkv, lse_from_stats
 from .ops import CAUSAL_NONE, check_softmax_scale, mode_code, ops, positive_scale, v_along_tokens
 
 BLOCK = 16  # numerics.md §1: the tokens of a P or V block
@@ -87,6 +87,12 @@ def _check_max(name: str, value: int, lengths: Sequence[int], fn: str) -> None:
     longest = max(lengths, default=0)
     if value < longest:
         raise ValueError(f"attn_qat.{fn}: {name}={value} is below the longest sequence ({longest} tokens)")
+
+
+def _needs_padding(cu_k: Sequence[int], mode: str) -> bool:
+    """Blocks of P and V along the keys need every sequence's keys to start at a multiple of 16 (bf16 mode has
+    none): otherwise K and V run in the padded layout."""
+    return mode != "bf16" and any(c % BLOCK for c in cu_k)
 
 
 def _round_up(n: int) -> int:
@@ -199,7 +205,6 @@ def attention_varlen(
         _check_packed(name, t, fn)
     # (1, H, N, D) views of the packed (N, H, D) memory: the kernels' batch of one
     q4, k4, v4 = _check_qkv(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), fn)
-    _check_heads(q4, k4, v4, fn)
     device = q4.device
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device, fn)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device, fn)
@@ -231,8 +236,7 @@ def _attention_varlen(q4, k4, v4, cu_q: List[int], cu_k: List[int], max_q: int, 
         out = _EmptyAttention.apply(q4, k4, v4)[0].transpose(0, 1)
         lse = torch.full((q4.shape[1], q4.shape[2]), float("-inf"), dtype=torch.float32, device=q4.device)
         return (out, lse) if return_lse else out
-    # blocks of P and V along the keys need every sequence's keys to start at a multiple of 16 (bf16 mode has none)
-    pad = mode != "bf16" and any(c % BLOCK for c in cu_k)
+    pad = _needs_padding(cu_k, mode)
     plan = _plan(tuple(cu_q), tuple(cu_k), alignment, pad, q4.device)
     if pad:
         def padded(t):  # (1, H, N, D) -> (1, H, N_padded, D), zero rows between the sequences

@@ -153,7 +153,7 @@ def bench_shape(name, shape, repeat):
     def host_part():  # what attention_varlen does on the host before the kernels: read cu_seqlens, find the plan
         cu_q, cu_k, _, _ = attn_qat.varlen._host_values(cu, cu, [None, None])
         attn_qat.varlen._plan(tuple(cu_q), tuple(cu_k), "bottom_right" if causal else None,
-                              any(c % 16 for c in cu_k), cu.device)
+                              attn_qat.varlen._needs_padding(cu_k, "attn_qat"), cu.device)
     rows["varlen host part (cu_seqlens read, cached plan)"] = {"ms": host_ms(host_part)}
 
     def ratio(a, r):

@@ -336,6 +336,30 @@ void check_scale(double scale) {
                     " is outside what the kernels take as a float (above 0 and below about 2e38)");
 }
 
+// The fields the forward and backward parameters share: sizes, scale, causal rule, dtype and spans (set after the
+// mask). Returns the CUDA launchers' flag for non-finite values under hidden keys, which must outlive the launch.
+template <typename Params>
+Tensor set_problem(Params *p, const Tensor &q, const AttentionShape &s, double scale, int64_t causal,
+                   const Spans &spans) {
+    p->batch = s.batch;
+    p->heads_q = s.heads_q;
+    p->heads_kv = s.heads_kv;
+    p->seqlen_q = s.seqlen_q;
+    p->seqlen_k = s.seqlen_k;
+    p->head_dim = s.head_dim;
+    p->softmax_scale = (float)scale;
+    set_causal(causal, s, &p->causal, &p->causal_offset);
+    p->dtype = kernel_dtype(q, false);
+    p->q_span = spans.q;
+    p->k_span = spans.k;
+    Tensor nonfinite_flag;
+    if (!q.is_cpu() && (p->causal || p->mask || p->q_span)) {
+        nonfinite_flag = torch::stable::new_empty(q, {1}, ScalarType::Int);
+        p->scratch = static_cast<int *>(nonfinite_flag.data_ptr());
+    }
+    return nonfinite_flag;
+}
+
 // Runs the forward kernel on operands the caller has already prepared.
 void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::optional<Tensor> &mask,
                  double scale, int64_t causal, bool quantize_p, const Tensor &out, const Tensor *out_prime,
@@ -357,23 +381,8 @@ void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::o
     }
     p.frame_m = static_cast<float *>(frame.data_ptr());
     p.row_sum = static_cast<float *>(row_sum.data_ptr());
-    p.batch = s.batch;
-    p.heads_q = s.heads_q;
-    p.heads_kv = s.heads_kv;
-    p.seqlen_q = s.seqlen_q;
-    p.seqlen_k = s.seqlen_k;
-    p.head_dim = s.head_dim;
-    p.softmax_scale = (float)scale;
-    set_causal(causal, s, &p.causal, &p.causal_offset);
     p.quantize_p = quantize_p;
-    p.dtype = kernel_dtype(q, false);
-    p.q_span = spans.q;
-    p.k_span = spans.k;
-    Tensor nonfinite_flag; // the CUDA launcher's flag for non-finite values under hidden keys (attention_fwd_sm90.cu)
-    if (!q.is_cpu() && (p.causal || p.mask || p.q_span)) {
-        nonfinite_flag = torch::stable::new_empty(q, {1}, ScalarType::Int);
-        p.scratch = static_cast<int *>(nonfinite_flag.data_ptr());
-    }
+    const Tensor nonfinite_flag = set_problem(&p, q, s, scale, causal, spans);
     Tensor tail_workspace; // the split last wave's partial results (hopper.cuh, tail_split)
 #ifdef AQ_WITH_CUDA
     tail_workspace = cuda_workspace(q, p, aq_attention_fwd_tail_floats, &p.tail_workspace);
@@ -489,23 +498,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     copy_strides(dq, p.dq_stride);
     copy_strides(dk, p.dk_stride);
     copy_strides(dv, p.dv_stride);
-    p.batch = s.batch;
-    p.heads_q = s.heads_q;
-    p.heads_kv = s.heads_kv;
-    p.seqlen_q = s.seqlen_q;
-    p.seqlen_k = s.seqlen_k;
-    p.head_dim = s.head_dim;
-    p.softmax_scale = (float)scale;
-    set_causal(causal, s, &p.causal, &p.causal_offset);
     p.quantize_p_for_dv = mode == MODE_ATTN_QAT || mode == MODE_LOW_PRECISION_O;
-    p.dtype = kernel_dtype(q, false);
-    p.q_span = spans.q;
-    p.k_span = spans.k;
-    Tensor nonfinite_flag; // the CUDA launcher's flag for non-finite values under hidden keys (attention_bwd_sm90.cu)
-    if (!q.is_cpu() && (p.causal || p.mask || p.q_span)) {
-        nonfinite_flag = torch::stable::new_empty(q, {1}, ScalarType::Int);
-        p.scratch = static_cast<int *>(nonfinite_flag.data_ptr());
-    }
+    const Tensor nonfinite_flag = set_problem(&p, q, s, scale, causal, spans);
     Tensor dq_accum; // the fused dQ's fp32 sums (attn_qat.h): 5 products instead of 7, dQ not bit-reproducible
     Tensor tail_workspace; // the dK/dV kernel's split last wave (hopper.cuh, tail_split)
 #ifdef AQ_WITH_CUDA
