@@ -56,9 +56,9 @@ def other_varlen_kernels():
     try:
         from torch.nn.attention.varlen import varlen_attn
 
-        def torch_fa(q, k, v, cu, n, causal):
-            return varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0) if causal else (-1, -1),
-                               enable_gqa=q.shape[1] != k.shape[1])
+        def torch_fa(q, k, v, cu, n, causal):  # enable_gqa only where needed: torch 2.11's varlen_attn lacks it
+            gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+            return varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0) if causal else (-1, -1), **gqa)
         kernels.append(("torch varlen_attn (FA)", torch_fa))
     except ImportError:
         pass

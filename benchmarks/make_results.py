@@ -131,7 +131,10 @@ def varlen_section(d):
              "backward) of `attention_varlen` on packed sequences against `attention` on the dense batch of the same "
              "16384 tokens, in one process; D = 128, bf16. \"unaligned\": sequences whose length is not a multiple of "
              "16 (K and V then go through the padded copy). The mixes do other attention work than the dense batch "
-             "(their longest sequence is 4096), so compare their TFLOP/s. Cells: ms / TFLOP/s.\n",
+             "(their longest sequence is 4096), so compare their TFLOP/s. No other library's varlen kernel gave a valid time "
+             "in this run (torch 2.11's varlen_attn refused the call; the nested-tensor SDPA path took 157-180 ms, not a "
+             "kernel's time): the cuDNN and FA2 ratios of the dense shapes are in the attention table. "
+             "Cells: ms / TFLOP/s.\n",
              "| shape | lengths | Hq / Hkv | causal | unaligned | varlen fwd+bwd | varlen fwd | dense fwd+bwd | varlen / dense |",
              "|---|---|---|---|---|---|---|---|---|"]
     for s in d["shapes"]:

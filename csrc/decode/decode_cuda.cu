@@ -168,7 +168,7 @@ template <int D, aq_dtype DT, int NB>
 struct QFragmentBuild {
     /* One 16-channel block of one query row a thread: NB n-blocks x 8 rows g x 4 lanes t x D/64 blocks of lane
        (g, t)'s channels [t * D/4, (t + 1) * D/4). At most 128 items, so the CTA's threads build Q^F in one pass
-       (one warp doing all of it cost ~5k cycles, serial before every CTA's first unit). */
+       (with one warp doing it all, every CTA's first unit waited behind it). */
     static constexpr int ITEMS = NB * 8 * 4 * (D / 64);
     static_assert(ITEMS <= DEC_THREADS, "one item a thread");
     int nb, g, t, blk;
