@@ -15,6 +15,8 @@ queries are never copied: their blocks run along head_dim and their rows are ind
 """
 import functools
 import math
+import threading
+import weakref
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -65,7 +67,7 @@ def _check_max_seqlen(name: str, value, fn: str):
         if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"attn_qat.{fn}: {name} must be an int (or a one-element integer tensor), got a "
                             f"{value.dtype} tensor of shape {tuple(value.shape)}")
-        return value.reshape(1)
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"attn_qat.{fn}: {name} must be an int, got {type(value).__name__}")
     return None
@@ -149,15 +151,48 @@ def _plan(cu_q: Tuple[int, ...], cu_k: Tuple[int, ...], alignment: Optional[str]
     return _Plan(cu_q, cu_k, alignment, pad, device)
 
 
+class _HostValues:
+    """The host copies of the last cu_seqlens (and max_seqlen tensors) read, kept while those very tensors live
+    unmodified: a model's layers pass the same tensors one after another, and only the first call then pays the
+    device synchronisation of the read."""
+
+    def __init__(self):
+        self.tensors, self.versions, self.values = (), (), None
+
+    def get(self, tensors: Tuple[torch.Tensor, ...]):
+        alive = tuple(ref() for ref in self.tensors)
+        if (len(alive) == len(tensors) and all(a is t for a, t in zip(alive, tensors))
+                and self.versions == tuple(t._version for t in tensors)):
+            return self.values
+        return None
+
+    def put(self, tensors: Tuple[torch.Tensor, ...], values) -> None:
+        self.tensors = tuple(weakref.ref(t) for t in tensors)
+        self.versions = tuple(t._version for t in tensors)
+        self.values = values
+
+
+_last_read = threading.local()
+
+
 def _host_values(cu_q: torch.Tensor, cu_k: torch.Tensor, extra: Sequence[Optional[torch.Tensor]]) -> List[List[int]]:
-    """cu_seqlens_q, cu_seqlens_k (and max_seqlen tensors) on the host, in one transfer (one device sync)."""
-    parts = [cu_q, cu_k] + [t.to(cu_q.device, torch.int32) for t in extra if t is not None]
+    """cu_seqlens_q, cu_seqlens_k (and max_seqlen tensors) on the host, in one transfer (one device sync) unless the
+    same unmodified tensors were read last time (_HostValues)."""
+    tensors = (cu_q, cu_k) + tuple(t for t in extra if t is not None)
+    cache = getattr(_last_read, "values", None)
+    if cache is None:
+        cache = _last_read.values = _HostValues()
+    values = cache.get(tensors)
+    if values is not None:
+        return [list(v) if isinstance(v, list) else v for v in values]
+    parts = [cu_q, cu_k] + [t.reshape(1).to(cu_q.device, torch.int32) for t in extra if t is not None]
     flat = torch.cat(parts).cpu().tolist()
     n = cu_q.numel()
     values = [flat[:n], flat[n:2 * n]]
     rest = iter(flat[2 * n:])
     values += [next(rest) if t is not None else None for t in extra]
-    return values
+    cache.put(tensors, values)
+    return [list(v) if isinstance(v, list) else v for v in values]
 
 
 def attention_varlen(
@@ -191,8 +226,9 @@ def attention_varlen(
     `attn_qat.attention`; `v_block_axis` "auto" blocks V along tokens (per sequence) when not causal, along head_dim
     when causal (numerics.md §2).
 
-    The call reads cu_seqlens_q and cu_seqlens_k on the host once (a device synchronisation), to check them and to
-    plan the kernels' work; plans are cached per packing. When every cu_seqlens_k entry is a multiple of 16 the
+    The call reads cu_seqlens_q and cu_seqlens_k on the host (a device synchronisation), to check them and to plan
+    the kernels' work, unless the previous call on this thread read the very same tensors, unmodified since (as a
+    model's layers pass them): then it reuses what it read. Plans are cached per packing. When every cu_seqlens_k entry is a multiple of 16 the
     kernels run on q, k and v in place; otherwise K and V are copied into a layout whose sequences are padded with
     zero rows to multiples of 16 (the padding keys are hidden), which costs a copy of K and V (and of their
     gradients) per call. Queries are never copied.
@@ -240,7 +276,7 @@ def _attention_varlen(q4, k4, v4, cu_q: List[int], cu_k: List[int], max_q: int, 
     plan = _plan(tuple(cu_q), tuple(cu_k), alignment, pad, q4.device)
     if pad:
         def padded(t):  # (1, H, N, D) -> (1, H, N_padded, D), zero rows between the sequences
-            rows = t[0].transpose(0, 1)
+            rows = t.squeeze(0).transpose(0, 1)
             out = rows.new_zeros((plan.total_k,) + tuple(rows.shape[1:])).index_copy(0, plan.k_rows, rows)
             return out.transpose(0, 1).unsqueeze(0)
         k4, v4 = padded(k4), padded(v4)
@@ -248,7 +284,7 @@ def _attention_varlen(q4, k4, v4, cu_q: List[int], cu_k: List[int], max_q: int, 
     qs, scale = positive_scale(q4, scale)
     out, _, frame, row_sum, *_ = ops.attention_forward(qs, k4, v4, None, scale, CAUSAL_NONE, mode_code(mode), need_grad,
                                                        along_tokens, plan.q_span, plan.k_span)
-    out = out[0].transpose(0, 1)
+    out = out.squeeze(0).transpose(0, 1)  # views both ways: indexing with [0] would make its backward a copy
     if not return_lse:
         return out
     return out, lse_from_stats(frame.detach(), row_sum.detach())[0]

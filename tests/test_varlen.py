@@ -216,6 +216,33 @@ def test_in_place_when_aligned(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_cu_seqlens_read_once_until_changed(device, monkeypatch):
+    """A model's layers pass the same cu_seqlens tensors: only the first call reads them to the host (a device sync).
+    Changing them in place, or passing other tensors with other values, is seen at once."""
+    reads = []
+    real_cat = torch.cat
+
+    def counting_cat(tensors, *args, **kwargs):  # _host_values gathers what it reads with one torch.cat
+        if any(t.dtype == torch.int32 for t in tensors):
+            reads.append(len(tensors))
+        return real_cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(attn_qat.varlen.torch, "cat", counting_cat)
+    lens = [5, 11]
+    q, k, v, _ = make(lens, lens, 2, 2, 64, torch.bfloat16, device)
+    cu = cu_seqlens(lens, device)
+    first = attn_qat.attention_varlen(q, k, v, cu, cu, 11, 11, causal=True)
+    again = attn_qat.attention_varlen(q, k, v, cu, cu, 11, 11, causal=True)
+    assert len(reads) == 1 and torch.equal(first, again)
+    cu.copy_(cu_seqlens([9, 7], device))  # in place: a new version of the same tensor
+    moved = attn_qat.attention_varlen(q, k, v, cu, cu, 11, 11, causal=True)
+    assert len(reads) == 2
+    expected = attn_qat.attention_varlen(q, k, v, cu_seqlens([9, 7], device), cu_seqlens([9, 7], device), 9, 9,
+                                         causal=True)
+    assert len(reads) == 3 and torch.equal(moved, expected) and not torch.equal(moved, first)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_return_lse_and_layouts(device):
     lens_q, lens_k = [10, 0, 30], [5, 12, 40]
     q, k, v, _ = make(lens_q, lens_k, 4, 2, 64, torch.bfloat16, device)

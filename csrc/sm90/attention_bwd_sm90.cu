@@ -57,8 +57,8 @@ struct DkdvLayout {
     /* fused dQ: each consumer warpgroup's dQ partial of the step (dq_accum_chunk's order) for the bulk reduction */
     static constexpr int DQ_CHUNK_BYTES = BWD90_Q_STEP * D / 2 * 4;
     static constexpr int DQ_OFFSET = DS_OFFSET + (FUSED_DQ ? 2 * DS_TILE_BYTES : 0);
-    /* per stage: m, inv_l, delta of the step's 64 queries (dkdv_stat_slot's order), then whether one of them is a dead
-       row (as a float) */
+    /* per stage: m, inv_l, delta of the step's 64 queries (dkdv_stat_slot's order), whether one of them is a dead row,
+       and for packed sequences whether each consumer warpgroup's 64 keys need per-element visibility (as floats) */
     static constexpr int STATS_FLOATS = 3 * BWD90_Q_STEP + 4;
     static constexpr int STATS_OFFSET = DQ_OFFSET + (FUSED_DQ ? 2 * DQ_CHUNK_BYTES : 0);
     /* each consumer warp's 32 float4 through which dkdv_step_p_quantized's lanes trade block scales */
@@ -154,6 +154,17 @@ AQ_D void store_fragment_rows_f32(const float (&acc)[D / 8][4], float *g, int ro
         for (int n = 0; n < D / 8; n++)
             *(float2 *)(g + (row0 + frag_c_row(lane, 2 * r)) * D + 8 * n + frag_c_col(lane, 0)) =
                 make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+}
+
+/* Packed sequences: whether a consumer warpgroup's 64 keys [j0, j0 + 64) need per-element visibility against the
+   step's queries [q0, q0 + BWD90_Q_STEP) (rows_common_keys and tile_needs_mask for span tables). The producer
+   decides it, so that the tables' global loads stay off the consumers' critical path; written for spans only,
+   as the producer's 24 registers have no room for the dense rule's arithmetic. */
+AQ_D bool packed_keys_need_mask(const aq_attention_bwd_params &p, int q0, int j0) {
+    const int2 *span = (const int2 *)p.q_span;
+    const int nk = (int)p.seqlen_k, i_last = min(q0 + BWD90_Q_STEP, (int)p.seqlen_q) - 1;
+    const int lo = clamped_span(span[i_last], nk).x, hi = clamped_span(span[q0], nk).y;
+    return p.mask != NULL || j0 < lo || j0 + 64 > hi;
 }
 
 /* grid ceil(Nk / 128) Hkv B (work_item_at), 384 threads, or TAIL: a CTA per part of the split last wave's items
@@ -272,6 +283,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
                 st[slot] = m[k], st[BQ + slot] = inv_l[k], st[2 * BQ + slot] = delta[k];
             }
             if (lane == 0) st[3 * BQ] = dead ? 1.0f : 0.0f;
+            if (p.q_span != NULL && lane < 2)
+                st[3 * BQ + 1 + lane] = dead || packed_keys_need_mask(p, q0, k0 + 64 * lane) ? 1.0f : 0.0f;
             mbar_arrive(&step_full[s]); /* releases the statistics; the phase ends when the TMA bytes are in too */
         }
         return;
@@ -318,7 +331,10 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             wgmma_ss<BQ, DT, 0>(st, k_major_desc(ks, BWD90_KEYS, 64 * c, kk), k_major_desc(qt, BQ, 0, kk), kk > 0);
         wgmma_commit();
         if constexpr (!dp_after_p) issue_dpt<D, DT>(dpt, vs, dot, c);
-        const bool checked = tile_needs_mask(&lm, rows_common_keys(&lm, q0, BQ), k0 + 64 * c, 64) || dead_rows != 0.0f;
+        /* packed sequences: the producer's decision (packed_keys_need_mask) */
+        const bool checked = p.q_span != NULL ? st_m[3 * BQ + 1 + c] != 0.0f
+                                              : tile_needs_mask(&lm, rows_common_keys(&lm, q0, BQ), k0 + 64 * c, 64) ||
+                                                    dead_rows != 0.0f;
         if constexpr (dp_after_p) {
             wgmma_wait<0>();
         } else {
