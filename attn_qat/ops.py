@@ -70,7 +70,7 @@ def check_softmax_scale(scale, name: str, fn: str) -> float:
 
 def positive_scale(q: torch.Tensor, scale: float):
     """(q, scale) for the attention ops, which take scale > 0 (their kernels find the row max on the raw scores
-    and scale inside the exp, csrc/attention/attention_common.cuh's logit_map): a negative scale becomes the same logits
+    and scale inside the exp, csrc/attention/mask.cuh's logit_map): a negative scale becomes the same logits
     from -q, since q.k * scale == (-q).k * (-scale) exactly and the NVFP4 block rule is symmetric in sign; a zero
     scale (every logit 0), or one too small for a float32, becomes zero queries with scale 1."""
     if _float32(abs(scale)) == 0:

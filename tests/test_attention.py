@@ -552,9 +552,9 @@ def test_fused_dq_chunks_complete(d, causal):
 @pytest.mark.parametrize("kernels", ["default", "deterministic", "mma_sync"])
 def test_causal_backward_order_covers_every_tile(monkeypatch, kernels):
     """A short causal backward grid goes longest first across chunks of heads (work_item_at in
-    attention_common.cuh), the last chunk smaller: on 132 SMs, 5 x 7 heads of 1000 tokens make chunks of 18 and 17 heads
-    (Hopper's 128-key and 128-query tiles; 12, 12 and 11 for mma.sync's 64-key tiles). Every gradient row (the
-    allocator poisoned before the run) must match the reference."""
+    csrc/attention/scheduler.cuh), the last chunk smaller: on 132 SMs, 5 x 7 heads of 1000 tokens make chunks of 18
+    and 17 heads (Hopper's 128-key and 128-query tiles; 12, 12 and 11 for mma.sync's 64-key tiles). Every gradient row
+    (the allocator poisoned before the run) must match the reference."""
     q, k, v, dout = make_inputs(5, 7, 7, 1000, 1000, 64, torch.bfloat16, "cuda",
                                 g=torch.Generator().manual_seed(77))
     monkeypatch.setenv("ATTN_QAT_SM90", "0" if kernels == "mma_sync" else "1")
@@ -708,7 +708,7 @@ if triton is not None:
 @pytest.mark.skipif(triton is None, reason="needs triton")
 def test_ex2_approx_is_monotonic():
     """The Hopper kernels take a P block's amax as P̂ at the block's largest logit (block_amax_from_logit in
-    attention_common.cuh), which gives the block rule's amax exactly only if ex2.approx.ftz.f32, the kernels' exp,
+    csrc/attention/softmax.cuh), which gives the block rule's amax exactly only if ex2.approx.ftz.f32, the kernels' exp,
     never decreases. PTX does not promise that, so check it on this GPU for every fp32 input from -inf to +inf in
     increasing order (the kernels' arguments t - M are <= 0 up to half an ulp of t). The instruction is lowered to
     one MUFU.EX2 here (Triton's ptxas) as in the extension."""

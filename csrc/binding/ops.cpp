@@ -326,7 +326,7 @@ Spans check_spans(const std::optional<Tensor> &q_span, const std::optional<Tenso
     return spans;
 }
 
-// The kernels take the row max on raw scores and scale inside the exp (attention_common.cuh's logit_map), which
+// The kernels take the row max on raw scores and scale inside the exp (attention/mask.cuh's logit_map), which
 // needs scale > 0 as the float they use, with scale * log2(e) finite.
 void check_scale(double scale) {
     STD_TORCH_CHECK(scale > 0.0, "attn_qat: the attention ops take softmax scale > 0, got ", scale,

@@ -31,7 +31,7 @@
    the pairs (code i, code i + 4), i < 4: the two codes 16 bits apart, the two halves of an fp16 pair. That
    pairing fixes the contraction order below.
 
-   Fragment layouts (mma.sync m16n8k16, g = lane >> 2, t = lane & 3; see attention_common.cuh). The order of the
+   Fragment layouts (mma.sync m16n8k16, g = lane >> 2, t = lane & 3; see attention/fragments.cuh). The order of the
    contraction index inside an MMA is free as long as both operands agree, and so is the order of the output
    columns; the kernel picks both so that every lane reads contiguous bytes and dequantizes a code word into
    whole registers:
@@ -56,7 +56,9 @@
      2t + 9 of query row 8 nb + g). The lane's O elements o[mt][nb][e] are channel g * D/8 + 2 mt + (e >> 1),
      query row 8 nb + 2t + (e & 1): the rows whose softmax state the lane keeps.
    - Units with hidden keys (pv_checked) take the same fragments, with non-finite V values set aside. */
-#include "attention/attention_common.cuh"
+#include "attention/fragments.cuh"
+#include "attention/launch.h"
+#include "attention/softmax.cuh"
 
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * 32)

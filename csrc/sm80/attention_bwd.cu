@@ -1,6 +1,10 @@
 /* Attention backward on CUDA (numerics.md §4), deterministic and without atomics: delta = rowsum(dO * O'), then
    dK/dV per key tile (summing over the query heads of its KV group) and dQ per query tile, both recomputing P. */
-#include "attention/attention_common.cuh"
+#include "attention/backward_steps.cuh"
+#include "attention/launch.h"
+#include "attention/nonfinite.cuh"
+#include "attention/scheduler.cuh"
+#include "attention/tile_io.cuh"
 #include "sm90/attention_sm90.h"
 
 #define BWD_KEYS 64 /* keys per dK/dV CTA (16 per warp) and per dQ key tile */

@@ -1,6 +1,10 @@
 /* Attention forward on CUDA (numerics.md §3): FlashAttention-2 on mma.sync, one pass with an integer running
    frame, the NVFP4 fake-quant of P in registers; writes O, optionally O', and the row statistics M and l. */
-#include "attention/attention_common.cuh"
+#include "attention/launch.h"
+#include "attention/mask.cuh"
+#include "attention/nonfinite.cuh"
+#include "attention/softmax.cuh"
+#include "attention/tile_io.cuh"
 #include "sm90/attention_sm90.h"
 
 #define FWD_BM 64 /* query rows per CTA, 16 per warp */

@@ -1,6 +1,6 @@
 /* Attention backward on Hopper (numerics.md §4): attention_bwd.cu's dK/dV and dQ kernels on wgmma fed by TMA, with
-   a producer warp and two consumer warpgroups, and the same elementwise code (attention_common.cuh). dK/dV per key
-   tile (looping over the query heads of its KV group); the delta kernel of attention_bwd.cu runs first. dQ two ways:
+   a producer warp and two consumer warpgroups, and the same elementwise code (attention/backward_steps.cuh). dK/dV
+   per key tile (looping over the query heads of its KV group); the delta kernel of attention_bwd.cu runs first. dQ two ways:
    - fused (params.dq_accum set, the default): the dK/dV kernel also makes dQ = dS K from its own dS and adds it
      into dq_accum (5 products instead of 7; the order of the fp32 adds varies run to run), then a small kernel
      converts dq_accum into dQ;
@@ -15,8 +15,14 @@
    Left to the mma.sync kernels by the launcher: operands TMA cannot take, and hidden terms over non-finite Q, dO
    or K: with hidden terms the kernels flag any gradient that came out non-finite, and the mma.sync kernels,
    launched behind them, then do the whole backward again (as in attention_fwd_sm90.cu). */
+#include "attention/backward_steps.cuh"
+#include "attention/launch.h"
+#include "attention/nonfinite.cuh"
+#include "attention/scheduler.cuh"
+#include "attention/tile_io.cuh"
 #include "sm90/attention_sm90.h"
 #include "sm90/hopper.cuh"
+#include "sm90/tensor_map.h"
 
 #define BWD90_THREADS 384 /* producer warpgroup + 2 consumer warpgroups */
 #define BWD90_STAGES 3

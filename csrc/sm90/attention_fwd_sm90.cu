@@ -6,8 +6,8 @@
        STAGES slots, each guarded by "full" mbarriers (TMA bytes arrived) and an "empty" one (all consumer warps done);
        it gives most of its registers away (setmaxnreg).
      warpgroups 1 and 2, the consumers: 64 query rows each. Per key tile: S = Q K^T (wgmma, both operands in shared
-       memory), the online softmax in an integer frame and the P fake-quant in registers (attention_common.cuh,
-       shared with the mma.sync kernel), then O += P^F V and O' += P̂ V (wgmma, P from registers).
+       memory), the online softmax in an integer frame and the P fake-quant in registers (attention/softmax.cuh,
+       p_quant.cuh, shared with the mma.sync kernel), then O += P^F V and O' += P̂ V (wgmma, P from registers).
    The accumulator layout of wgmma m64nN is, per warp, the mma.sync C fragment repeated along N, and the register
    A operand is the mma.sync A fragment, so the softmax code and the P fragments are the mma.sync kernel's.
    Rows and keys past the sequence arrive as zeros (TMA bounds); their results are masked or never stored.
@@ -16,8 +16,15 @@
    take, and hidden keys (causal or masked) whose V rows hold Inf or NaN, which must stay absent (numerics.md §8)
    where this kernel's P V multiplies them by 0: with hidden keys it flags any output that came out non-finite
    (flag_if_nonfinite), and the mma.sync kernel, launched behind it, then does the whole call again. */
+#include "attention/launch.h"
+#include "attention/mask.cuh"
+#include "attention/nonfinite.cuh"
+#include "attention/scheduler.cuh"
+#include "attention/softmax.cuh"
+#include "attention/tile_io.cuh"
 #include "sm90/attention_sm90.h"
 #include "sm90/hopper.cuh"
+#include "sm90/tensor_map.h"
 
 #define SM90_STAGES 2       /* K/V ring slots */
 /* The tail split (tail_split): the quantized kernels' query rows a CTA (fwd_tail_plan checks), and the keys of a
