@@ -52,12 +52,13 @@ if sys.platform.startswith("linux"):
 if with_cuda:
     # torch would otherwise add -gencode flags for the local GPU or its default list; we name ours.
     os.environ["TORCH_CUDA_ARCH_LIST"] = ""
-    sources += [f"{csrc}/{f}" for f in ("format/quantize_cuda.cu", "sm80/attention_fwd.cu", "sm90/attention_fwd_sm90.cu",
-                                         "sm80/attention_bwd.cu", "sm90/attention_bwd_sm90.cu", "decode/decode_cuda.cu")]
+    sources += [f"{csrc}/{f}" for f in ("format/quantize_cuda.cu", "attention/dispatch.cu", "sm80/attention_fwd.cu",
+                                         "sm90/attention_fwd_sm90.cu", "sm80/attention_bwd.cu",
+                                         "sm90/attention_bwd_sm90.cu", "decode/decode_cuda.cu")]
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DAQ_WITH_CUDA", "-DUSE_CUDA"] + defines
     nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     if "90a" in archs:
-        nvcc_flags.append("-DAQ_BUILT_SM90A")  # the host side may launch the Hopper kernels (hopper.cuh)
+        nvcc_flags.append("-DAQ_BUILT_SM90A")  # the host side may launch the Hopper kernels (attention/dispatch.h)
     ext = CUDAExtension(
         "attn_qat._C", sources,
         extra_compile_args={"cxx": cxx_flags + ["-DAQ_WITH_CUDA", "-DUSE_CUDA"], "nvcc": nvcc_flags},

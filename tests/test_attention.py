@@ -573,8 +573,8 @@ def forward_op(q, k, v):
 @pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
 @pytest.mark.parametrize("case", ["plain", "masked", "deterministic"])
 def test_split_last_wave(monkeypatch, d, mode, case):
-    """The last wave's items split over parts of their reduction axis and merged (tail_split in hopper.cuh),
-    forced with ATTN_QAT_TAIL_SPLIT="5,3" on a grid of 24 items: the forward's last 5 query tiles of 128 (one
+    """The last wave's items split over parts of their reduction axis and merged (tail_split, planned by
+    csrc/attention/dispatch.cu), forced with ATTN_QAT_TAIL_SPLIT="5,3" on a grid of 24 items: the forward's last 5 query tiles of 128 (one
     partial) over 3 parts of 700 keys ([0, 256), [256, 512), [512, 700)), and the dK/dV kernel's last 5 key tiles
     of 128 (one partial) over 3 parts of the 2 group heads x 5 query steps (the second part crosses heads).
     Masked: rows whose keys of one part are all hidden, and one row with none visible. Against the reference with

@@ -1,4 +1,4 @@
-/* Host helpers of the CUDA launchers (sm80/, sm90/, decode/): SM count, launch errors, operand checks. */
+/* Host helpers of the CUDA launchers (sm80/, sm90/, decode/): launch errors, operand alignment and strides. */
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,31 +8,10 @@
 
 static inline bool aligned16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
-/* The current device's SM count in *n: the grid of a persistent kernel, the last wave's split (hopper.cuh), the
-   causal backward's order of work (work_item_at). */
-static inline cudaError_t sm_count(int *n) {
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    return err != cudaSuccess ? err : cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev);
-}
-
 /* NULL, or the error of the last kernel launch. */
 static inline const char *launch_status(void) {
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? NULL : cudaGetErrorString(err);
-}
-
-/* The checks shared by the forward and backward launchers; NULL when the sizes are supported. */
-static inline const char *check_attention_sizes(aq_dtype dtype, int64_t head_dim, int64_t batch, int64_t heads_q,
-                                                int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k) {
-    if (dtype != AQ_BFLOAT16 && dtype != AQ_FLOAT16) return "attention (CUDA): dtype must be bfloat16 or float16";
-    if (head_dim != 64 && head_dim != 128) return "attention (CUDA): head_dim must be 64 or 128";
-    if (heads_kv <= 0 || heads_q <= 0 || heads_q % heads_kv != 0)
-        return "attention (CUDA): heads_q must be a positive multiple of heads_kv";
-    if (batch < 0 || heads_q > 65535 || batch > 65535) return "attention (CUDA): batch and heads must be <= 65535";
-    if (seqlen_q < 0 || seqlen_k < 0 || seqlen_q > INT32_MAX - 256 || seqlen_k > INT32_MAX - 256)
-        return "attention (CUDA): sequence lengths must be in [0, 2^31 - 256]";
-    return NULL;
 }
 
 /* A tensor can use 16-byte vector access: base 16-byte aligned and strides multiples of 8 elements. */

@@ -47,10 +47,10 @@ aq_dtype kernel_dtype(const Tensor &t, bool allow_fp32) {
     return AQ_FLOAT32;
 }
 
-// Launches on the tensor's device: the CPU kernel or the CUDA kernel on the current stream.
-template <typename Params>
-void launch(const Tensor &on, const Params &params, const char *(*cpu)(const Params *),
-            const char *(*cuda)(const Params *, void *)) {
+// Launches on the tensor's device: the CPU kernel, or cuda(stream) on the current stream of the tensor's CUDA
+// device (made the current device).
+template <typename Params, typename Cuda>
+void launch(const Tensor &on, const Params &params, const char *(*cpu)(const Params *), const Cuda &cuda) {
     const char *err = nullptr;
     if (on.is_cpu()) {
         err = cpu(&params);
@@ -60,7 +60,7 @@ void launch(const Tensor &on, const Params &params, const char *(*cpu)(const Par
         torch::stable::accelerator::DeviceGuard guard(on.get_device_index());
         void *stream = nullptr;
         STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(on.get_device_index(), &stream));
-        err = cuda(&params, stream);
+        err = cuda(stream);
 #else
         (void)cuda;
         STD_TORCH_CHECK(false, "attn_qat: this build has no CUDA kernels (it was built without nvcc)");
@@ -69,25 +69,29 @@ void launch(const Tensor &on, const Params &params, const char *(*cpu)(const Par
     STD_TORCH_CHECK(err == nullptr, "attn_qat: ", err ? err : "");
 }
 
-#ifdef AQ_WITH_CUDA
-// A CUDA launcher's fp32 workspace of floats(&params) floats (none when that is 0, or on the CPU) on q's device:
-// *ptr is set, and the returned tensor must outlive the launch.
-template <typename Params>
-Tensor cuda_workspace(const Tensor &q, const Params &params, int64_t (*floats)(const Params *), float **ptr) {
+// n floats of fp32 workspace on q's device in *ptr (none for n = 0); the tensor must outlive the launch.
+Tensor fp32_workspace(const Tensor &q, int64_t n, float **ptr) {
     Tensor workspace;
-    if (q.is_cpu()) return workspace;
-    int64_t n = 0;
-    {
-        torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-        n = floats(&params);
-    }
     if (n > 0) {
         workspace = torch::stable::new_empty(q, {n}, ScalarType::Float);
         *ptr = static_cast<float *>(workspace.data_ptr());
     }
     return workspace;
 }
-#endif
+
+// A CUDA attention call (attn_qat.h): the plan, once, then the workspaces it names, then the launch on that plan.
+// dq_accum: where the caller takes the fused dQ (not deterministic), else NULL.
+template <typename Params>
+const char *plan_and_launch(const Tensor &q, Params *p, const char *(*plan_cuda)(const Params *, aq_attention_plan *),
+                            const char *(*cuda)(const Params *, const aq_attention_plan *, void *), void *stream,
+                            float **dq_accum = nullptr) {
+    aq_attention_plan plan;
+    const char *err = plan_cuda(p, &plan);
+    if (err) return err;
+    const Tensor tail = fp32_workspace(q, plan.tail_floats, &p->tail_workspace);
+    const Tensor fused_dq = dq_accum ? fp32_workspace(q, plan.dq_accum_floats, dq_accum) : Tensor();
+    return cuda(p, &plan, stream);
+}
 
 // ---------------------------------------------------------------------------------------------
 // NVFP4 quantization
@@ -168,7 +172,7 @@ std::tuple<Tensor, Tensor> nvfp4_quantize(Tensor x, int64_t axis) {
     Tensor scales = torch::stable::new_empty(x, sizes_with_axis(x, axis, (n + 15) / 16), ScalarType::Float8_e4m3fn);
     p.codes = static_cast<uint8_t *>(codes.data_ptr());
     p.scales = static_cast<uint8_t *>(scales.data_ptr());
-    launch(x, p, aq_quantize_cpu, aq_quantize_cuda);
+    launch(x, p, aq_quantize_cpu, [&](void *stream) { return aq_quantize_cuda(&p, stream); });
     return {codes, scales};
 }
 
@@ -177,7 +181,7 @@ Tensor nvfp4_fake_quantize(Tensor x, int64_t axis) {
     aq_quantize_params p = quantize_params(x, axis);
     Tensor out = torch::stable::new_empty(x, std::vector<int64_t>(x.sizes().begin(), x.sizes().end()));
     p.fake = out.data_ptr();
-    launch(x, p, aq_quantize_cpu, aq_quantize_cuda);
+    launch(x, p, aq_quantize_cpu, [&](void *stream) { return aq_quantize_cuda(&p, stream); });
     return out;
 }
 
@@ -205,7 +209,7 @@ Tensor nvfp4_dequantize(Tensor codes, Tensor scales, int64_t axis, int64_t axis_
     for (int64_t d = axis + 1; d < codes.dim(); d++) p.inner *= codes.size(d);
     p.out = out.data_ptr();
     p.dtype = kernel_dtype(out, /*allow_fp32=*/true);
-    launch(codes, p, aq_dequantize_cpu, aq_dequantize_cuda);
+    launch(codes, p, aq_dequantize_cpu, [&](void *stream) { return aq_dequantize_cuda(&p, stream); });
     return out;
 }
 
@@ -383,11 +387,9 @@ void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::o
     p.row_sum = static_cast<float *>(row_sum.data_ptr());
     p.quantize_p = quantize_p;
     const Tensor nonfinite_flag = set_problem(&p, q, s, scale, causal, spans);
-    Tensor tail_workspace; // the split last wave's partial results (hopper.cuh, tail_split)
-#ifdef AQ_WITH_CUDA
-    tail_workspace = cuda_workspace(q, p, aq_attention_fwd_tail_floats, &p.tail_workspace);
-#endif
-    launch(q, p, aq_attention_fwd_cpu, aq_attention_fwd_cuda);
+    launch(q, p, aq_attention_fwd_cpu, [&](void *stream) {
+        return plan_and_launch(q, &p, aq_attention_fwd_plan_cuda, aq_attention_fwd_cuda, stream);
+    });
 }
 
 void check_mode(int64_t mode) {
@@ -500,13 +502,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     copy_strides(dv, p.dv_stride);
     p.quantize_p_for_dv = mode == MODE_ATTN_QAT || mode == MODE_LOW_PRECISION_O;
     const Tensor nonfinite_flag = set_problem(&p, q, s, scale, causal, spans);
-    Tensor dq_accum; // the fused dQ's fp32 sums (attn_qat.h): 5 products instead of 7, dQ not bit-reproducible
-    Tensor tail_workspace; // the dK/dV kernel's split last wave (hopper.cuh, tail_split)
-#ifdef AQ_WITH_CUDA
-    if (!deterministic) dq_accum = cuda_workspace(q, p, aq_attention_bwd_dq_accum_floats, &p.dq_accum);
-    tail_workspace = cuda_workspace(q, p, aq_attention_bwd_tail_floats, &p.tail_workspace);
-#endif
-    launch(q, p, aq_attention_bwd_cpu, aq_attention_bwd_cuda);
+    // not deterministic: the fused dQ's fp32 sums (attn_qat.h), 5 products instead of 7, dQ not bit-reproducible
+    launch(q, p, aq_attention_bwd_cpu, [&](void *stream) {
+        return plan_and_launch(q, &p, aq_attention_bwd_plan_cuda, aq_attention_bwd_cuda, stream,
+                               deterministic ? nullptr : &p.dq_accum);
+    });
     return {dq, dk, dv};
 }
 
@@ -594,7 +594,7 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
     Tensor out = torch::stable::new_empty(q, {batch, heads_q, tokens, dim});
     p.workspace = static_cast<float *>(workspace.data_ptr());
     p.out = out.data_ptr();
-    launch(q, p, kv_cache_decode_no_cpu, aq_kv_cache_decode_cuda);
+    launch(q, p, kv_cache_decode_no_cpu, [&](void *stream) { return aq_kv_cache_decode_cuda(&p, stream); });
     return out;
 }
 #endif

@@ -1,17 +1,13 @@
 /* Hopper (sm_90a) primitives for the attention kernels: mbarriers, TMA tile loads, warpgroup MMA (wgmma) and
    its shared-memory matrix descriptors, register reallocation. Thin inline-PTX wrappers, named after the PTX they
    emit (PTX ISA 8.x: "Asynchronous Warpgroup Level Matrix Multiply-Accumulate", "Tensor Copy", "mbarrier").
-   Every function here needs sm_90a; callers compile them only where AQ_SM90_ENABLED is 1. */
+   Device code only, each function needing sm_90a: callers compile them only where AQ_SM90_ENABLED is 1 (the host
+   side of the Hopper kernels: sm90/tensor_map.h, attention/dispatch.cu). */
 #pragma once
 
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-
-#include <algorithm>
 
 #include "attention/fragments.cuh"
-#include "attention/scheduler.cuh"
 
 /* Device code for sm_90a (wgmma, setmaxnreg) is generated only in the sm_90a pass of nvcc; the host pass and the
    passes for other targets see the kernels' bodies as empty. */
@@ -347,50 +343,4 @@ AQ_D void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t desc_b, i
     static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
     if constexpr (N == 64) wgmma_m64n64k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
     else wgmma_m64n128k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
-}
-
-/* ------------------------------------------------------------------------------------------------
-   Host side: launch conditions. */
-
-/* The split for W = items items whose reduction axis has `units` units: the tail is W mod sms when it fills at most
-   half an SM wave, split into sms / tail parts of at least 2 units; only when W < sms (one partial wave) unless
-   full_grids. ATTN_QAT_TAIL_SPLIT overrides it, for tests: "0" never splits, "T,S" splits the last T items into S
-   parts (at most one a unit). */
-static tail_split plan_tail_split(int64_t items, int64_t units, int sms, bool full_grids) {
-    tail_split t = {(int)items, 0, 1, NULL};
-    int64_t tail = items % sms, splits = tail > 0 ? sms / tail : 0, min_units = 2;
-    const char *env = getenv("ATTN_QAT_TAIL_SPLIT");
-    if (env != NULL && env[0] != '\0') {
-        long forced_tail = 0, forced_splits = 0;
-        if (sscanf(env, "%ld,%ld", &forced_tail, &forced_splits) != 2) return t; /* "0" or anything else */
-        tail = std::min<int64_t>(forced_tail, items), splits = forced_splits, min_units = 1;
-    } else if (tail == 0 || 2 * tail > sms || (!full_grids && items >= sms)) {
-        return t;
-    }
-    splits = std::min<int64_t>(splits, units / min_units);
-    if (tail <= 0 || splits <= 1) return t;
-    t.main_items = (int)(items - tail), t.tail_items = (int)tail, t.splits = (int)splits;
-    return t;
-}
-
-/* Whether this process may use the wgmma kernels: an sm_90 device, a build with an sm_90a image (setup.py
-   defines AQ_BUILT_SM90A; cudaFuncGetAttributes cannot tell an sm_90a image from an empty sm_90 one), and
-   ATTN_QAT_SM90 not 0. */
-static bool sm90_available(const void *kernel) {
-#ifndef AQ_BUILT_SM90A
-    (void)kernel; /* no sm_90a image: the kernels' bodies were compiled empty */
-    return false;
-#endif
-    const char *env = getenv("ATTN_QAT_SM90");
-    if (env != NULL && env[0] == '0') return false;
-    int device = 0, major = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9)
-        return false;
-    cudaFuncAttributes attr;
-    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-        cudaGetLastError(); /* no sm_90a code in this build: not an error of the caller's */
-        return false;
-    }
-    return attr.binaryVersion >= 90;
 }
