@@ -3,9 +3,6 @@
    the last wave and the workspaces it needs), and the launch order: the backward's delta kernel first, then the
    Hopper kernels with their side kernels, then the mma.sync kernels where the Hopper ones declined the operands or
    flagged a non-finite result. */
-#include <stdio.h>
-#include <stdlib.h>
-
 #include <algorithm>
 
 #include "attention/dispatch.h"
@@ -25,16 +22,14 @@ static const char *check_attention_sizes(aq_dtype dtype, int64_t head_dim, int64
 
 /* The split for W = items items whose reduction axis has `units` units: the tail is W mod sms when it fills at most
    half an SM wave, split into sms / tail parts of at least 2 units; only when W < sms (one partial wave) unless
-   full_grids. ATTN_QAT_TAIL_SPLIT overrides it, for tests: "0" never splits, "T,S" splits the last T items into S
-   parts (at most one a unit). */
-static tail_split plan_tail_split(int64_t items, int64_t units, int sms, bool full_grids) {
+   full_grids. The options may turn it off or force one (tests: the last forced_tail items in forced_splits parts, at
+   most one a unit). */
+static tail_split plan_tail_split(int64_t items, int64_t units, int sms, bool full_grids, const aq_kernel_options *o) {
     tail_split t = {(int)items, 0, 1, NULL};
     int64_t tail = items % sms, splits = tail > 0 ? sms / tail : 0, min_units = 2;
-    const char *env = getenv("ATTN_QAT_TAIL_SPLIT");
-    if (env != NULL && env[0] != '\0') {
-        long forced_tail = 0, forced_splits = 0;
-        if (sscanf(env, "%ld,%ld", &forced_tail, &forced_splits) != 2) return t; /* "0" or anything else */
-        tail = std::min<int64_t>(forced_tail, items), splits = forced_splits, min_units = 1;
+    if (o->tail_split == AQ_TAIL_SPLIT_OFF) return t;
+    if (o->tail_split == AQ_TAIL_SPLIT_FORCED) {
+        tail = std::min<int64_t>(o->forced_tail, items), splits = o->forced_splits, min_units = 1;
     } else if (tail == 0 || 2 * tail > sms || (!full_grids && items >= sms)) {
         return t;
     }
@@ -45,23 +40,23 @@ static tail_split plan_tail_split(int64_t items, int64_t units, int sms, bool fu
 }
 
 /* The plan's split and workspace for a Hopper kernel's grid. */
-static void plan_tail(const sm90_tail_shape &shape, aq_attention_plan *plan) {
-    const tail_split t = shape.splittable ? plan_tail_split(shape.items, shape.units, plan->sm_count, shape.full_grids)
-                                          : tail_split{(int)shape.items, 0, 1, NULL};
+static void plan_tail(const sm90_tail_shape &shape, const aq_kernel_options *o, aq_attention_plan *plan) {
+    const tail_split t = shape.splittable
+                             ? plan_tail_split(shape.items, shape.units, plan->sm_count, shape.full_grids, o)
+                             : tail_split{(int)shape.items, 0, 1, NULL};
     plan->main_items = t.main_items, plan->tail_items = t.tail_items, plan->tail_splits = t.splits;
     plan->tail_floats = t.splits > 1 ? (int64_t)t.tail_items * t.splits * shape.part_floats : 0;
 }
 
-/* What the call's sizes and the current device decide before either kernel family is asked: the SM count, and
-   whether the Hopper kernels may run (an sm_90 device with this build's sm_90a code, and ATTN_QAT_SM90 not 0). */
-static const char *plan_device(aq_attention_plan *plan) {
+/* What the current device decides before either kernel family is asked: the SM count, and whether the Hopper
+   kernels may run (the options allow them, on an sm_90 device with this build's sm_90a code). */
+static const char *plan_device(const aq_kernel_options *o, aq_attention_plan *plan) {
     int device = 0, major = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&plan->sm_count, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     if (err != cudaSuccess) return cudaGetErrorString(err);
-    const char *env = getenv("ATTN_QAT_SM90");
-    plan->sm90 = !(env != NULL && env[0] == '0') && major == 9 && aq_sm90_kernels_run_here();
+    plan->sm90 = o->sm90 && major == 9 && aq_sm90_kernels_run_here();
     return NULL;
 }
 
@@ -72,24 +67,26 @@ static aq_attention_plan empty_plan(void) {
     return plan;
 }
 
-const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, aq_attention_plan *plan) {
+const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, const aq_kernel_options *o,
+                                       aq_attention_plan *plan) {
     *plan = empty_plan();
     const char *err = check_attention_sizes(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv, p->seqlen_q,
                                             p->seqlen_k);
     if (err || p->batch == 0 || p->seqlen_q == 0) return err;
-    if ((err = plan_device(plan)) || !plan->sm90) return err;
-    plan_tail(aq_attention_fwd_sm90_tail_shape(p), plan);
+    if ((err = plan_device(o, plan)) || !plan->sm90) return err;
+    plan_tail(aq_attention_fwd_sm90_tail_shape(p), o, plan);
     return NULL;
 }
 
-const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, aq_attention_plan *plan) {
+const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, const aq_kernel_options *o,
+                                       aq_attention_plan *plan) {
     *plan = empty_plan();
     const char *err = check_attention_sizes(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv, p->seqlen_q,
                                             p->seqlen_k);
     if (err || p->batch == 0) return err;
-    if ((err = plan_device(plan)) || !plan->sm90) return err;
+    if ((err = plan_device(o, plan)) || !plan->sm90) return err;
     if (p->seqlen_q > 0) plan->dq_accum_floats = aq_attention_bwd_sm90_dq_accum_floats(p);
-    plan_tail(aq_attention_bwd_sm90_tail_shape(p), plan);
+    plan_tail(aq_attention_bwd_sm90_tail_shape(p), o, plan);
     return NULL;
 }
 

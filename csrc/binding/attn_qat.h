@@ -125,9 +125,22 @@ const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p);
 const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream);
 const char *aq_dequantize_cuda(const aq_dequantize_params *p, void *stream);
 
+/* The CUDA kernels' options, one set per process (README, "Kernel options"): read from ATTN_QAT_SM90 and
+   ATTN_QAT_TAIL_SPLIT when the library loads (binding/kernel_options.cpp), set at run time by
+   attn_qat.ops.kernel_options; a call is planned with the set in force when it starts. */
+typedef enum { AQ_TAIL_SPLIT_AUTO = 0, AQ_TAIL_SPLIT_OFF = 1, AQ_TAIL_SPLIT_FORCED = 2 } aq_tail_split_mode;
+typedef struct {
+    int sm90;                       /* 0: the mma.sync kernels, even where the Hopper ones could run */
+    aq_tail_split_mode tail_split;  /* AUTO: the plan splits a short last wave; OFF: never; FORCED (tests): */
+    int64_t forced_tail, forced_splits; /* the last forced_tail items in forced_splits parts, at most one a unit */
+} aq_kernel_options;
+
+aq_kernel_options aq_get_kernel_options(void);
+void aq_set_kernel_options(const aq_kernel_options *o);
+
 /* CUDA attention runs in two steps (attention/dispatch.cu). aq_attention_*_plan_cuda checks the sizes and decides once,
-   for the current device and these sizes, which kernels run and how, and what fp32 workspace that takes; the caller
-   allocates the workspace, sets it in the params and launches with the same plan. */
+   for the current device, these sizes and the options, which kernels run and how, and what fp32 workspace that
+   takes; the caller allocates the workspace, sets it in the params and launches with the same plan. */
 typedef struct {
     int sm_count;            /* of the current device */
     int sm90;                /* the Hopper kernels take the call (the mma.sync ones run where they decline it) */
@@ -136,8 +149,10 @@ typedef struct {
     int64_t dq_accum_floats; /* backward: for dq_accum (the fused dQ, not deterministic); 0: none */
 } aq_attention_plan;
 
-const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, aq_attention_plan *plan);
-const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, aq_attention_plan *plan);
+const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, const aq_kernel_options *o,
+                                       aq_attention_plan *plan);
+const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, const aq_kernel_options *o,
+                                       aq_attention_plan *plan);
 const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, const aq_attention_plan *plan, void *stream);
 const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, const aq_attention_plan *plan, void *stream);
 

@@ -79,14 +79,17 @@ Tensor fp32_workspace(const Tensor &q, int64_t n, float **ptr) {
     return workspace;
 }
 
-// A CUDA attention call (attn_qat.h): the plan, once, then the workspaces it names, then the launch on that plan.
+// A CUDA attention call (attn_qat.h): the plan, once, for the kernel options in force, then the workspaces it names,
+// then the launch on that plan.
 // dq_accum: where the caller takes the fused dQ (not deterministic), else NULL.
 template <typename Params>
-const char *plan_and_launch(const Tensor &q, Params *p, const char *(*plan_cuda)(const Params *, aq_attention_plan *),
+const char *plan_and_launch(const Tensor &q, Params *p,
+                            const char *(*plan_cuda)(const Params *, const aq_kernel_options *, aq_attention_plan *),
                             const char *(*cuda)(const Params *, const aq_attention_plan *, void *), void *stream,
                             float **dq_accum = nullptr) {
+    const aq_kernel_options options = aq_get_kernel_options();
     aq_attention_plan plan;
-    const char *err = plan_cuda(p, &plan);
+    const char *err = plan_cuda(p, &options, &plan);
     if (err) return err;
     const Tensor tail = fp32_workspace(q, plan.tail_floats, &p->tail_workspace);
     const Tensor fused_dq = dq_accum ? fp32_workspace(q, plan.dq_accum_floats, dq_accum) : Tensor();
