@@ -10,8 +10,8 @@
 /* NULL when the kernels take these sizes. */
 static const char *check_attention_sizes(aq_dtype dtype, int64_t head_dim, int64_t batch, int64_t heads_q,
                                          int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k) {
-    if (dtype != AQ_BFLOAT16 && dtype != AQ_FLOAT16) return "attention (CUDA): dtype must be bfloat16 or float16";
-    if (head_dim != 64 && head_dim != 128) return "attention (CUDA): head_dim must be 64 or 128";
+    if (!aq_attention_dtype_supported(dtype)) return "attention (CUDA): dtype must be bfloat16 or float16";
+    if (!aq_head_dim_supported(head_dim)) return "attention (CUDA): head_dim must be " AQ_HEAD_DIMS_TEXT;
     if (heads_kv <= 0 || heads_q <= 0 || heads_q % heads_kv != 0)
         return "attention (CUDA): heads_q must be a positive multiple of heads_kv";
     if (batch < 0 || heads_q > 65535 || batch > 65535) return "attention (CUDA): batch and heads must be <= 65535";

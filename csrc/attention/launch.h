@@ -4,7 +4,24 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "binding/attn_qat.h"
+
+/* f(std::integral_constant<int, D>()) for a head dim that aq_head_dim_supported accepts (checked before), and
+   with_head_dim_and_dtype likewise with the dtype: where the call's sizes become the kernels' template arguments. */
+template <typename F>
+static inline auto with_head_dim(int64_t head_dim, F &&f) {
+    return head_dim == 64 ? f(std::integral_constant<int, 64>()) : f(std::integral_constant<int, 128>());
+}
+
+template <typename F>
+static inline auto with_head_dim_and_dtype(int64_t head_dim, aq_dtype dtype, F &&f) {
+    return with_head_dim(head_dim, [&](auto d) {
+        return dtype == AQ_BFLOAT16 ? f(d, std::integral_constant<aq_dtype, AQ_BFLOAT16>())
+                                    : f(d, std::integral_constant<aq_dtype, AQ_FLOAT16>());
+    });
+}
 
 static inline bool aligned16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 

@@ -14,6 +14,13 @@ typedef enum { AQ_FLOAT32 = 0, AQ_BFLOAT16 = 1, AQ_FLOAT16 = 2 } aq_dtype;
 /* log2(e) as a float: the kernels compute exponents as 2^(scores * softmax_scale * AQ_LOG2E) */
 #define AQ_LOG2E 1.4426950408889634f
 
+/* The head dims and dtypes the attention and decode kernels are built for: the ops check their inputs against these,
+   the CUDA launchers pick the kernels' template arguments from them (attention/launch.h). attn_qat/attention.py's
+   SUPPORTED_HEAD_DIMS says the same to Python callers. */
+#define AQ_HEAD_DIMS_TEXT "64 or 128"
+static inline int aq_head_dim_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+static inline int aq_attention_dtype_supported(aq_dtype dtype) { return dtype == AQ_BFLOAT16 || dtype == AQ_FLOAT16; }
+
 /* ---------------------------------------------------------------------------------------------
    NVFP4 quantization of a tensor viewed as (outer[0], outer[1], outer[2], axis_len, inner), blocked
    along axis_len; outer = outer[0] * outer[1] * outer[2] below. Strides are in elements and may be

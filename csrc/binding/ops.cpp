@@ -34,17 +34,22 @@ enum Mode : int64_t { MODE_ATTN_QAT = 0, MODE_HIGH_PRECISION_P, MODE_LOW_PRECISI
 // Causal alignment codes; see numerics.md §6.
 enum Causal : int64_t { CAUSAL_NONE = 0, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT };
 
-aq_dtype kernel_dtype(const Tensor &t, bool allow_fp32) {
+aq_dtype kernel_dtype(const Tensor &t) {
     switch (t.scalar_type()) {
     case ScalarType::BFloat16: return AQ_BFLOAT16;
     case ScalarType::Half: return AQ_FLOAT16;
-    case ScalarType::Float:
-        STD_TORCH_CHECK(allow_fp32, "attn_qat: attention takes bfloat16 or float16 tensors, got float32 "
-                                    "(use torch.autocast or cast the inputs)");
-        return AQ_FLOAT32;
+    case ScalarType::Float: return AQ_FLOAT32;
     default: STD_TORCH_CHECK(false, "attn_qat: expected a bfloat16, float16 or float32 tensor");
     }
     return AQ_FLOAT32;
+}
+
+// The dtype of an attention or decode operand: one of those attn_qat.h names.
+aq_dtype attention_dtype(const Tensor &t) {
+    const aq_dtype dt = kernel_dtype(t);
+    STD_TORCH_CHECK(aq_attention_dtype_supported(dt), "attn_qat: attention takes bfloat16 or float16 tensors, got "
+                                                      "float32 (use torch.autocast or cast the inputs)");
+    return dt;
 }
 
 // Launches on the tensor's device: the CPU kernel, or cuda(stream) on the current stream of the tensor's CUDA
@@ -149,7 +154,7 @@ aq_quantize_params quantize_params(Tensor &x, int64_t axis) {
     }
     aq_quantize_params p = {};
     p.x = x.data_ptr();
-    p.dtype = kernel_dtype(x, /*allow_fp32=*/true);
+    p.dtype = kernel_dtype(x);
     for (int i = 0; i < 3; i++) {
         p.outer[i] = view->outer[i];
         p.stride_outer[i] = view->outer_stride[i];
@@ -211,7 +216,7 @@ Tensor nvfp4_dequantize(Tensor codes, Tensor scales, int64_t axis, int64_t axis_
     p.inner = 1;
     for (int64_t d = axis + 1; d < codes.dim(); d++) p.inner *= codes.size(d);
     p.out = out.data_ptr();
-    p.dtype = kernel_dtype(out, /*allow_fp32=*/true);
+    p.dtype = kernel_dtype(out);
     launch(codes, p, aq_dequantize_cpu, [&](void *stream) { return aq_dequantize_cuda(&p, stream); });
     return out;
 }
@@ -259,8 +264,8 @@ struct AttentionShape {
 AttentionShape check_attention_inputs(const Tensor &q, const Tensor &k, const Tensor &v) {
     STD_TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "attn_qat: query, key and value must be 4-D (batch, heads, tokens, head_dim)");
-    const aq_dtype dt = kernel_dtype(q, false);
-    STD_TORCH_CHECK(kernel_dtype(k, false) == dt && kernel_dtype(v, false) == dt,
+    const aq_dtype dt = attention_dtype(q);
+    STD_TORCH_CHECK(attention_dtype(k) == dt && attention_dtype(v) == dt,
                     "attn_qat: query, key and value must have the same dtype");
     STD_TORCH_CHECK(q.is_cpu() == k.is_cpu() && q.is_cpu() == v.is_cpu() &&
                         q.get_device_index() == k.get_device_index() && q.get_device_index() == v.get_device_index(),
@@ -271,7 +276,8 @@ AttentionShape check_attention_inputs(const Tensor &q, const Tensor &k, const Te
                     "attn_qat: key and value must have the same heads and tokens");
     STD_TORCH_CHECK(k.size(3) == s.head_dim && v.size(3) == s.head_dim,
                     "attn_qat: query, key and value must have the same head_dim");
-    STD_TORCH_CHECK(s.head_dim == 64 || s.head_dim == 128, "attn_qat: head_dim must be 64 or 128, got ", s.head_dim);
+    STD_TORCH_CHECK(aq_head_dim_supported(s.head_dim), "attn_qat: head_dim must be " AQ_HEAD_DIMS_TEXT ", got ",
+                    s.head_dim);
     STD_TORCH_CHECK(s.heads_kv > 0 && s.heads_q % s.heads_kv == 0, "attn_qat: query heads (", s.heads_q,
                     ") must be a multiple of key/value heads (", s.heads_kv, ")");
     STD_TORCH_CHECK(s.seqlen_q > 0 && s.seqlen_k > 0 && s.batch > 0, "attn_qat: empty query or key sequence");
@@ -356,7 +362,7 @@ Tensor set_problem(Params *p, const Tensor &q, const AttentionShape &s, double s
     p->head_dim = s.head_dim;
     p->softmax_scale = (float)scale;
     set_causal(causal, s, &p->causal, &p->causal_offset);
-    p->dtype = kernel_dtype(q, false);
+    p->dtype = attention_dtype(q);
     p->q_span = spans.q;
     p->k_span = spans.k;
     Tensor nonfinite_flag;
@@ -567,7 +573,7 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
                         block_table.scalar_type() == ScalarType::Int,
                     "attn_qat: kv_cache_decode: block_table must be an int32 (batch, pages_per_seq) tensor");
     aq_decode_params p = {};
-    p.dtype = kernel_dtype(q, false);
+    p.dtype = attention_dtype(q);
     Tensor qc = torch::stable::contiguous(q); // raw: the kernel fake-quantizes its rows along D itself
     p.q = qc.data_ptr();
     p.k_codes = static_cast<const uint8_t *>(k_codes.data_ptr());

@@ -324,18 +324,16 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
 }
 
 const char *aq_attention_bwd_delta_sm80(const aq_attention_bwd_params *p, cudaStream_t s) {
-    if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_bwd_delta<64, AQ_BFLOAT16>(p, s) : launch_bwd_delta<128, AQ_BFLOAT16>(p, s);
-    return p->head_dim == 64 ? launch_bwd_delta<64, AQ_FLOAT16>(p, s) : launch_bwd_delta<128, AQ_FLOAT16>(p, s);
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_bwd_delta<decltype(d)::value, decltype(dt)::value>(p, s);
+    });
 }
 
 const char *aq_attention_bwd_sm80(const aq_attention_bwd_params *p, cudaStream_t s, const int *only_if) {
     const bool vec = vec_ok(p->q, p->q_stride) && vec_ok(p->k, p->k_stride) && vec_ok(p->v, p->v_stride) &&
                      vec_ok(p->dout, p->dout_stride) && vec_ok(p->dq, p->dq_stride) && vec_ok(p->dk, p->dk_stride) &&
                      vec_ok(p->dv, p->dv_stride);
-    if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_bwd<64, AQ_BFLOAT16>(p, s, vec, only_if)
-                                 : launch_bwd<128, AQ_BFLOAT16>(p, s, vec, only_if);
-    return p->head_dim == 64 ? launch_bwd<64, AQ_FLOAT16>(p, s, vec, only_if)
-                             : launch_bwd<128, AQ_FLOAT16>(p, s, vec, only_if);
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_bwd<decltype(d)::value, decltype(dt)::value>(p, s, vec, only_if);
+    });
 }

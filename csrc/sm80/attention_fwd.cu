@@ -177,9 +177,7 @@ static const char *launch_fwd_mode(const aq_attention_fwd_params *p, cudaStream_
 const char *aq_attention_fwd_sm80(const aq_attention_fwd_params *p, cudaStream_t s, const int *only_if) {
     const bool vec = vec_ok(p->q, p->q_stride) && vec_ok(p->k, p->k_stride) && vec_ok(p->v, p->v_stride) &&
                      vec_ok(p->o, p->o_stride) && vec_ok(p->o_prime, p->o_prime_stride);
-    if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_fwd_mode<64, AQ_BFLOAT16>(p, s, vec, only_if)
-                                 : launch_fwd_mode<128, AQ_BFLOAT16>(p, s, vec, only_if);
-    return p->head_dim == 64 ? launch_fwd_mode<64, AQ_FLOAT16>(p, s, vec, only_if)
-                             : launch_fwd_mode<128, AQ_FLOAT16>(p, s, vec, only_if);
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_fwd_mode<decltype(d)::value, decltype(dt)::value>(p, s, vec, only_if);
+    });
 }

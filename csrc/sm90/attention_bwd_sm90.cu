@@ -575,7 +575,7 @@ sm90_tail_shape aq_attention_bwd_sm90_tail_shape(const aq_attention_bwd_params *
     if (p->causal || p->seqlen_q == 0) return t;
     t.splittable = t.full_grids = true;
     t.units = p->heads_q / p->heads_kv * ((p->seqlen_q + BWD90_Q_STEP - 1) / BWD90_Q_STEP);
-    t.part_floats = p->head_dim == 64 ? DkdvTailPart<64>::FLOATS : DkdvTailPart<128>::FLOATS;
+    t.part_floats = with_head_dim(p->head_dim, [](auto d) { return DkdvTailPart<decltype(d)::value>::FLOATS; });
     return t;
 }
 
@@ -653,9 +653,7 @@ const char *aq_attention_bwd_sm90(const aq_attention_bwd_params *p, const aq_att
                                   cudaStream_t stream, bool *taken, const int **fallback_flag) {
     *taken = false;
     *fallback_flag = NULL;
-    if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_bwd_sm90<64, AQ_BFLOAT16>(p, plan, stream, taken, fallback_flag)
-                                 : launch_bwd_sm90<128, AQ_BFLOAT16>(p, plan, stream, taken, fallback_flag);
-    return p->head_dim == 64 ? launch_bwd_sm90<64, AQ_FLOAT16>(p, plan, stream, taken, fallback_flag)
-                             : launch_bwd_sm90<128, AQ_FLOAT16>(p, plan, stream, taken, fallback_flag);
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_bwd_sm90<decltype(d)::value, decltype(dt)::value>(p, plan, stream, taken, fallback_flag);
+    });
 }

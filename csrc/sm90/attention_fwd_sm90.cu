@@ -560,10 +560,10 @@ sm90_tail_shape aq_attention_fwd_sm90_tail_shape(const aq_attention_fwd_params *
     t.splittable = true;
     t.units = (p->seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS;
     t.full_grids = p->o_prime != NULL || p->head_dim == 128;
-    t.part_floats =
-        p->head_dim == 64
-            ? (p->o_prime ? FwdTailPart<64, FWD_TAIL_BM, true>::FLOATS : FwdTailPart<64, FWD_TAIL_BM, false>::FLOATS)
-            : (p->o_prime ? FwdTailPart<128, FWD_TAIL_BM, true>::FLOATS : FwdTailPart<128, FWD_TAIL_BM, false>::FLOATS);
+    t.part_floats = with_head_dim(p->head_dim, [&](auto d) {
+        constexpr int D = decltype(d)::value;
+        return p->o_prime ? FwdTailPart<D, FWD_TAIL_BM, true>::FLOATS : FwdTailPart<D, FWD_TAIL_BM, false>::FLOATS;
+    });
     return t;
 }
 
@@ -636,9 +636,7 @@ const char *aq_attention_fwd_sm90(const aq_attention_fwd_params *p, const aq_att
                                   cudaStream_t stream, bool *taken, const int **fallback_flag) {
     *taken = false;
     *fallback_flag = NULL;
-    if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_sm90_mode<64, AQ_BFLOAT16>(p, plan, stream, taken, fallback_flag)
-                                 : launch_sm90_mode<128, AQ_BFLOAT16>(p, plan, stream, taken, fallback_flag);
-    return p->head_dim == 64 ? launch_sm90_mode<64, AQ_FLOAT16>(p, plan, stream, taken, fallback_flag)
-                             : launch_sm90_mode<128, AQ_FLOAT16>(p, plan, stream, taken, fallback_flag);
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_sm90_mode<decltype(d)::value, decltype(dt)::value>(p, plan, stream, taken, fallback_flag);
+    });
 }
