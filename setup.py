@@ -39,7 +39,8 @@ if "90" in archs:
     sys.exit("ATTN_QAT_CUDA_ARCHS: build Hopper as 90a (its kernels need wgmma), not 90")
 
 csrc = "csrc"
-sources = [f"{csrc}/{f}" for f in ("binding/module.c", "binding/ops.cpp", "cpu/quantize_cpu.c", "cpu/attention_cpu.c")]
+sources = [f"{csrc}/{f}" for f in ("binding/module.c", "binding/ops.cpp", "binding/kernel_options.cpp",
+                                   "cpu/quantize_cpu.c", "cpu/attention_cpu.c")]
 defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DTORCH_STABLE_ONLY"]
 cxx_flags = ["-O3", "-ffp-contract=off", "-fvisibility=hidden"] + defines
 extension_kwargs = dict(py_limited_api=True, include_dirs=[os.path.join(here, csrc)])
@@ -52,12 +53,13 @@ if sys.platform.startswith("linux"):
 if with_cuda:
     # torch would otherwise add -gencode flags for the local GPU or its default list; we name ours.
     os.environ["TORCH_CUDA_ARCH_LIST"] = ""
-    sources += [f"{csrc}/{f}" for f in ("format/quantize_cuda.cu", "sm80/attention_fwd.cu", "sm90/attention_fwd_sm90.cu",
-                                         "sm80/attention_bwd.cu", "sm90/attention_bwd_sm90.cu", "decode/decode_cuda.cu")]
+    sources += [f"{csrc}/{f}" for f in ("format/quantize_cuda.cu", "attention/dispatch.cu", "sm80/attention_fwd.cu",
+                                         "sm90/attention_fwd_sm90.cu", "sm80/attention_bwd.cu",
+                                         "sm90/attention_bwd_sm90.cu", "decode/decode_cuda.cu")]
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DAQ_WITH_CUDA", "-DUSE_CUDA"] + defines
     nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     if "90a" in archs:
-        nvcc_flags.append("-DAQ_BUILT_SM90A")  # the host side may launch the Hopper kernels (hopper.cuh)
+        nvcc_flags.append("-DAQ_BUILT_SM90A")  # the host side may launch the Hopper kernels (attention/dispatch.h)
     ext = CUDAExtension(
         "attn_qat._C", sources,
         extra_compile_args={"cxx": cxx_flags + ["-DAQ_WITH_CUDA", "-DUSE_CUDA"], "nvcc": nvcc_flags},

@@ -1,11 +1,12 @@
 """Python side of the attn_qat ops: loads the C extension, and registers the fake (meta) kernels
 for torch.compile and the autograd formulas. The ops themselves are declared in csrc/binding/ops.cpp."""
 import math
+import numbers
 import struct
 
 import torch
 
-from . import _C  # noqa: F401  (loading the library registers torch.ops.attn_qat)
+from . import _C  # loading the library registers torch.ops.attn_qat
 
 ops = torch.ops.attn_qat
 
@@ -35,6 +36,55 @@ def _quantized_backward(mode: int) -> bool:
 def _delta_from_out_prime(mode: int) -> bool:
     """As csrc/binding/ops.cpp: whether the mode's backward takes delta from O', so that a training forward returns O'."""
     return MODES[mode] in ("attn_qat", "high_precision_p")
+
+
+# csrc/binding/attn_qat.h's aq_tail_split_mode
+_TAIL_AUTO, _TAIL_OFF, _TAIL_FORCED = 0, 1, 2
+
+
+class kernel_options:
+    """Which CUDA kernels the attention ops may use, for the whole process (README, "Kernel options").
+
+    sm90: False keeps the Hopper (wgmma, TMA) kernels out, so the mma.sync kernels run on an H100 or H200 too; True
+    lets the Hopper kernels run where they can (the default). tail_split: "auto" lets each call split a short last
+    wave of a Hopper grid (the default), 0 never splits (a grid-independent reduction order), and (tail, parts) splits
+    the last `tail` work items into `parts` parts each (for tests). None leaves an option as it is.
+
+    The call sets the options at once; as a context manager it restores, on exit, the ones in force before it. With
+    no arguments it changes nothing, and its `sm90` and `tail_split` attributes tell the options in force. The
+    environment variables ATTN_QAT_SM90 and ATTN_QAT_TAIL_SPLIT give the options when the library loads."""
+
+    def __init__(self, sm90=None, tail_split=None):
+        self._previous = _C.kernel_options()
+        sm90_on, mode, tail, parts = self._previous
+        if sm90 is not None:
+            if not isinstance(sm90, bool):
+                raise TypeError(f"attn_qat.ops.kernel_options: sm90 must be True, False or None, got {sm90!r}")
+            sm90_on = int(sm90)
+        if tail_split is not None:
+            mode, tail, parts = self._tail_split_code(tail_split)
+        _C.set_kernel_options(sm90_on, mode, tail, parts)
+        self.sm90 = bool(sm90_on)
+        self.tail_split = "auto" if mode == _TAIL_AUTO else 0 if mode == _TAIL_OFF else (tail, parts)
+
+    @staticmethod
+    def _tail_split_code(value):
+        if isinstance(value, str) and value == "auto":
+            return _TAIL_AUTO, 0, 0
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value == 0:
+            return _TAIL_OFF, 0, 0
+        if (isinstance(value, tuple) and len(value) == 2 and all(
+                isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in value)):
+            return _TAIL_FORCED, int(value[0]), int(value[1])
+        raise ValueError(f"attn_qat.ops.kernel_options: tail_split must be \"auto\", 0 or a (tail, parts) pair of "
+                         f"non-negative integers, got {value!r}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _C.set_kernel_options(*self._previous)
+        return False
 
 
 def mode_code(mode: str) -> int:
@@ -70,7 +120,7 @@ def check_softmax_scale(scale, name: str, fn: str) -> float:
 
 def positive_scale(q: torch.Tensor, scale: float):
     """(q, scale) for the attention ops, which take scale > 0 (their kernels find the row max on the raw scores
-    and scale inside the exp, csrc/attention/attention_common.cuh's logit_map): a negative scale becomes the same logits
+    and scale inside the exp, csrc/attention/mask.cuh's logit_map): a negative scale becomes the same logits
     from -q, since q.k * scale == (-q).k * (-scale) exactly and the NVFP4 block rule is symmetric in sign; a zero
     scale (every logit 0), or one too small for a float32, becomes zero queries with scale 1."""
     if _float32(abs(scale)) == 0:

@@ -89,7 +89,7 @@ int main(int argc, char **argv) {
     CHECK(cudaMalloc(&sum, sizeof(*sum)));
     CHECK(cudaMemset(sum, 0, sizeof(*sum)));
 
-    /* the attention outputs' map (hopper.cuh, make_tensor_map) over a (1, 1, ROWS, COLS) bf16 tensor */
+    /* the attention outputs' map (sm90/tensor_map.h, make_tensor_map) over a (1, 1, ROWS, COLS) bf16 tensor */
     CUtensorMap map;
     memset(&map, 0, sizeof(map));
     if (tensor) {

@@ -2,8 +2,8 @@
 
 Each case checks its results against attn_qat.reference (numerics.md §7, the tests' tolerances), so that a run
 without a sanitizer is a quick functional check and a run under one exercises exactly the launches the tests
-trust. Cases run on both kernel paths in one process: the Hopper wgmma/TMA kernels (ATTN_QAT_SM90=1) and the
-mma.sync kernels (ATTN_QAT_SM90=0; the variable is read per call). Sizes are tiny because the sanitizers slow
+trust. Cases run on both kernel paths in one process, switched by attn_qat.ops.kernel_options: the Hopper wgmma/TMA
+kernels (sm90=True) and the mma.sync kernels (sm90=False). Sizes are tiny because the sanitizers slow
 kernels 10-100x; each one is picked for a code path (see the case's label), not for coverage by volume.
 
     python dev/sanitize.py                  # both paths, every case (seconds)
@@ -28,7 +28,7 @@ from conftest import rel_error  # noqa: E402
 from test_attention import (BWD_TOL, FWD_TOL, deterministic_algorithms, forward_error,  # noqa: E402
                             poison_cuda_allocator)
 
-PATHS = {"sm90": "1", "mma_sync": "0"}
+PATHS = {"sm90": True, "mma_sync": False}
 _seed = [5000]
 
 
@@ -39,19 +39,6 @@ def generator():
 
 def randn(*shape, dtype=torch.bfloat16, g):
     return torch.randn(*shape, generator=g).to(dtype).cuda()
-
-
-@contextlib.contextmanager
-def env(name, value):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def poison():
@@ -246,9 +233,9 @@ def cases():
         ("mode_drop_in", "N50x60 D64 mask", lambda: t(1, 2, 2, 50, 60, 64, mode="drop_in", mask="bool")),
         ("mode_bf16", "N100x130 D128 top-left", lambda: t(1, 4, 2, 100, 130, 128, mode="bf16", causal="top_left")),
         ("mode_bf16_d64", "N77x93 D64", lambda: t(1, 2, 2, 77, 93, 64, mode="bf16")),
-        # ATTN_QAT_TAIL_SPLIT forces the split last wave: the Hopper tail kernels and both merge kernels
-        ("tail_split", "ATTN_QAT_TAIL_SPLIT=2,3, N300x400 D64", lambda: split(lambda: t(1, 2, 2, 300, 400, 64))),
-        ("tail_split_d128", "ATTN_QAT_TAIL_SPLIT=2,3, N200x300 D128 mask",
+        # a forced split of the last wave: the Hopper tail kernels and both merge kernels
+        ("tail_split", "tail_split=(2, 3), N300x400 D64", lambda: split(lambda: t(1, 2, 2, 300, 400, 64))),
+        ("tail_split_d128", "tail_split=(2, 3), N200x300 D128 mask",
          lambda: split(lambda: t(1, 2, 1, 200, 300, 128, mask="bool"))),
         ("varlen", "packed 33 + 1 + 70 keys (padded copy) D64 GQA",
          lambda: varlen([20, 1, 70], [33, 1, 70], 4, 2, 64)),
@@ -267,7 +254,7 @@ def cases():
 
 
 def split(fn):
-    with env("ATTN_QAT_TAIL_SPLIT", "2,3"):
+    with attn_qat.ops.kernel_options(tail_split=(2, 3)):
         return fn()
 
 
@@ -281,11 +268,11 @@ def main():
         return 2
     name = torch.cuda.get_device_name()
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    print(f"dev/sanitize.py on {name}; ATTN_QAT_SM90=1 runs the mma.sync kernels here too" if not hopper
+    print(f"dev/sanitize.py on {name}; its sm90 path runs the mma.sync kernels too" if not hopper
           else f"dev/sanitize.py on {name}")
     failed, start = [], time.time()
     for path in PATHS if args.path == "both" else [args.path]:
-        with env("ATTN_QAT_SM90", PATHS[path]):
+        with attn_qat.ops.kernel_options(sm90=PATHS[path]):
             for case, label, fn in cases():
                 if args.only and not any(o in case for o in args.only):
                     continue

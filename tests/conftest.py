@@ -3,6 +3,8 @@ fresh-random-input generators."""
 import pytest
 import torch
 
+import attn_qat
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"))]
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -11,6 +13,13 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+@pytest.fixture
+def kernel_options():
+    """attn_qat.ops.kernel_options for one test: the options the test sets are undone when it ends."""
+    with attn_qat.ops.kernel_options():
+        yield attn_qat.ops.kernel_options
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -292,7 +292,7 @@ def test_nan_row_is_not_finite_garbage(device):
 @pytest.mark.parametrize("variant", ["attn_qat", "bf16", "deterministic", "split"])
 @pytest.mark.parametrize("hide", ["causal", "mask"])
 @pytest.mark.parametrize("where", ["v", "k", "q", "dout"])
-def test_nonfinite_values_under_hidden_terms(monkeypatch, device, variant, hide, where):
+def test_nonfinite_values_under_hidden_terms(kernel_options, device, variant, hide, where):
     # docs/numerics.md §8: a term no query can see contributes nothing, even where the key, value, query or gradient
     # row behind it holds NaN or Inf. The Hopper kernels multiply such terms by a P of 0 and, where an output comes out
     # non-finite, have the mma.sync kernels redo the call: every output must come out finite and the reference's.
@@ -317,7 +317,7 @@ def test_nonfinite_values_under_hidden_terms(monkeypatch, device, variant, hide,
     t[0, 1, row, 9] = float("inf")
     mode = "bf16" if variant == "bf16" else "attn_qat"
     if variant == "split":
-        monkeypatch.setenv("ATTN_QAT_TAIL_SPLIT", "2,2")
+        kernel_options(tail_split=(2, 2))
     with deterministic_algorithms() if variant == "deterministic" else contextlib.nullcontext():
         ours = run(*(x.to(device) for x in (q, k, v, dout)), mode=mode, mask=None if mask is None else mask.to(device),
                    causal=causal, api=api)
@@ -556,14 +556,14 @@ def test_fused_dq_chunks_complete(d, causal):
 
 @requires_cuda
 @pytest.mark.parametrize("kernels", ["default", "deterministic", "mma_sync"])
-def test_causal_backward_order_covers_every_tile(monkeypatch, kernels):
+def test_causal_backward_order_covers_every_tile(kernel_options, kernels):
     """A short causal backward grid goes longest first across chunks of heads (work_item_at in
-    attention_common.cuh), the last chunk smaller: on 132 SMs, 5 x 7 heads of 1000 tokens make chunks of 18 and 17 heads
-    (Hopper's 128-key and 128-query tiles; 12, 12 and 11 for mma.sync's 64-key tiles). Every gradient row (the
-    allocator poisoned before the run) must match the reference."""
+    csrc/attention/scheduler.cuh), the last chunk smaller: on 132 SMs, 5 x 7 heads of 1000 tokens make chunks of 18
+    and 17 heads (Hopper's 128-key and 128-query tiles; 12, 12 and 11 for mma.sync's 64-key tiles). Every gradient row
+    (the allocator poisoned before the run) must match the reference."""
     q, k, v, dout = make_inputs(5, 7, 7, 1000, 1000, 64, torch.bfloat16, "cuda",
                                 g=torch.Generator().manual_seed(77))
-    monkeypatch.setenv("ATTN_QAT_SM90", "0" if kernels == "mma_sync" else "1")
+    kernel_options(sm90=kernels != "mma_sync")
     with deterministic_algorithms() if kernels == "deterministic" else contextlib.nullcontext():
         check(q, k, v, dout, causal="top_left", label=f"causal order, {kernels}")
 
@@ -578,11 +578,12 @@ def forward_op(q, k, v):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
 @pytest.mark.parametrize("case", ["plain", "masked", "deterministic"])
-def test_split_last_wave(monkeypatch, d, mode, case):
-    """The last wave's items split over parts of their reduction axis and merged (tail_split in hopper.cuh),
-    forced with ATTN_QAT_TAIL_SPLIT="5,3" on a grid of 24 items: the forward's last 5 query tiles of 128 (one
-    partial) over 3 parts of 700 keys ([0, 256), [256, 512), [512, 700)), and the dK/dV kernel's last 5 key tiles
-    of 128 (one partial) over 3 parts of the 2 group heads x 5 query steps (the second part crosses heads).
+def test_split_last_wave(kernel_options, d, mode, case):
+    """The last wave's items split over parts of their reduction axis and merged (tail_split, planned by
+    csrc/attention/dispatch.cu), forced with kernel_options(tail_split=(5, 3)) on a grid of 24 items: the forward's
+    last 5 query tiles of 128 (one partial) over 3 parts of 700 keys ([0, 256), [256, 512), [512, 700)), and the
+    dK/dV kernel's last 5 key tiles of 128 (one partial) over 3 parts of the 2 group heads x 5 query steps (the
+    second part crosses heads).
     Masked: rows whose keys of one part are all hidden, and one row with none visible. Against the reference with
     the allocator poisoned; the inference forward agrees with the training forward, split the same way."""
     g = torch.Generator().manual_seed(4242 + d)
@@ -593,14 +594,14 @@ def test_split_last_wave(monkeypatch, d, mode, case):
         mask[:, :, 250:290, 256:512] = False  # the middle part sees none of these rows' keys
         mask[1, :, 299] = False  # no visible key at all: O = 0, zero gradients
         mask = mask.cuda()
-    monkeypatch.setenv("ATTN_QAT_TAIL_SPLIT", "5,3")
+    kernel_options(tail_split=(5, 3))
     with deterministic_algorithms() if case == "deterministic" else contextlib.nullcontext():
         check(q, k, v, dout, mode=mode, mask=mask, label=f"split last wave, {case}")
         split = run(q, k, v, dout, mode=mode, mask=mask)
         with torch.no_grad():
             inference = attn_qat.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, mode=mode)
         split_stats = forward_op(q, k, v)
-        monkeypatch.setenv("ATTN_QAT_TAIL_SPLIT", "0")
+        kernel_options(tail_split=0)
         whole = run(q, k, v, dout, mode=mode, mask=mask)
         whole_stats = forward_op(q, k, v)
     # The inference forward (128-key tiles) and the training forward (64-key tiles) agree to bf16 rounding, not
@@ -620,16 +621,16 @@ def test_split_last_wave(monkeypatch, d, mode, case):
 @requires_cuda
 @pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=[s[0] for s in SHAPES[:4]])
-def test_mma_sync_kernels_on_any_gpu(monkeypatch, shape, mode):
+def test_mma_sync_kernels_on_any_gpu(kernel_options, shape, mode):
     """The mma.sync kernels (A100-class GPUs, and the fallback on Hopper) against the reference, forced with
-    ATTN_QAT_SM90=0 so that a Hopper machine tests them too; then the Hopper kernels on the same inputs agree
+    kernel_options(sm90=False) so that a Hopper machine tests them too; then the Hopper kernels on the same inputs agree
     with them (the same numerics, up to fp32 summation order)."""
     _, b, hq, hkv, nq, nk, d = shape
     q, k, v, dout = make_inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, "cuda")
-    monkeypatch.setenv("ATTN_QAT_SM90", "0")
+    kernel_options(sm90=False)
     check(q, k, v, dout, mode=mode, causal="top_left", label=f"mma.sync {shape[0]}")
     mma_sync = run(q, k, v, dout, mode=mode, causal="top_left")
-    monkeypatch.setenv("ATTN_QAT_SM90", "1")
+    kernel_options(sm90=True)
     default = run(q, k, v, dout, mode=mode, causal="top_left")
     for name, a, c in zip(("out", "dq", "dk", "dv"), default, mma_sync):
         assert rel_error(a, c) < 1e-3, f"{name}: default kernels and mma.sync kernels disagree"
@@ -714,7 +715,7 @@ if triton is not None:
 @pytest.mark.skipif(triton is None, reason="needs triton")
 def test_ex2_approx_is_monotonic():
     """The Hopper kernels take a P block's amax as P̂ at the block's largest logit (block_amax_from_logit in
-    attention_common.cuh), which gives the block rule's amax exactly only if ex2.approx.ftz.f32, the kernels' exp,
+    csrc/attention/softmax.cuh), which gives the block rule's amax exactly only if ex2.approx.ftz.f32, the kernels' exp,
     never decreases. PTX does not promise that, so check it on this GPU for every fp32 input from -inf to +inf in
     increasing order (the kernels' arguments t - M are <= 0 up to half an ulp of t). The instruction is lowered to
     one MUFU.EX2 here (Triton's ptxas) as in the extension."""

@@ -18,8 +18,8 @@ Each case changes only hidden keys' K and V (times 8, NaN, +Inf) and asserts:
 
 On CUDA a call whose hidden terms hold NaN/Inf may be redone by the mma.sync kernels (numerics.md §8), which sum
 in another order than the Hopper kernels; the NaN/Inf cases therefore run both the clean and the poisoned call
-with ATTN_QAT_SM90=0. Gradients are taken under torch.use_deterministic_algorithms (the default Hopper dQ is
-summed with atomics).
+on the mma.sync kernels (kernel_options(sm90=False)). Gradients are taken under
+torch.use_deterministic_algorithms (the default Hopper dQ is summed with atomics).
 """
 import contextlib
 import math
@@ -93,7 +93,7 @@ def forward_backward(call, q, k, v, dout, device):
     return tuple(t.detach().cpu() for t in (out, inference, qg.grad, kg.grad, vg.grad))
 
 
-def check_hidden_keys(monkeypatch, device, call, q, k, v, dout, changed, how, *, causal=None, mask=None):
+def check_hidden_keys(kernel_options, device, call, q, k, v, dout, changed, how, *, causal=None, mask=None):
     """Runs call(q, k, v) (causal / mask describe what it hides) on clean inputs and on inputs whose `changed`
     keys (B, Hkv, Nk) bool are poisoned with `how`, and compares what must not move (module docstring)."""
     b, hq, nq, _ = q.shape
@@ -111,7 +111,7 @@ def check_hidden_keys(monkeypatch, device, call, q, k, v, dout, changed, how, *,
         seen_by_dirty = (visible & dirty_rows[..., None]).any(2).view(b, hkv, group, nk).any(2)
         checked_keys = ~changed & ~seen_by_dirty
     if how != "x8" and device == "cuda":
-        monkeypatch.setenv("ATTN_QAT_SM90", "0")  # both calls on the mma.sync kernels (module docstring)
+        kernel_options(sm90=False)  # both calls on the mma.sync kernels (module docstring)
 
     clean = forward_backward(call, q, k, v, dout, device)
     dirty = forward_backward(call, q, poison(k, changed, how), poison(v, changed, how), dout, device)
@@ -157,12 +157,12 @@ CAUSAL_CALLS = {
 
 @pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("alignment, batch, case", CAUSAL_CASES, ids=[f"{a}-{c[0]}" for a, _, c in CAUSAL_CASES])
-def test_causal(monkeypatch, device, alignment, batch, case, how):
+def test_causal(kernel_options, device, alignment, batch, case, how):
     _, dtype, d, hq, hkv, nq, nk, cut = case
     seed = nq + d if alignment == "top_left" else nk + d
     q, k, v, dout = make_inputs(batch, hq, hkv, nq, nk, d, dtype, seed=seed)
     changed = (torch.arange(nk) >= cut).expand(batch, hkv, nk)
-    check_hidden_keys(monkeypatch, device, CAUSAL_CALLS[alignment], q, k, v, dout, changed, how, causal=alignment)
+    check_hidden_keys(kernel_options, device, CAUSAL_CALLS[alignment], q, k, v, dout, changed, how, causal=alignment)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ def masked_case(kind, seed):
 
 @pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_mask(monkeypatch, device, kind, how):
+def test_mask(kernel_options, device, kind, how):
     dtype, d = (torch.float16, 128) if kind == "bool" else (torch.bfloat16, 64)
     q, k, v, dout = make_inputs(2, 4, 2, 64, 96, d, dtype, seed=7 + d)
     mask = masked_case(kind, seed=11)
@@ -200,7 +200,7 @@ def test_mask(monkeypatch, device, kind, how):
     def call(q, k, v):
         return attn_qat.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), enable_gqa=True)
 
-    check_hidden_keys(monkeypatch, device, call, q, k, v, dout, changed, how, mask=mask)
+    check_hidden_keys(kernel_options, device, call, q, k, v, dout, changed, how, mask=mask)
 
 
 PAD_LENGTHS = [72, 53, 21]  # real tokens per sample of 72
@@ -222,14 +222,14 @@ def padding_case(side, causal):
 @pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("side,causal", [("right", True), ("left", True), ("right", False)],
                          ids=["right-causal", "left-causal", "right-keymask"])
-def test_padding_sdpa(monkeypatch, device, side, causal, how):
+def test_padding_sdpa(kernel_options, device, side, causal, how):
     q, k, v, dout = make_inputs(3, 4, 2, 72, 72, 64, torch.bfloat16, seed=21)
     mask, pads = padding_case(side, causal)
 
     def call(q, k, v):
         return attn_qat.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), enable_gqa=True)
 
-    check_hidden_keys(monkeypatch, device, call, q, k, v, dout, pads[:, None].expand(3, 2, 72), how, mask=mask)
+    check_hidden_keys(kernel_options, device, call, q, k, v, dout, pads[:, None].expand(3, 2, 72), how, mask=mask)
 
 
 SEGMENTS = [0, 21, 50, 77, 96]  # packed sequences; boundaries not multiples of 16
@@ -245,7 +245,7 @@ def packed_mask(causal):
 
 @pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-def test_packed_sequences(monkeypatch, device, causal, how):
+def test_packed_sequences(kernel_options, device, causal, how):
     n = SEGMENTS[-1]
     q, k, v, dout = make_inputs(1, 4, 2, n, n, 128, torch.float16, seed=31)
     mask, segment = packed_mask(causal)
@@ -254,7 +254,7 @@ def test_packed_sequences(monkeypatch, device, causal, how):
     def call(q, k, v):
         return attn_qat.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), enable_gqa=True)
 
-    check_hidden_keys(monkeypatch, device, call, q, k, v, dout, changed, how, mask=mask)
+    check_hidden_keys(kernel_options, device, call, q, k, v, dout, changed, how, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -310,12 +310,12 @@ def nan_pad_embeddings(model, mask):
 
 @pytest.mark.parametrize("poison_with", ["ids", "nan"])
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_transformers_padding_forward(monkeypatch, device, side, poison_with):
+def test_transformers_padding_forward(kernel_options, device, side, poison_with):
     model = tiny_qwen3(device)
     ids, mask = padded_batch(device, side)
     real = mask.bool()
     if poison_with == "nan" and device == "cuda":
-        monkeypatch.setenv("ATTN_QAT_SM90", "0")
+        kernel_options(sm90=False)
     with torch.no_grad():
         clean = model(ids, attention_mask=mask).logits
         if poison_with == "ids":

@@ -130,9 +130,9 @@ def test_cpu_kernels_match_reference(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("path", ["sm90", "mma_sync"])
-def test_cuda_kernels_match_reference(monkeypatch, path):
-    """The same strategy on the CUDA kernels, both paths (ATTN_QAT_SM90=0 forces the mma.sync kernels)."""
-    monkeypatch.setenv("ATTN_QAT_SM90", "1" if path == "sm90" else "0")
+def test_cuda_kernels_match_reference(kernel_options, path):
+    """The same strategy on the CUDA kernels, both paths (kernel_options(sm90=False) forces the mma.sync kernels)."""
+    kernel_options(sm90=path == "sm90")
 
     @settings(max_examples=60, **PROPERTY_SETTINGS)
     @given(attention_cases())

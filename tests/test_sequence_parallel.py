@@ -173,7 +173,7 @@ def _worker(rank, world, port, backend, parts, out):
     torch.set_num_threads(1)
     # Bit-exact GPU attention needs the same reduction order in both calls: dQ summed without atomics, and no split
     # of a grid's last wave (which depends on the grid, so on the number of heads). Both are no-ops on the CPU.
-    os.environ["ATTN_QAT_TAIL_SPLIT"] = "0"
+    attn_qat.ops.kernel_options(tail_split=0)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     device = _device(rank, backend)

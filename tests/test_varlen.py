@@ -2,8 +2,8 @@
 sequence at numerics.md §7's tolerances, and on the CPU bit for bit against attn_qat's own dense entry points per
 sequence (the C kernels are deterministic, so a block of P or V that reached across a sequence boundary, or a hidden
 key that moved anything, shows as a difference). The CUDA kernels (gpu marker) run the full list of lengths on both
-paths (ATTN_QAT_SM90=0 selects the mma.sync kernels), with the allocator poisoned so that an output row the kernels
-forget to write shows as NaN."""
+paths (kernel_options(sm90=False) selects the mma.sync kernels), with the allocator poisoned so that an output row
+the kernels forget to write shows as NaN."""
 import contextlib
 import math
 
@@ -368,8 +368,8 @@ GPU_LENGTHS = [1, 17, 0, 15, 16, 4097, 63, 64, 65, 127, 128, 129, 5, 200]
 @pytest.mark.parametrize("path", ["sm90", "mma_sync"])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_matches_reference_per_sequence(monkeypatch, path, causal, d):
-    monkeypatch.setenv("ATTN_QAT_SM90", "1" if path == "sm90" else "0")
+def test_cuda_matches_reference_per_sequence(kernel_options, path, causal, d):
+    kernel_options(sm90=path == "sm90")
     lens_q = GPU_LENGTHS
     lens_k = GPU_LENGTHS if causal != "bottom_right" else [n + (7 if i % 2 else -min(n, 9)) for i, n in
                                                           enumerate(GPU_LENGTHS)]
@@ -384,7 +384,7 @@ def test_cuda_matches_reference_per_sequence(monkeypatch, path, causal, d):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("variant", ["fp16", "deterministic", "split", "drop_in", "bf16"])
-def test_cuda_variants(monkeypatch, variant):
+def test_cuda_variants(kernel_options, variant):
     """fp16; the deterministic dQ kernel; a forced last-wave split (over each item's own key or query range, here
     with items of very different lengths); the modes whose backward runs another forward (drop_in) or none of the
     quantization (bf16, which runs unaligned lengths in place)."""
@@ -393,7 +393,7 @@ def test_cuda_variants(monkeypatch, variant):
     dtype = torch.float16 if variant == "fp16" else torch.bfloat16
     mode = variant if variant in ("drop_in", "bf16") else "attn_qat"
     if variant == "split":
-        monkeypatch.setenv("ATTN_QAT_TAIL_SPLIT", "7,3")
+        kernel_options(tail_split=(7, 3))
     q, k, v, dout = make(lens_q, lens_k, 4, 2, 128, dtype, "cuda")
     with deterministic_algorithms() if variant == "deterministic" else contextlib.nullcontext():
         for causal in (None, "bottom_right"):

@@ -124,8 +124,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     Heads: H % P == 0. Grouped KV heads are split among the ranks when H_kv % P == 0, and replicated when
     P % H_kv == 0 (each rank receives the KV head its H/P query heads use); anything else raises ValueError.
     Each head sees the whole sequence, so output, LSE and dQ equal one process's `attention` on the full
-    sequence exactly (the same kernel on the same per-head inputs; on the GPU with `ATTN_QAT_TAIL_SPLIT=0` and
-    deterministic algorithms, else to the last bits of fp32 sums); dK and dV too, except with replicated KV heads,
+    sequence exactly (the same kernel on the same per-head inputs; on the GPU with
+    `attn_qat.ops.kernel_options(tail_split=0)` and deterministic algorithms, else to the last bits of fp32 sums); dK and dV too, except with replicated KV heads,
     where each rank's dK, dV over its query heads are rounded to the input dtype before they are summed.
     Without torch.distributed (or with one rank) this is `attention`.
     """

@@ -14,6 +14,13 @@ typedef enum { AQ_FLOAT32 = 0, AQ_BFLOAT16 = 1, AQ_FLOAT16 = 2 } aq_dtype;
 /* log2(e) as a float: the kernels compute exponents as 2^(scores * softmax_scale * AQ_LOG2E) */
 #define AQ_LOG2E 1.4426950408889634f
 
+/* The head dims and dtypes the attention and decode kernels are built for: the ops check their inputs against these,
+   the CUDA launchers pick the kernels' template arguments from them (attention/launch.h). attn_qat/attention.py's
+   SUPPORTED_HEAD_DIMS says the same to Python callers. */
+#define AQ_HEAD_DIMS_TEXT "64 or 128"
+static inline int aq_head_dim_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+static inline int aq_attention_dtype_supported(aq_dtype dtype) { return dtype == AQ_BFLOAT16 || dtype == AQ_FLOAT16; }
+
 /* ---------------------------------------------------------------------------------------------
    NVFP4 quantization of a tensor viewed as (outer[0], outer[1], outer[2], axis_len, inner), blocked
    along axis_len; outer = outer[0] * outer[1] * outer[2] below. Strides are in elements and may be
@@ -79,7 +86,7 @@ typedef struct {
     aq_dtype dtype;          /* of q, k, v, o, o_prime: AQ_BFLOAT16 or AQ_FLOAT16 */
     const int32_t *q_span, *k_span; /* NULL, or packed sequences (above) */
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_fwd_sm90.cu) */
-    float *tail_workspace;   /* CUDA: NULL, or aq_attention_fwd_tail_floats floats (the split last wave's parts) */
+    float *tail_workspace;   /* CUDA: NULL, or the plan's tail_floats floats (the split last wave's parts) */
 } aq_attention_fwd_params;
 
 /* Backward (straight-through, numerics.md §4), given the forward's frame_m / row_sum:
@@ -90,7 +97,7 @@ typedef struct {
    Rows with row_sum == 0 (no visible key) contribute nothing. dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D)
    are written (not accumulated) in dtype, with the given strides. delta is (B, Hq, Nq) fp32 scratch
    that the launcher fills. With dq_accum NULL the result is deterministic, bit-identical run to run; with
-   dq_accum (aq_attention_bwd_dq_accum_floats fp32 scratch) the Hopper kernels add the dQ of each key tile into
+   dq_accum (the plan's dq_accum_floats of fp32 scratch) the Hopper kernels add the dQ of each key tile into
    it in whatever order the tiles finish (5 products instead of 7, FlashAttention-3's way), so dQ may differ
    in its last bits between runs; dK and dV stay deterministic. */
 typedef struct {
@@ -110,8 +117,8 @@ typedef struct {
     aq_dtype dtype;
     const int32_t *q_span, *k_span; /* NULL, or packed sequences (as in aq_attention_fwd_params) */
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_bwd_sm90.cu) */
-    float *dq_accum;         /* CUDA: NULL, or aq_attention_bwd_dq_accum_floats floats (see above) */
-    float *tail_workspace;   /* CUDA: NULL, or aq_attention_bwd_tail_floats floats (the split last wave's parts) */
+    float *dq_accum;         /* CUDA: NULL, or the plan's dq_accum_floats floats (see above) */
+    float *tail_workspace;   /* CUDA: NULL, or the plan's tail_floats floats (the split last wave's parts) */
     int sm_count;            /* CUDA: set by aq_attention_bwd_cuda (the causal order of work, work_item_at) */
 } aq_attention_bwd_params;
 
@@ -124,14 +131,37 @@ const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p);
 /* CUDA kernels; stream is a cudaStream_t */
 const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream);
 const char *aq_dequantize_cuda(const aq_dequantize_params *p, void *stream);
-const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, void *stream);
-const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, void *stream);
-/* The size of tail_workspace for the current device and these sizes, or 0 where the forward splits no items. */
-int64_t aq_attention_fwd_tail_floats(const aq_attention_fwd_params *p);
-/* The size of dq_accum for the current device and these sizes, or 0 where the backward cannot use one. */
-int64_t aq_attention_bwd_dq_accum_floats(const aq_attention_bwd_params *p);
-/* The size of tail_workspace for the current device and these sizes, or 0 where the dK/dV kernel splits no items. */
-int64_t aq_attention_bwd_tail_floats(const aq_attention_bwd_params *p);
+
+/* The CUDA kernels' options, one set per process (README, "Kernel options"): read from ATTN_QAT_SM90 and
+   ATTN_QAT_TAIL_SPLIT when the library loads (binding/kernel_options.cpp), set at run time by
+   attn_qat.ops.kernel_options; a call is planned with the set in force when it starts. */
+typedef enum { AQ_TAIL_SPLIT_AUTO = 0, AQ_TAIL_SPLIT_OFF = 1, AQ_TAIL_SPLIT_FORCED = 2 } aq_tail_split_mode;
+typedef struct {
+    int sm90;                       /* 0: the mma.sync kernels, even where the Hopper ones could run */
+    aq_tail_split_mode tail_split;  /* AUTO: the plan splits a short last wave; OFF: never; FORCED (tests): */
+    int64_t forced_tail, forced_splits; /* the last forced_tail items in forced_splits parts, at most one a unit */
+} aq_kernel_options;
+
+aq_kernel_options aq_get_kernel_options(void);
+void aq_set_kernel_options(const aq_kernel_options *o);
+
+/* CUDA attention runs in two steps (attention/dispatch.cu). aq_attention_*_plan_cuda checks the sizes and decides once,
+   for the current device, these sizes and the options, which kernels run and how, and what fp32 workspace that
+   takes; the caller allocates the workspace, sets it in the params and launches with the same plan. */
+typedef struct {
+    int sm_count;            /* of the current device */
+    int sm90;                /* the Hopper kernels take the call (the mma.sync ones run where they decline it) */
+    int main_items, tail_items, tail_splits; /* the Hopper grid's last tail_items items run in tail_splits parts */
+    int64_t tail_floats;     /* for tail_workspace; 0: no split */
+    int64_t dq_accum_floats; /* backward: for dq_accum (the fused dQ, not deterministic); 0: none */
+} aq_attention_plan;
+
+const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, const aq_kernel_options *o,
+                                       aq_attention_plan *plan);
+const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, const aq_kernel_options *o,
+                                       aq_attention_plan *plan);
+const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, const aq_attention_plan *plan, void *stream);
+const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, const aq_attention_plan *plan, void *stream);
 
 /* ---------------------------------------------------------------------------------------------
    Decode on an NVFP4 KV cache (attn_qat/kv_cache.py): numerics.md §3 without O' on Q^F, K^F and V^F, K and V

@@ -1,7 +1,10 @@
 /* The Python module attn_qat._C. Importing it loads this library, whose static initializers
-   register the attn_qat ops with PyTorch's op registry (ops.cpp); the module only says how it was built. */
+   register the attn_qat ops with PyTorch's op registry (ops.cpp); the module says how it was built and holds the
+   kernel options (attn_qat.h; attn_qat.ops.kernel_options is their Python face). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include "binding/attn_qat.h"
 
 #ifdef AQ_WITH_CUDA
 #define AQ_HAS_CUDA_KERNELS 1
@@ -9,8 +12,37 @@
 #define AQ_HAS_CUDA_KERNELS 0
 #endif
 
+/* kernel_options() -> (sm90, tail_split mode, forced_tail, forced_splits), as aq_kernel_options holds them. */
+static PyObject *kernel_options(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    const aq_kernel_options o = aq_get_kernel_options();
+    return Py_BuildValue("(iiLL)", o.sm90, (int)o.tail_split, (long long)o.forced_tail, (long long)o.forced_splits);
+}
+
+/* set_kernel_options(sm90, tail_split mode, forced_tail, forced_splits); attn_qat/ops.py checks the values. */
+static PyObject *set_kernel_options(PyObject *self, PyObject *args) {
+    (void)self;
+    int sm90 = 1, mode = AQ_TAIL_SPLIT_AUTO;
+    long long tail = 0, splits = 0;
+    if (!PyArg_ParseTuple(args, "iiLL", &sm90, &mode, &tail, &splits)) return NULL;
+    if (mode < AQ_TAIL_SPLIT_AUTO || mode > AQ_TAIL_SPLIT_FORCED) {
+        PyErr_SetString(PyExc_ValueError, "attn_qat._C.set_kernel_options: bad tail_split mode");
+        return NULL;
+    }
+    const aq_kernel_options o = {sm90 != 0, (aq_tail_split_mode)mode, tail, splits};
+    aq_set_kernel_options(&o);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef attn_qat_methods[] = {
+    {"kernel_options", kernel_options, METH_NOARGS, "The CUDA kernel options (sm90, tail_split mode, tail, splits)."},
+    {"set_kernel_options", set_kernel_options, METH_VARARGS, "Set the CUDA kernel options (attn_qat.ops.kernel_options)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef attn_qat_module = {
-    PyModuleDef_HEAD_INIT, "_C", "attn_qat kernels; the ops live in torch.ops.attn_qat.", -1, NULL, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_C", "attn_qat kernels; the ops live in torch.ops.attn_qat.", -1, attn_qat_methods, NULL,
+    NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__C(void) {

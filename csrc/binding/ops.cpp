@@ -34,23 +34,28 @@ enum Mode : int64_t { MODE_ATTN_QAT = 0, MODE_HIGH_PRECISION_P, MODE_LOW_PRECISI
 // Causal alignment codes; see numerics.md §6.
 enum Causal : int64_t { CAUSAL_NONE = 0, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT };
 
-aq_dtype kernel_dtype(const Tensor &t, bool allow_fp32) {
+aq_dtype kernel_dtype(const Tensor &t) {
     switch (t.scalar_type()) {
     case ScalarType::BFloat16: return AQ_BFLOAT16;
     case ScalarType::Half: return AQ_FLOAT16;
-    case ScalarType::Float:
-        STD_TORCH_CHECK(allow_fp32, "attn_qat: attention takes bfloat16 or float16 tensors, got float32 "
-                                    "(use torch.autocast or cast the inputs)");
-        return AQ_FLOAT32;
+    case ScalarType::Float: return AQ_FLOAT32;
     default: STD_TORCH_CHECK(false, "attn_qat: expected a bfloat16, float16 or float32 tensor");
     }
     return AQ_FLOAT32;
 }
 
-// Launches on the tensor's device: the CPU kernel or the CUDA kernel on the current stream.
-template <typename Params>
-void launch(const Tensor &on, const Params &params, const char *(*cpu)(const Params *),
-            const char *(*cuda)(const Params *, void *)) {
+// The dtype of an attention or decode operand: one of those attn_qat.h names.
+aq_dtype attention_dtype(const Tensor &t) {
+    const aq_dtype dt = kernel_dtype(t);
+    STD_TORCH_CHECK(aq_attention_dtype_supported(dt), "attn_qat: attention takes bfloat16 or float16 tensors, got "
+                                                      "float32 (use torch.autocast or cast the inputs)");
+    return dt;
+}
+
+// Launches on the tensor's device: the CPU kernel, or cuda(stream) on the current stream of the tensor's CUDA
+// device (made the current device).
+template <typename Params, typename Cuda>
+void launch(const Tensor &on, const Params &params, const char *(*cpu)(const Params *), const Cuda &cuda) {
     const char *err = nullptr;
     if (on.is_cpu()) {
         err = cpu(&params);
@@ -60,7 +65,7 @@ void launch(const Tensor &on, const Params &params, const char *(*cpu)(const Par
         torch::stable::accelerator::DeviceGuard guard(on.get_device_index());
         void *stream = nullptr;
         STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(on.get_device_index(), &stream));
-        err = cuda(&params, stream);
+        err = cuda(stream);
 #else
         (void)cuda;
         STD_TORCH_CHECK(false, "attn_qat: this build has no CUDA kernels (it was built without nvcc)");
@@ -69,25 +74,32 @@ void launch(const Tensor &on, const Params &params, const char *(*cpu)(const Par
     STD_TORCH_CHECK(err == nullptr, "attn_qat: ", err ? err : "");
 }
 
-#ifdef AQ_WITH_CUDA
-// A CUDA launcher's fp32 workspace of floats(&params) floats (none when that is 0, or on the CPU) on q's device:
-// *ptr is set, and the returned tensor must outlive the launch.
-template <typename Params>
-Tensor cuda_workspace(const Tensor &q, const Params &params, int64_t (*floats)(const Params *), float **ptr) {
+// n floats of fp32 workspace on q's device in *ptr (none for n = 0); the tensor must outlive the launch.
+Tensor fp32_workspace(const Tensor &q, int64_t n, float **ptr) {
     Tensor workspace;
-    if (q.is_cpu()) return workspace;
-    int64_t n = 0;
-    {
-        torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-        n = floats(&params);
-    }
     if (n > 0) {
         workspace = torch::stable::new_empty(q, {n}, ScalarType::Float);
         *ptr = static_cast<float *>(workspace.data_ptr());
     }
     return workspace;
 }
-#endif
+
+// A CUDA attention call (attn_qat.h): the plan, once, for the kernel options in force, then the workspaces it names,
+// then the launch on that plan.
+// dq_accum: where the caller takes the fused dQ (not deterministic), else NULL.
+template <typename Params>
+const char *plan_and_launch(const Tensor &q, Params *p,
+                            const char *(*plan_cuda)(const Params *, const aq_kernel_options *, aq_attention_plan *),
+                            const char *(*cuda)(const Params *, const aq_attention_plan *, void *), void *stream,
+                            float **dq_accum = nullptr) {
+    const aq_kernel_options options = aq_get_kernel_options();
+    aq_attention_plan plan;
+    const char *err = plan_cuda(p, &options, &plan);
+    if (err) return err;
+    const Tensor tail = fp32_workspace(q, plan.tail_floats, &p->tail_workspace);
+    const Tensor fused_dq = dq_accum ? fp32_workspace(q, plan.dq_accum_floats, dq_accum) : Tensor();
+    return cuda(p, &plan, stream);
+}
 
 // ---------------------------------------------------------------------------------------------
 // NVFP4 quantization
@@ -142,7 +154,7 @@ aq_quantize_params quantize_params(Tensor &x, int64_t axis) {
     }
     aq_quantize_params p = {};
     p.x = x.data_ptr();
-    p.dtype = kernel_dtype(x, /*allow_fp32=*/true);
+    p.dtype = kernel_dtype(x);
     for (int i = 0; i < 3; i++) {
         p.outer[i] = view->outer[i];
         p.stride_outer[i] = view->outer_stride[i];
@@ -168,7 +180,7 @@ std::tuple<Tensor, Tensor> nvfp4_quantize(Tensor x, int64_t axis) {
     Tensor scales = torch::stable::new_empty(x, sizes_with_axis(x, axis, (n + 15) / 16), ScalarType::Float8_e4m3fn);
     p.codes = static_cast<uint8_t *>(codes.data_ptr());
     p.scales = static_cast<uint8_t *>(scales.data_ptr());
-    launch(x, p, aq_quantize_cpu, aq_quantize_cuda);
+    launch(x, p, aq_quantize_cpu, [&](void *stream) { return aq_quantize_cuda(&p, stream); });
     return {codes, scales};
 }
 
@@ -177,7 +189,7 @@ Tensor nvfp4_fake_quantize(Tensor x, int64_t axis) {
     aq_quantize_params p = quantize_params(x, axis);
     Tensor out = torch::stable::new_empty(x, std::vector<int64_t>(x.sizes().begin(), x.sizes().end()));
     p.fake = out.data_ptr();
-    launch(x, p, aq_quantize_cpu, aq_quantize_cuda);
+    launch(x, p, aq_quantize_cpu, [&](void *stream) { return aq_quantize_cuda(&p, stream); });
     return out;
 }
 
@@ -204,8 +216,8 @@ Tensor nvfp4_dequantize(Tensor codes, Tensor scales, int64_t axis, int64_t axis_
     p.inner = 1;
     for (int64_t d = axis + 1; d < codes.dim(); d++) p.inner *= codes.size(d);
     p.out = out.data_ptr();
-    p.dtype = kernel_dtype(out, /*allow_fp32=*/true);
-    launch(codes, p, aq_dequantize_cpu, aq_dequantize_cuda);
+    p.dtype = kernel_dtype(out);
+    launch(codes, p, aq_dequantize_cpu, [&](void *stream) { return aq_dequantize_cuda(&p, stream); });
     return out;
 }
 
@@ -252,8 +264,8 @@ struct AttentionShape {
 AttentionShape check_attention_inputs(const Tensor &q, const Tensor &k, const Tensor &v) {
     STD_TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "attn_qat: query, key and value must be 4-D (batch, heads, tokens, head_dim)");
-    const aq_dtype dt = kernel_dtype(q, false);
-    STD_TORCH_CHECK(kernel_dtype(k, false) == dt && kernel_dtype(v, false) == dt,
+    const aq_dtype dt = attention_dtype(q);
+    STD_TORCH_CHECK(attention_dtype(k) == dt && attention_dtype(v) == dt,
                     "attn_qat: query, key and value must have the same dtype");
     STD_TORCH_CHECK(q.is_cpu() == k.is_cpu() && q.is_cpu() == v.is_cpu() &&
                         q.get_device_index() == k.get_device_index() && q.get_device_index() == v.get_device_index(),
@@ -264,7 +276,8 @@ AttentionShape check_attention_inputs(const Tensor &q, const Tensor &k, const Te
                     "attn_qat: key and value must have the same heads and tokens");
     STD_TORCH_CHECK(k.size(3) == s.head_dim && v.size(3) == s.head_dim,
                     "attn_qat: query, key and value must have the same head_dim");
-    STD_TORCH_CHECK(s.head_dim == 64 || s.head_dim == 128, "attn_qat: head_dim must be 64 or 128, got ", s.head_dim);
+    STD_TORCH_CHECK(aq_head_dim_supported(s.head_dim), "attn_qat: head_dim must be " AQ_HEAD_DIMS_TEXT ", got ",
+                    s.head_dim);
     STD_TORCH_CHECK(s.heads_kv > 0 && s.heads_q % s.heads_kv == 0, "attn_qat: query heads (", s.heads_q,
                     ") must be a multiple of key/value heads (", s.heads_kv, ")");
     STD_TORCH_CHECK(s.seqlen_q > 0 && s.seqlen_k > 0 && s.batch > 0, "attn_qat: empty query or key sequence");
@@ -326,7 +339,7 @@ Spans check_spans(const std::optional<Tensor> &q_span, const std::optional<Tenso
     return spans;
 }
 
-// The kernels take the row max on raw scores and scale inside the exp (attention_common.cuh's logit_map), which
+// The kernels take the row max on raw scores and scale inside the exp (attention/mask.cuh's logit_map), which
 // needs scale > 0 as the float they use, with scale * log2(e) finite.
 void check_scale(double scale) {
     STD_TORCH_CHECK(scale > 0.0, "attn_qat: the attention ops take softmax scale > 0, got ", scale,
@@ -349,7 +362,7 @@ Tensor set_problem(Params *p, const Tensor &q, const AttentionShape &s, double s
     p->head_dim = s.head_dim;
     p->softmax_scale = (float)scale;
     set_causal(causal, s, &p->causal, &p->causal_offset);
-    p->dtype = kernel_dtype(q, false);
+    p->dtype = attention_dtype(q);
     p->q_span = spans.q;
     p->k_span = spans.k;
     Tensor nonfinite_flag;
@@ -383,11 +396,9 @@ void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::o
     p.row_sum = static_cast<float *>(row_sum.data_ptr());
     p.quantize_p = quantize_p;
     const Tensor nonfinite_flag = set_problem(&p, q, s, scale, causal, spans);
-    Tensor tail_workspace; // the split last wave's partial results (hopper.cuh, tail_split)
-#ifdef AQ_WITH_CUDA
-    tail_workspace = cuda_workspace(q, p, aq_attention_fwd_tail_floats, &p.tail_workspace);
-#endif
-    launch(q, p, aq_attention_fwd_cpu, aq_attention_fwd_cuda);
+    launch(q, p, aq_attention_fwd_cpu, [&](void *stream) {
+        return plan_and_launch(q, &p, aq_attention_fwd_plan_cuda, aq_attention_fwd_cuda, stream);
+    });
 }
 
 void check_mode(int64_t mode) {
@@ -500,13 +511,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     copy_strides(dv, p.dv_stride);
     p.quantize_p_for_dv = mode == MODE_ATTN_QAT || mode == MODE_LOW_PRECISION_O;
     const Tensor nonfinite_flag = set_problem(&p, q, s, scale, causal, spans);
-    Tensor dq_accum; // the fused dQ's fp32 sums (attn_qat.h): 5 products instead of 7, dQ not bit-reproducible
-    Tensor tail_workspace; // the dK/dV kernel's split last wave (hopper.cuh, tail_split)
-#ifdef AQ_WITH_CUDA
-    if (!deterministic) dq_accum = cuda_workspace(q, p, aq_attention_bwd_dq_accum_floats, &p.dq_accum);
-    tail_workspace = cuda_workspace(q, p, aq_attention_bwd_tail_floats, &p.tail_workspace);
-#endif
-    launch(q, p, aq_attention_bwd_cpu, aq_attention_bwd_cuda);
+    // not deterministic: the fused dQ's fp32 sums (attn_qat.h), 5 products instead of 7, dQ not bit-reproducible
+    launch(q, p, aq_attention_bwd_cpu, [&](void *stream) {
+        return plan_and_launch(q, &p, aq_attention_bwd_plan_cuda, aq_attention_bwd_cuda, stream,
+                               deterministic ? nullptr : &p.dq_accum);
+    });
     return {dq, dk, dv};
 }
 
@@ -564,7 +573,7 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
                         block_table.scalar_type() == ScalarType::Int,
                     "attn_qat: kv_cache_decode: block_table must be an int32 (batch, pages_per_seq) tensor");
     aq_decode_params p = {};
-    p.dtype = kernel_dtype(q, false);
+    p.dtype = attention_dtype(q);
     Tensor qc = torch::stable::contiguous(q); // raw: the kernel fake-quantizes its rows along D itself
     p.q = qc.data_ptr();
     p.k_codes = static_cast<const uint8_t *>(k_codes.data_ptr());
@@ -594,7 +603,7 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
     Tensor out = torch::stable::new_empty(q, {batch, heads_q, tokens, dim});
     p.workspace = static_cast<float *>(workspace.data_ptr());
     p.out = out.data_ptr();
-    launch(q, p, kv_cache_decode_no_cpu, aq_kv_cache_decode_cuda);
+    launch(q, p, kv_cache_decode_no_cpu, [&](void *stream) { return aq_kv_cache_decode_cuda(&p, stream); });
     return out;
 }
 #endif

@@ -31,7 +31,7 @@
    the pairs (code i, code i + 4), i < 4: the two codes 16 bits apart, the two halves of an fp16 pair. That
    pairing fixes the contraction order below.
 
-   Fragment layouts (mma.sync m16n8k16, g = lane >> 2, t = lane & 3; see attention_common.cuh). The order of the
+   Fragment layouts (mma.sync m16n8k16, g = lane >> 2, t = lane & 3; see attention/fragments.cuh). The order of the
    contraction index inside an MMA is free as long as both operands agree, and so is the order of the output
    columns; the kernel picks both so that every lane reads contiguous bytes and dequantizes a code word into
    whole registers:
@@ -56,7 +56,9 @@
      2t + 9 of query row 8 nb + g). The lane's O elements o[mt][nb][e] are channel g * D/8 + 2 mt + (e >> 1),
      query row 8 nb + 2t + (e & 1): the rows whose softmax state the lane keeps.
    - Units with hidden keys (pv_checked) take the same fragments, with non-finite V values set aside. */
-#include "attention/attention_common.cuh"
+#include "attention/fragments.cuh"
+#include "attention/launch.h"
+#include "attention/softmax.cuh"
 
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * 32)
@@ -771,8 +773,8 @@ static int decode_m_tiles(const aq_decode_params *p) {
 }
 
 const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace_floats) {
-    if (p->dtype != AQ_BFLOAT16 && p->dtype != AQ_FLOAT16) return "kv_cache_decode: dtype must be bfloat16 or float16";
-    if (p->head_dim != 64 && p->head_dim != 128) return "kv_cache_decode: head_dim must be 64 or 128";
+    if (!aq_attention_dtype_supported(p->dtype)) return "kv_cache_decode: dtype must be bfloat16 or float16";
+    if (!aq_head_dim_supported(p->head_dim)) return "kv_cache_decode: head_dim must be " AQ_HEAD_DIMS_TEXT;
     if (p->heads_kv <= 0 || p->heads_q <= 0 || p->heads_q % p->heads_kv != 0)
         return "kv_cache_decode: heads_q must be a positive multiple of heads_kv";
     if (p->batch < 0 || p->batch > 65535 || p->heads_kv > 65535)
@@ -848,8 +850,7 @@ const char *aq_kv_cache_decode_cuda(const aq_decode_params *p, void *stream) {
     if (!p->block_table) return "kv_cache_decode: block_table is required";
     for (const void *ptr : ptrs)
         if (!aligned16(ptr)) return "kv_cache_decode: every buffer must be 16-byte aligned";
-    cudaStream_t s = (cudaStream_t)stream;
-    if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_decode<64, AQ_BFLOAT16>(p, s) : launch_decode<128, AQ_BFLOAT16>(p, s);
-    return p->head_dim == 64 ? launch_decode<64, AQ_FLOAT16>(p, s) : launch_decode<128, AQ_FLOAT16>(p, s);
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_decode<decltype(d)::value, decltype(dt)::value>(p, (cudaStream_t)stream);
+    });
 }

@@ -1,7 +1,11 @@
 /* Attention backward on CUDA (numerics.md §4), deterministic and without atomics: delta = rowsum(dO * O'), then
    dK/dV per key tile (summing over the query heads of its KV group) and dQ per query tile, both recomputing P. */
-#include "attention/attention_common.cuh"
-#include "sm90/attention_sm90.h"
+#include "attention/backward_steps.cuh"
+#include "attention/dispatch.h"
+#include "attention/launch.h"
+#include "attention/nonfinite.cuh"
+#include "attention/scheduler.cuh"
+#include "attention/tile_io.cuh"
 
 #define BWD_KEYS 64 /* keys per dK/dV CTA (16 per warp) and per dQ key tile */
 #define BWD_ROWS 64 /* query rows per dQ CTA (16 per warp) */
@@ -319,30 +323,17 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
     return NULL;
 }
 
-template <int D, aq_dtype DT>
-static const char *launch_bwd_all(const aq_attention_bwd_params *p, cudaStream_t stream, bool vec) {
-    const char *err = launch_bwd_delta<D, DT>(p, stream);
-    if (err) return err;
-    bool taken;
-    const int *only_if;
-    err = aq_attention_bwd_sm90(p, stream, &taken, &only_if);
-    if (err || (taken && only_if == NULL)) return err;
-    return launch_bwd<D, DT>(p, stream, vec, only_if);
+const char *aq_attention_bwd_delta_sm80(const aq_attention_bwd_params *p, cudaStream_t s) {
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_bwd_delta<decltype(d)::value, decltype(dt)::value>(p, s);
+    });
 }
 
-const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *caller, void *stream) {
-    const char *err = check_attention_sizes(caller->dtype, caller->head_dim, caller->batch, caller->heads_q,
-                                            caller->heads_kv, caller->seqlen_q, caller->seqlen_k);
-    if (err) return err;
-    if (caller->batch == 0) return NULL;
-    aq_attention_bwd_params params = *caller, *p = &params;
-    const cudaError_t e = sm_count(&params.sm_count);
-    if (e != cudaSuccess) return cudaGetErrorString(e);
+const char *aq_attention_bwd_sm80(const aq_attention_bwd_params *p, cudaStream_t s, const int *only_if) {
     const bool vec = vec_ok(p->q, p->q_stride) && vec_ok(p->k, p->k_stride) && vec_ok(p->v, p->v_stride) &&
                      vec_ok(p->dout, p->dout_stride) && vec_ok(p->dq, p->dq_stride) && vec_ok(p->dk, p->dk_stride) &&
                      vec_ok(p->dv, p->dv_stride);
-    cudaStream_t s = (cudaStream_t)stream;
-    if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_bwd_all<64, AQ_BFLOAT16>(p, s, vec) : launch_bwd_all<128, AQ_BFLOAT16>(p, s, vec);
-    return p->head_dim == 64 ? launch_bwd_all<64, AQ_FLOAT16>(p, s, vec) : launch_bwd_all<128, AQ_FLOAT16>(p, s, vec);
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_bwd<decltype(d)::value, decltype(dt)::value>(p, s, vec, only_if);
+    });
 }

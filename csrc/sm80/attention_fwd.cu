@@ -1,7 +1,11 @@
 /* Attention forward on CUDA (numerics.md §3): FlashAttention-2 on mma.sync, one pass with an integer running
    frame, the NVFP4 fake-quant of P in registers; writes O, optionally O', and the row statistics M and l. */
-#include "attention/attention_common.cuh"
-#include "sm90/attention_sm90.h"
+#include "attention/dispatch.h"
+#include "attention/launch.h"
+#include "attention/mask.cuh"
+#include "attention/nonfinite.cuh"
+#include "attention/softmax.cuh"
+#include "attention/tile_io.cuh"
 
 #define FWD_BM 64 /* query rows per CTA, 16 per warp */
 
@@ -20,9 +24,9 @@ static constexpr __host__ __device__ int fwd_min_ctas_per_sm(int d, bool with_o_
 
 /* q, o, o_prime: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), strided; frame_m, row_sum: (B, Hq, Nq) fp32 contiguous.
    grid (ceil(Nq / 64), Hq, B), 128 threads; run_only_if: NULL, or a device flag without which the CTA exits at once
-   (attention_sm90.h). The CTA keeps its 64 query rows in shared memory and walks the key
-   tiles of BN that any of its rows can see (K and V through shared memory). Warp w owns rows 16w .. 16w+15 and
-   keeps S (16 x BN), O (16 x D) and, with WITH_O_PRIME, O' (16 x D) in registers.
+   (attention/dispatch.h). The CTA keeps its 64 query rows in shared memory and walks the key tiles of BN that any
+   of its rows can see (K and V through shared memory). Warp w owns rows 16w .. 16w+15 and keeps S (16 x BN), O
+   (16 x D) and, with WITH_O_PRIME, O' (16 x D) in registers.
    QUANTIZE_P: O accumulates fq16(P̂ * 2^11) (scaled back by 2^-11 / l at the end) and, with WITH_O_PRIME, O'
    accumulates P̂. !QUANTIZE_P: O accumulates P̂, and O' (if wanted) is the same tensor, stored twice.
    A row with no visible key stores O = O' = 0, M = -inf, l = 0; one whose visible scores are all -inf (or NaN)
@@ -170,21 +174,10 @@ static const char *launch_fwd_mode(const aq_attention_fwd_params *p, cudaStream_
     return launch_fwd<D, DT, true, false>(p, stream, vec, only_if);
 }
 
-const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, void *stream) {
-    const char *err = check_attention_sizes(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv, p->seqlen_q,
-                                            p->seqlen_k);
-    if (err) return err;
-    if (p->batch == 0 || p->seqlen_q == 0) return NULL;
-    cudaStream_t s = (cudaStream_t)stream;
-    bool taken;
-    const int *only_if;
-    err = aq_attention_fwd_sm90(p, s, &taken, &only_if);
-    if (err || (taken && only_if == NULL)) return err;
+const char *aq_attention_fwd_sm80(const aq_attention_fwd_params *p, cudaStream_t s, const int *only_if) {
     const bool vec = vec_ok(p->q, p->q_stride) && vec_ok(p->k, p->k_stride) && vec_ok(p->v, p->v_stride) &&
                      vec_ok(p->o, p->o_stride) && vec_ok(p->o_prime, p->o_prime_stride);
-    if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_fwd_mode<64, AQ_BFLOAT16>(p, s, vec, only_if)
-                                 : launch_fwd_mode<128, AQ_BFLOAT16>(p, s, vec, only_if);
-    return p->head_dim == 64 ? launch_fwd_mode<64, AQ_FLOAT16>(p, s, vec, only_if)
-                             : launch_fwd_mode<128, AQ_FLOAT16>(p, s, vec, only_if);
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_fwd_mode<decltype(d)::value, decltype(dt)::value>(p, s, vec, only_if);
+    });
 }

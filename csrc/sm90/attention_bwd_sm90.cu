@@ -1,6 +1,6 @@
 /* Attention backward on Hopper (numerics.md §4): attention_bwd.cu's dK/dV and dQ kernels on wgmma fed by TMA, with
-   a producer warp and two consumer warpgroups, and the same elementwise code (attention_common.cuh). dK/dV per key
-   tile (looping over the query heads of its KV group); the delta kernel of attention_bwd.cu runs first. dQ two ways:
+   a producer warp and two consumer warpgroups, and the same elementwise code (attention/backward_steps.cuh). dK/dV
+   per key tile (looping over the query heads of its KV group); the delta kernel of attention_bwd.cu runs first. dQ two ways:
    - fused (params.dq_accum set, the default): the dK/dV kernel also makes dQ = dS K from its own dS and adds it
      into dq_accum (5 products instead of 7; the order of the fp32 adds varies run to run), then a small kernel
      converts dq_accum into dQ;
@@ -15,8 +15,14 @@
    Left to the mma.sync kernels by the launcher: operands TMA cannot take, and hidden terms over non-finite Q, dO
    or K: with hidden terms the kernels flag any gradient that came out non-finite, and the mma.sync kernels,
    launched behind them, then do the whole backward again (as in attention_fwd_sm90.cu). */
-#include "sm90/attention_sm90.h"
+#include "attention/backward_steps.cuh"
+#include "attention/dispatch.h"
+#include "attention/launch.h"
+#include "attention/nonfinite.cuh"
+#include "attention/scheduler.cuh"
+#include "attention/tile_io.cuh"
 #include "sm90/hopper.cuh"
+#include "sm90/tensor_map.h"
 
 #define BWD90_THREADS 384 /* producer warpgroup + 2 consumer warpgroups */
 #define BWD90_STAGES 3
@@ -39,7 +45,7 @@ __host__ __device__ inline int64_t dq_accum_chunk(int64_t b, int64_t h, int64_t 
 }
 
 /* dq_accum's size in floats: where the chunk one past the last (batch, head, step, half) would start. */
-static int64_t dq_accum_floats(const aq_attention_bwd_params *p) {
+int64_t aq_attention_bwd_sm90_dq_accum_floats(const aq_attention_bwd_params *p) {
     return dq_accum_chunk(p->batch, 0, p->heads_q, p->seqlen_q, 0, 0, (int)p->head_dim);
 }
 
@@ -576,26 +582,27 @@ static dkdv90_kernel dkdv_sm90_kernel(bool quantize_p_for_dv, bool fused_dq) {
                              : attention_bwd_dkdv_sm90_kernel<D, DT, false, false, TAIL>;
 }
 
-/* The dK/dV kernel's tail split (plan_tail_split): items of 128 keys, not causal (those items differ in length and
-   run longest first), parts of 64-query steps over the group's heads. Packed sequences (causal 0, attn_qat.h): each
-   part takes its share of its item's own steps; the host caps the parts by every query's steps. */
-static tail_split dkdv_tail_plan(const aq_attention_bwd_params *p) {
-    const int64_t items = (p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch;
-    int sms = 0;
-    if (p->causal || p->seqlen_q == 0 || sm_count(&sms) != cudaSuccess) return {(int)items, 0, 1, NULL};
-    return plan_tail_split(items, p->heads_q / p->heads_kv * ((p->seqlen_q + BWD90_Q_STEP - 1) / BWD90_Q_STEP), sms,
-                           true);
+/* The dK/dV kernel's tail split (attention/dispatch.cu plans it): items of 128 keys, not causal (those items differ
+   in length and run longest first), parts of 64-query steps over the group's heads. Packed sequences (causal 0,
+   attn_qat.h): each part takes its share of its item's own steps; the host caps the parts by every query's steps. */
+sm90_tail_shape aq_attention_bwd_sm90_tail_shape(const aq_attention_bwd_params *p) {
+    sm90_tail_shape t = {};
+    t.items = (p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch;
+    if (p->causal || p->seqlen_q == 0) return t;
+    t.splittable = t.full_grids = true;
+    t.units = p->heads_q / p->heads_kv * ((p->seqlen_q + BWD90_Q_STEP - 1) / BWD90_Q_STEP);
+    t.part_floats = with_head_dim(p->head_dim, [](auto d) { return DkdvTailPart<decltype(d)::value>::FLOATS; });
+    return t;
 }
 
 template <int D, aq_dtype DT>
-static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_t stream, bool *taken,
-                                   const int **fallback_flag) {
+static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, const aq_attention_plan *plan,
+                                   cudaStream_t stream, bool *taken, const int **fallback_flag) {
     const bool fused_dq = p->dq_accum != NULL;
     const dkdv90_kernel dkdv = dkdv_sm90_kernel<D, DT, false>(p->quantize_p_for_dv, fused_dq);
     const dkdv90_kernel dkdv_tail = dkdv_sm90_kernel<D, DT, true>(p->quantize_p_for_dv, fused_dq);
     const dq90_kernel dq = attention_bwd_dq_sm90_kernel<D, DT>;
     const int dkdv_smem = fused_dq ? DkdvLayout<D, true>::ALLOC : DkdvLayout<D, false>::ALLOC;
-    if (!sm90_available((const void *)dkdv)) return NULL;
     if (!fragment_store_ok(p->dq, p->dq_stride) || !fragment_store_ok(p->dk, p->dk_stride) ||
         !fragment_store_ok(p->dv, p->dv_stride))
         return NULL;
@@ -628,13 +635,11 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
     int *nonfinite = hidden_terms ? p->scratch : NULL;
     *taken = true;
     if (fused_dq && p->seqlen_q > 0) {
-        err = cudaMemsetAsync(p->dq_accum, 0, dq_accum_floats(p) * sizeof(float), stream);
+        err = cudaMemsetAsync(p->dq_accum, 0, aq_attention_bwd_sm90_dq_accum_floats(p) * sizeof(float), stream);
         if (err != cudaSuccess) return cudaGetErrorString(err);
     }
     if (p->seqlen_k > 0) {
-        tail_split ts = dkdv_tail_plan(p);
-        ts.part = p->tail_workspace;
-        if (ts.part == NULL) ts.splits = 1; /* the caller did not ask aq_attention_bwd_tail_floats */
+        const tail_split ts = planned_tail_split(plan, p->tail_workspace);
         const dim3 grid((unsigned)((p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch));
         dkdv<<<grid, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16, dv16, *p, nonfinite, ts);
         if (ts.splits > 1) {
@@ -660,29 +665,11 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_
     return NULL;
 }
 
-int64_t aq_attention_bwd_dq_accum_floats(const aq_attention_bwd_params *p) {
-    if ((p->head_dim != 64 && p->head_dim != 128) || p->seqlen_q == 0 ||
-        !sm90_available((const void *)attention_bwd_dkdv_sm90_kernel<128, AQ_BFLOAT16, true, true, false>))
-        return 0;
-    return dq_accum_floats(p);
-}
-
-int64_t aq_attention_bwd_tail_floats(const aq_attention_bwd_params *p) {
-    if ((p->head_dim != 64 && p->head_dim != 128) || p->seqlen_k == 0 ||
-        !sm90_available((const void *)attention_bwd_dkdv_sm90_kernel<128, AQ_BFLOAT16, true, true, true>))
-        return 0;
-    const tail_split ts = dkdv_tail_plan(p);
-    if (ts.splits <= 1) return 0;
-    return (int64_t)ts.tail_items * ts.splits * (p->head_dim == 64 ? DkdvTailPart<64>::FLOATS : DkdvTailPart<128>::FLOATS);
-}
-
-const char *aq_attention_bwd_sm90(const aq_attention_bwd_params *p, cudaStream_t stream, bool *taken,
-                                  const int **fallback_flag) {
+const char *aq_attention_bwd_sm90(const aq_attention_bwd_params *p, const aq_attention_plan *plan,
+                                  cudaStream_t stream, bool *taken, const int **fallback_flag) {
     *taken = false;
     *fallback_flag = NULL;
-    if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_bwd_sm90<64, AQ_BFLOAT16>(p, stream, taken, fallback_flag)
-                                 : launch_bwd_sm90<128, AQ_BFLOAT16>(p, stream, taken, fallback_flag);
-    return p->head_dim == 64 ? launch_bwd_sm90<64, AQ_FLOAT16>(p, stream, taken, fallback_flag)
-                             : launch_bwd_sm90<128, AQ_FLOAT16>(p, stream, taken, fallback_flag);
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_bwd_sm90<decltype(d)::value, decltype(dt)::value>(p, plan, stream, taken, fallback_flag);
+    });
 }

@@ -6,8 +6,8 @@
        STAGES slots, each guarded by "full" mbarriers (TMA bytes arrived) and an "empty" one (all consumer warps done);
        it gives most of its registers away (setmaxnreg).
      warpgroups 1 and 2, the consumers: 64 query rows each. Per key tile: S = Q K^T (wgmma, both operands in shared
-       memory), the online softmax in an integer frame and the P fake-quant in registers (attention_common.cuh,
-       shared with the mma.sync kernel), then O += P^F V and O' += P̂ V (wgmma, P from registers).
+       memory), the online softmax in an integer frame and the P fake-quant in registers (attention/softmax.cuh,
+       p_quant.cuh, shared with the mma.sync kernel), then O += P^F V and O' += P̂ V (wgmma, P from registers).
    The accumulator layout of wgmma m64nN is, per warp, the mma.sync C fragment repeated along N, and the register
    A operand is the mma.sync A fragment, so the softmax code and the P fragments are the mma.sync kernel's.
    Rows and keys past the sequence arrive as zeros (TMA bounds); their results are masked or never stored.
@@ -16,12 +16,22 @@
    take, and hidden keys (causal or masked) whose V rows hold Inf or NaN, which must stay absent (numerics.md §8)
    where this kernel's P V multiplies them by 0: with hidden keys it flags any output that came out non-finite
    (flag_if_nonfinite), and the mma.sync kernel, launched behind it, then does the whole call again. */
-#include "sm90/attention_sm90.h"
+#include <algorithm>
+
+#include "attention/dispatch.h"
+#include "attention/launch.h"
+#include "attention/mask.cuh"
+#include "attention/nonfinite.cuh"
+#include "attention/scheduler.cuh"
+#include "attention/softmax.cuh"
+#include "attention/tile_io.cuh"
 #include "sm90/hopper.cuh"
+#include "sm90/tensor_map.h"
 
 #define SM90_STAGES 2       /* K/V ring slots */
-/* The tail split (tail_split): the quantized kernels' query rows a CTA (fwd_tail_plan checks), and the keys of a
-   part's unit, so that the inference kernel's 128-key tiles and the training kernel's 64-key ones split alike. */
+/* The tail split (tail_split): the quantized kernels' query rows a CTA (aq_attention_fwd_sm90_tail_shape checks),
+   and the keys of a part's unit, so that the inference kernel's 128-key tiles and the training kernel's 64-key ones
+   split alike. */
 #define FWD_TAIL_BM 128
 #define FWD_TAIL_KEYS 128
 #define FWD_EPILOGUE_BARRIER 1 /* named barrier of the consumer warpgroups before the outputs are staged */
@@ -520,34 +530,52 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 /* ------------------------------------------------------------------------------------------------
    Launcher */
 
-/* The forward's tail split (plan_tail_split): the quantized kernels' items of 128 query rows, not causal (those
-   items differ in length and run longest first), parts of FWD_TAIL_KEYS-key units. Packed sequences come with
-   causal 0 whatever their rule (attn_qat.h): each part then takes its share of its item's own keys, and the host,
-   which cannot see those, caps the parts by all the keys' units (a part of a short item may get none). The D = 64
-   inference forward
-   splits only a grid of less than one wave, where the parts fill idle SMs: with more waves its split measured 1-2%
-   slower on the H200, the D = 128 one's 1-1.5% faster (4k, Wan 1.3B; performance.md v19). */
-static tail_split fwd_tail_plan(const aq_attention_fwd_params *p) {
+bool aq_sm90_kernels_run_here(void) {
+#ifndef AQ_BUILT_SM90A
+    return false; /* no sm_90a image: the kernels' bodies were compiled empty */
+#else
+    const void *kernel = (const void *)attention_fwd_sm90_kernel<128, AQ_BFLOAT16, true, false, 2, false, true>;
+    cudaFuncAttributes attr;
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+        cudaGetLastError(); /* no sm_90a code in this build: not an error of the caller's */
+        return false;
+    }
+    return attr.binaryVersion >= 90;
+#endif
+}
+
+/* The forward's tail split (attention/dispatch.cu plans it): the quantized kernels' items of 128 query rows, not
+   causal (those items differ in length and run longest first), parts of FWD_TAIL_KEYS-key units. Packed sequences
+   come with causal 0 whatever their rule (attn_qat.h): each part then takes its share of its item's own keys, and
+   the host, which cannot see those, caps the parts by all the keys' units (a part of a short item may get none). The
+   D = 64 inference forward splits only a grid of less than one wave, where the parts fill idle SMs: with more waves
+   its split measured 1-2% slower on the H200, the D = 128 one's 1-1.5% faster (4k, Wan 1.3B; performance.md v19). */
+sm90_tail_shape aq_attention_fwd_sm90_tail_shape(const aq_attention_fwd_params *p) {
     static_assert(64 * sm90_consumer_warpgroups(64, true) == FWD_TAIL_BM &&
                       64 * sm90_consumer_warpgroups(128, true) == FWD_TAIL_BM,
                   "the quantized kernels' items are FWD_TAIL_BM query rows");
-    const int64_t items = (p->seqlen_q + FWD_TAIL_BM - 1) / FWD_TAIL_BM * p->heads_q * p->batch;
-    int sms = 0;
-    if (!p->quantize_p || p->causal || sm_count(&sms) != cudaSuccess) return {(int)items, 0, 1, NULL};
-    return plan_tail_split(items, (p->seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS, sms,
-                           p->o_prime != NULL || p->head_dim == 128);
+    sm90_tail_shape t = {};
+    t.items = (p->seqlen_q + FWD_TAIL_BM - 1) / FWD_TAIL_BM * p->heads_q * p->batch;
+    if (!p->quantize_p || p->causal) return t;
+    t.splittable = true;
+    t.units = (p->seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS;
+    t.full_grids = p->o_prime != NULL || p->head_dim == 128;
+    t.part_floats = with_head_dim(p->head_dim, [&](auto d) {
+        constexpr int D = decltype(d)::value;
+        return p->o_prime ? FwdTailPart<D, FWD_TAIL_BM, true>::FLOATS : FwdTailPart<D, FWD_TAIL_BM, false>::FLOATS;
+    });
+    return t;
 }
 
 template <int D, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
-static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t stream, bool *taken,
-                               const int **fallback_flag) {
+static const char *launch_sm90(const aq_attention_fwd_params *p, const aq_attention_plan *plan, cudaStream_t stream,
+                               bool *taken, const int **fallback_flag) {
     constexpr int NWG = sm90_consumer_warpgroups(D, QUANTIZE_P);
     constexpr bool PERSISTENT = !QUANTIZE_P;
     using kernel_t = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
                               const CUtensorMap, const aq_attention_fwd_params, int *, const tail_split);
     kernel_t kernel = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME, NWG, PERSISTENT, false>;
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG, SM90_THREADS = 128 * (NWG + 1);
-    if (!sm90_available((const void *)kernel)) return NULL;
     if (!fragment_store_ok(p->o, p->o_stride) || !fragment_store_ok(p->o_prime, p->o_prime_stride)) return NULL;
     /* hidden keys whose V is not finite need the mma.sync kernel's scrubbing: the outputs are checked (packed
        sequences hide the other sequences' keys, causal or not) */
@@ -569,9 +597,7 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     tail_split ts = {(int)work, 0, 1, NULL};
     kernel_t tail_kernel = NULL;
     if constexpr (QUANTIZE_P) {
-        ts = fwd_tail_plan(p);
-        ts.part = p->tail_workspace;
-        if (ts.part == NULL) ts.splits = 1; /* the caller did not ask aq_attention_fwd_tail_floats */
+        ts = planned_tail_split(plan, p->tail_workspace);
         tail_kernel = attention_fwd_sm90_kernel<D, DT, QUANTIZE_P, WITH_O_PRIME, NWG, false, true>;
     }
     const int smem = Sm90Layout<D, BN, SM90_BM, QUANTIZE_P>::ALLOC;
@@ -579,15 +605,13 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
     for (kernel_t k : {kernel, tail_kernel})
         if (k != NULL && (err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
             return cudaGetErrorString(err);
-    int sms = 0;
-    if (PERSISTENT && (err = sm_count(&sms)) != cudaSuccess) return cudaGetErrorString(err);
     if (hidden_keys) {
         err = cudaMemsetAsync(p->scratch, 0, sizeof(int), stream);
         if (err != cudaSuccess) return cudaGetErrorString(err);
         *fallback_flag = p->scratch;
     }
     int *nonfinite = hidden_keys ? p->scratch : NULL;
-    const dim3 grid = PERSISTENT ? dim3((unsigned)std::min<int64_t>(work, sms))
+    const dim3 grid = PERSISTENT ? dim3((unsigned)std::min<int64_t>(work, plan->sm_count))
                                  : dim3((unsigned)q_tiles, (unsigned)p->heads_q, (unsigned)p->batch);
     kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, tm_o, tm_o2, *p, nonfinite, ts);
     if (ts.splits > 1) {
@@ -601,33 +625,18 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, cudaStream_t st
 }
 
 template <int D, aq_dtype DT>
-static const char *launch_sm90_mode(const aq_attention_fwd_params *p, cudaStream_t stream, bool *taken,
-                                    const int **fallback_flag) {
-    if (!p->quantize_p) return launch_sm90<D, DT, false, false>(p, stream, taken, fallback_flag);
-    if (p->o_prime) return launch_sm90<D, DT, true, true>(p, stream, taken, fallback_flag);
-    return launch_sm90<D, DT, true, false>(p, stream, taken, fallback_flag);
+static const char *launch_sm90_mode(const aq_attention_fwd_params *p, const aq_attention_plan *plan,
+                                    cudaStream_t stream, bool *taken, const int **fallback_flag) {
+    if (!p->quantize_p) return launch_sm90<D, DT, false, false>(p, plan, stream, taken, fallback_flag);
+    if (p->o_prime) return launch_sm90<D, DT, true, true>(p, plan, stream, taken, fallback_flag);
+    return launch_sm90<D, DT, true, false>(p, plan, stream, taken, fallback_flag);
 }
 
-const char *aq_attention_fwd_sm90(const aq_attention_fwd_params *p, cudaStream_t stream, bool *taken,
-                                  const int **fallback_flag) {
+const char *aq_attention_fwd_sm90(const aq_attention_fwd_params *p, const aq_attention_plan *plan,
+                                  cudaStream_t stream, bool *taken, const int **fallback_flag) {
     *taken = false;
     *fallback_flag = NULL;
-    if (p->dtype == AQ_BFLOAT16)
-        return p->head_dim == 64 ? launch_sm90_mode<64, AQ_BFLOAT16>(p, stream, taken, fallback_flag)
-                                 : launch_sm90_mode<128, AQ_BFLOAT16>(p, stream, taken, fallback_flag);
-    return p->head_dim == 64 ? launch_sm90_mode<64, AQ_FLOAT16>(p, stream, taken, fallback_flag)
-                             : launch_sm90_mode<128, AQ_FLOAT16>(p, stream, taken, fallback_flag);
-}
-
-int64_t aq_attention_fwd_tail_floats(const aq_attention_fwd_params *p) {
-    if ((p->head_dim != 64 && p->head_dim != 128) || p->seqlen_q == 0 || p->seqlen_k == 0 ||
-        !sm90_available((const void *)attention_fwd_sm90_kernel<128, AQ_BFLOAT16, true, false, 2, false, true>))
-        return 0;
-    const tail_split ts = fwd_tail_plan(p);
-    if (ts.splits <= 1) return 0;
-    const int64_t floats =
-        p->head_dim == 64
-            ? (p->o_prime ? FwdTailPart<64, FWD_TAIL_BM, true>::FLOATS : FwdTailPart<64, FWD_TAIL_BM, false>::FLOATS)
-            : (p->o_prime ? FwdTailPart<128, FWD_TAIL_BM, true>::FLOATS : FwdTailPart<128, FWD_TAIL_BM, false>::FLOATS);
-    return (int64_t)ts.tail_items * ts.splits * floats;
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
+        return launch_sm90_mode<decltype(d)::value, decltype(dt)::value>(p, plan, stream, taken, fallback_flag);
+    });
 }

@@ -1,18 +1,13 @@
 /* Hopper (sm_90a) primitives for the attention kernels: mbarriers, TMA tile loads, warpgroup MMA (wgmma) and
    its shared-memory matrix descriptors, register reallocation. Thin inline-PTX wrappers, named after the PTX they
    emit (PTX ISA 8.x: "Asynchronous Warpgroup Level Matrix Multiply-Accumulate", "Tensor Copy", "mbarrier").
-   Every function here needs sm_90a; callers compile them only where AQ_SM90_ENABLED is 1. */
+   Device code only, each function needing sm_90a: callers compile them only where AQ_SM90_ENABLED is 1 (the host
+   side of the Hopper kernels: sm90/tensor_map.h, attention/dispatch.cu). */
 #pragma once
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 
-#include <algorithm>
-
-#include "attention/attention_common.cuh"
+#include "attention/fragments.cuh"
 
 /* Device code for sm_90a (wgmma, setmaxnreg) is generated only in the sm_90a pass of nvcc; the host pass and the
    passes for other targets see the kernels' bodies as empty. */
@@ -348,124 +343,4 @@ AQ_D void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t desc_b, i
     static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
     if constexpr (N == 64) wgmma_m64n64k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
     else wgmma_m64n128k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
-}
-
-/* Sets *flag when one of the warp's values is Inf or NaN (x * 0 + z keeps z = 0 for every finite x and makes it NaN
-   otherwise). The Hopper kernels check their outputs with it where hidden terms could have carried a non-finite
-   input into them (a hidden key's NaN times its P of 0); the launchers then run the mma.sync kernels, which keep
-   hidden terms absent, behind them (attention_fwd_sm90.cu). Called by the whole warp. */
-template <int N, int E>
-AQ_D void flag_if_nonfinite(const float (&x)[N][E], int *flag) {
-    float z[E] = {};
-#pragma unroll
-    for (int n = 0; n < N; n++)
-#pragma unroll
-        for (int e = 0; e < E; e++) z[e] = __fmaf_rn(x[n][e], 0.0f, z[e]);
-    bool bad = false;
-#pragma unroll
-    for (int e = 0; e < E; e++) bad |= z[e] != z[e];
-    if (__any_sync(0xFFFFFFFFu, bad) && ((int)threadIdx.x & 31) == 0) *flag = 1;
-}
-
-/* ------------------------------------------------------------------------------------------------
-   Host side: launch conditions and TMA descriptors. */
-
-static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
-    if (fn == NULL) {
-        void *ptr = NULL;
-        cudaDriverEntryPointQueryResult found;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) ==
-                cudaSuccess &&
-            found == cudaDriverEntryPointSuccess)
-            fn = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
-    }
-    return fn;
-}
-
-/* A 4-D tensor map over x (B, H, N, D) with boxes of 64 columns x box_rows tokens, 128-byte swizzled; false when
-   TMA cannot address the tensor (alignment, strides). */
-static bool make_tensor_map(CUtensorMap *map, const void *x, aq_dtype dtype, int64_t batch, int64_t heads,
-                            int64_t tokens, int64_t head_dim, const int64_t stride[3], int box_rows) {
-    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-    if (encode == NULL || !aligned16(x)) return false;
-    const int64_t sizes[3] = {tokens, heads, batch}, strides[3] = {stride[2], stride[1], stride[0]};
-    cuuint64_t dims[4] = {(cuuint64_t)head_dim, 0, 0, 0}, byte_strides[3];
-    for (int i = 0; i < 3; i++) {
-        /* a dimension of size 1 is never stepped along: any legal stride will do */
-        const int64_t st = sizes[i] == 1 ? 8 : strides[i];
-        if (st <= 0 || st % 8 != 0 || st >= ((int64_t)1 << 39)) return false;
-        dims[i + 1] = (cuuint64_t)sizes[i];
-        byte_strides[i] = (cuuint64_t)st * 2;
-    }
-    const cuuint32_t box[4] = {SM90_PANEL, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
-    const CUtensorMapDataType type =
-        dtype == AQ_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, type, 4, (void *)x, dims, byte_strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-/* Outputs written 4 bytes at a time from the fragments (store_fragment_rows). */
-static bool fragment_store_ok(const void *ptr, const int64_t stride[3]) {
-    return ptr == NULL || (((uintptr_t)ptr & 3u) == 0 && stride[0] % 2 == 0 && stride[1] % 2 == 0 && stride[2] % 2 == 0);
-}
-
-/* The last wave of a grid of equal work items, split (host plan, kernel argument). A grid of W items on an SM each
-   takes ceil(W / sms) item times; when the last wave holds only a few items, the rest of the GPU waits for them
-   (4096 items on 132 SMs: 32 waves for 31.03 of work, 3% of the kernel). Split, the first main_items run as before
-   and each of the last tail_items runs as `splits` CTAs over parts of its reduction axis (key tiles in the
-   forward, query tiles in the dK/dV kernel), writing fp32 partial results to `part`, which a small kernel then
-   merges in a fixed order. splits <= 1: no split. */
-typedef struct {
-    int main_items, tail_items, splits;
-    float *part;
-} tail_split;
-
-/* The split for W = items items whose reduction axis has `units` units: the tail is W mod sms when it fills at most
-   half an SM wave, split into sms / tail parts of at least 2 units; only when W < sms (one partial wave) unless
-   full_grids. ATTN_QAT_TAIL_SPLIT overrides it, for tests: "0" never splits, "T,S" splits the last T items into S
-   parts (at most one a unit). */
-static tail_split plan_tail_split(int64_t items, int64_t units, int sms, bool full_grids) {
-    tail_split t = {(int)items, 0, 1, NULL};
-    int64_t tail = items % sms, splits = tail > 0 ? sms / tail : 0, min_units = 2;
-    const char *env = getenv("ATTN_QAT_TAIL_SPLIT");
-    if (env != NULL && env[0] != '\0') {
-        long forced_tail = 0, forced_splits = 0;
-        if (sscanf(env, "%ld,%ld", &forced_tail, &forced_splits) != 2) return t; /* "0" or anything else */
-        tail = std::min<int64_t>(forced_tail, items), splits = forced_splits, min_units = 1;
-    } else if (tail == 0 || 2 * tail > sms || (!full_grids && items >= sms)) {
-        return t;
-    }
-    splits = std::min<int64_t>(splits, units / min_units);
-    if (tail <= 0 || splits <= 1) return t;
-    t.main_items = (int)(items - tail), t.tail_items = (int)tail, t.splits = (int)splits;
-    return t;
-}
-
-/* The units [*u0, *u1) of part `split` of an item's `units` (nonempty while splits <= units). */
-AQ_D void tail_split_units(int split, int splits, int units, int *u0, int *u1) {
-    *u0 = (int)((int64_t)units * split / splits), *u1 = (int)((int64_t)units * (split + 1) / splits);
-}
-
-/* Whether this process may use the wgmma kernels: an sm_90 device, a build with an sm_90a image (setup.py
-   defines AQ_BUILT_SM90A; cudaFuncGetAttributes cannot tell an sm_90a image from an empty sm_90 one), and
-   ATTN_QAT_SM90 not 0. */
-static bool sm90_available(const void *kernel) {
-#ifndef AQ_BUILT_SM90A
-    (void)kernel; /* no sm_90a image: the kernels' bodies were compiled empty */
-    return false;
-#endif
-    const char *env = getenv("ATTN_QAT_SM90");
-    if (env != NULL && env[0] == '0') return false;
-    int device = 0, major = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9)
-        return false;
-    cudaFuncAttributes attr;
-    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-        cudaGetLastError(); /* no sm_90a code in this build: not an error of the caller's */
-        return false;
-    }
-    return attr.binaryVersion >= 90;
 }

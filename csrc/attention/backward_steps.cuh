@@ -1,0 +1,367 @@
+/* The backward's row statistics and elementwise steps (P, P^F, dS, live terms): the sm80/ and sm90/ backwards. */
+#pragma once
+
+#include "attention/mask.cuh"
+#include "attention/softmax.cuh"
+
+/* The backward's statistics of query row `row`: M_i, 1/l_i and delta_i. A row past seqlen_q or with no visible
+   key (l = 0) gets inv_l = 0, which the kernels read as "contributes nothing"; a NaN l stays NaN and spreads. */
+AQ_D bool load_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int row, float *m, float *inv_l,
+                         float *delta) {
+    *m = 0.0f;
+    *inv_l = 0.0f;
+    *delta = 0.0f;
+    if (row >= p->seqlen_q) return false;
+    /* the three loads together, so that their latencies overlap */
+    const float l = p->row_sum[stat0 + row], frame = p->frame_m[stat0 + row], d = p->delta[stat0 + row];
+    if (l == 0.0f) return true;
+    *m = frame;
+    *inv_l = 1.0f / l;
+    *delta = d;
+    return false;
+}
+
+/* load_row_stats for the two rows of a C fragment a thread holds (row_base + frag_c_row: r = 0 row g, r = 1 row
+   g+8); returns whether any row of the warp is a dead one (in the sequence with l = 0), so that its steps must
+   be checked. */
+AQ_D bool load_fragment_row_stats(const aq_attention_bwd_params *p, int64_t stat0, int row_base, float m[2],
+                                  float inv_l[2], float delta[2]) {
+    const int lane = (int)threadIdx.x & 31;
+    bool dead = false;
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        dead |= load_row_stats(p, stat0, row_base + frag_c_row(lane, 2 * r), &m[r], &inv_l[r], &delta[r]);
+    return __any_sync(AQ_FULL_MASK, dead);
+}
+
+/* ------------------------------------------------------------------------------------------------
+   The backward's elementwise steps (numerics.md §4), shared by the mma.sync and wgmma backwards. A term counts
+   ("live") when the key is visible and the query row has a visible key (inv_l != 0, load_row_stats); every
+   other term is an exact zero. */
+
+/* Each step comes in two parts, so a wgmma kernel can run the first while the tensor cores compute dP: the
+   P part needs only S and the row statistics, the dS part then needs dP. live_bits (bit 4n + e) carries which
+   terms count from one to the other; P is 0 on dead terms, but dS must be an exact 0 there even where dP is
+   not finite.
+   checked: whether any term of the step may be dead (a hidden key, or a row in the sequence with l = 0; rows
+   past the sequence are all zeros, so their terms come out 0 unchecked). Decided once per step by the caller:
+   the common, unchecked step is straight-line code with no per-term selects or bits, whose latencies the
+   compiler can interleave. */
+
+/* dK/dV orientation, keys as C rows: st = S^T (key key_base + frag_c_row, query q0 + 8n + frag_c_col). The step's
+   row statistics (m, 1/l, delta of its BQ queries, BQ a multiple of 16) wait in shared memory in the order the
+   threads read them: the 4 query columns a thread holds in A fragment kb (2t, 2t + 1 of n-blocks 2kb and 2kb + 1)
+   are one aligned float4, so a step takes BQ / 16 loads per statistic instead of BQ / 4. */
+AQ_HD int dkdv_stat_slot(int i) { /* where query i of the step goes */
+    const int n = i >> 3, col = i & 7;
+    return (n >> 1) * 16 + (col >> 1) * 4 + (n & 1) * 2 + (col & 1);
+}
+
+/* The statistic of A fragment kb's columns: [2h + e] is n-block 2kb + h, column 2t + e (element e or e + 2). */
+AQ_D float4 dkdv_fragment_stats(const float *stat, int kb) {
+    return *(const float4 *)(stat + 16 * kb + 4 * ((int)threadIdx.x & 3));
+}
+
+AQ_D float float4_at(const float4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+/* A step's statistic for the P and dS parts below, either read from shared memory where it is used, or from
+   registers that the caller loaded earlier (dkdv_step_stats): the wgmma kernel loads what it can before issuing
+   the products, because behind S^T and dP^T, which saturate the shared-memory pipe, a load waited ~hundreds of
+   cycles (ncu: the largest single stalls of the dK/dV kernel). */
+AQ_D float4 step_stat(const float *stat, int kb) { return dkdv_fragment_stats(stat, kb); }
+template <int N>
+AQ_D float4 step_stat(const float4 (&stat)[N], int kb) { return stat[kb]; }
+
+/* All BQ / 16 of them at once, into registers. */
+template <int BQ>
+AQ_D void dkdv_step_stats(float4 (&v)[BQ / 16], const float *stat) {
+#pragma unroll
+    for (int kb = 0; kb < BQ / 16; kb++) v[kb] = dkdv_fragment_stats(stat, kb);
+}
+
+/* P̂ of the step's term (n, e) from its score s (st[n][e]). With CHECKED, *live says whether the term counts (its
+   key is visible and its row has inv_l != 0), which also goes into *live_bits, and a dead term's P̂ is 0; span: the
+   queries the thread's two key rows see (key_row_spans). */
+template <bool CHECKED>
+AQ_D float dkdv_term_p_hat(const logit_map *lm, float s, float m, float inv_l, int q0, int key_base, int n, int e,
+                           const int2 (&span)[2], bool *live, uint32_t *live_bits) {
+    if constexpr (CHECKED) {
+        const int lane = (int)threadIdx.x & 31, i = q0 + 8 * n + frag_c_col(lane, e);
+        float u;
+        *live = span_logit<true>(lm, span[e >> 1], i, s, i, key_base + frag_c_row(lane, e), &u) && inv_l != 0.0f;
+        *live_bits |= (uint32_t)*live << (4 * n + e);
+        return *live ? p_hat(u, lm->exp_scale, m) : 0.0f;
+    } else {
+        *live = true;
+        return p_hat(s, lm->exp_scale, m);
+    }
+}
+
+/* Leaves P^T = P̂ / l in st and the dV operand as A fragments in pa (16 queries each): P^F = fq16(P̂ * 2^11) *
+   2^-11 / l with QUANTIZE_DV (the forward's P^F, since M is the forward's final frame; a block with a NaN is NaN
+   throughout, its dead terms stay 0), else P. row_m, row_inv_l: step_stat's shared memory or registers. */
+template <int BQ, bool QUANTIZE_DV, aq_dtype DT, bool CHECKED, typename M, typename InvL>
+AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
+                               const M &row_m, const InvL &row_inv_l, int q0, int key_base) {
+    static_assert(BQ <= 64 && BQ % 16 == 0, "one live bit per term of the step, whole A fragments");
+    uint32_t live_bits = CHECKED ? 0u : ~0u;
+    int2 span[2] = {};
+    if constexpr (CHECKED) key_row_spans(lm, key_base, span);
+#pragma unroll
+    for (int kb = 0; kb < BQ / 16; kb++) { /* 16 queries at a time, so only their P̂ is kept aside */
+        const float4 m4 = step_stat(row_m, kb), inv_l4 = step_stat(row_inv_l, kb);
+        float xq[4][2]; /* P̂ of the fragment's 4 columns (fake_quantize_p_columns' order), key rows g and g+8 */
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int n = 2 * kb + h;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = 2 * h + (e & 1);
+                const float inv_l = float4_at(inv_l4, col);
+                bool live;
+                const float phat = dkdv_term_p_hat<CHECKED>(lm, st[n][e], float4_at(m4, col), inv_l, q0, key_base, n,
+                                                            e, span, &live, &live_bits);
+                st[n][e] = live ? phat * inv_l : 0.0f;
+                xq[col][e >> 1] = phat;
+            }
+        }
+        if constexpr (QUANTIZE_DV) {
+            fake_quantize_p_columns(xq);
+            float pf[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int col = 2 * h + (e & 1);
+                    const float v = xq[col][e >> 1] * float4_at(inv_l4, col);
+                    pf[h][e] = (live_bits >> (4 * (2 * kb + h) + e)) & 1u ? v : 0.0f;
+                }
+            pack_a_from_c<DT>(pa[kb], pf[0], pf[1]);
+        } else {
+            pack_a_from_c<DT>(pa[kb], st[2 * kb], st[2 * kb + 1]);
+        }
+    }
+    return live_bits;
+}
+
+template <int BQ, bool QUANTIZE_DV, aq_dtype DT, typename M, typename InvL>
+AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
+                          const M &row_m, const InvL &row_inv_l, int q0, int key_base, bool checked) {
+    /* one checked variant for masks and causal alike: a third (span_logit<false>, branch-free causal, as the
+       forward has) made the kernels spill and measured no faster (Wan 14B and Qwen causal shapes, H100) */
+    if (checked) return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, true>(lm, st, pa, row_m, row_inv_l, q0, key_base);
+    return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base);
+}
+
+/* dkdv_step_p with QUANTIZE_DV for a step of 64 queries, the P^F column quant done for the whole step at once rather
+   than per A fragment (the wgmma dK/dV kernel; bit for bit the same st, pa and live bits, checked on the H200 over
+   causal, grouped-KV, odd-length and D = 64 shapes; the mma.sync kernel, with 32-query steps at D = 128, keeps the
+   per-fragment form). One reduce-scatter of the thread's 16 column amaxes (of the logits on unmasked steps, beside the
+   exponentials; else of the P̂, after them) over the 8 lanes of a column set (lane bits 4, 3, 2: 8 + 4 + 2 shuffles)
+   leaves lane (g, t) the amaxes of columns 8g + 2t and 8g + 2t + 1, two block scales a lane instead of
+   fake_quantize_p_columns' four; the lanes trade (s_pf, r) through `scales` (this warp's 32 float4 of shared memory,
+   lane l's pair at [l]) with one 16-byte store and 8 broadcast loads instead of 32 shuffles; only then the elements.
+   580 -> 530 instructions a step, 2.4% off the backward (performance.md v9: the per-fragment chains were not what bound
+   it). */
+template <aq_dtype DT, bool CHECKED, typename M, typename InvL>
+AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4], uint32_t (&pa)[4][4],
+                                         const M &row_m, const InvL &row_inv_l, int q0, int key_base,
+                                         float4 *scales) {
+    const int lane = (int)threadIdx.x & 31;
+    uint32_t live_bits = CHECKED ? 0u : ~0u;
+    int2 span[2] = {};
+    if constexpr (CHECKED) key_row_spans(lm, key_base, span);
+    /* the column maxima of 16 values a column (the lane's two keys, a[n][j] for column 8n + 2t + j), then over the
+       8 lanes of the column set, halving the columns a lane holds at each level: lane bit 4 keeps n-blocks
+       4 * bit + i, bit 3 then 2 * bit + i, bit 2 the one n-block g. select_column: the same choices without the
+       exchange, for values every lane of the set already has. */
+    auto select_column = [&](auto (&a)[8][2], auto exchange) {
+#pragma unroll
+        for (int half = 4; half >= 1; half /= 2) {
+            const int lane_bit = half == 4 ? 16 : half == 2 ? 8 : 4;
+            const bool hi = lane & lane_bit;
+#pragma unroll
+            for (int i = 0; i < half; i++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const auto keep = hi ? a[half + i][j] : a[i][j], send = hi ? a[i][j] : a[half + i][j];
+                    a[i][j] = exchange(keep, send, lane_bit);
+                }
+        }
+    };
+    auto reduce_column = [&](auto (&a)[8][2]) {
+        select_column(a, [](auto keep, auto send, int lane_bit) {
+            return max_of(keep, __shfl_xor_sync(AQ_FULL_MASK, send, lane_bit));
+        });
+    };
+    uint32_t amax[2];
+    if constexpr (!CHECKED) {
+        /* Every term counts, so a column block's amax is P̂ at its largest score (block_amax_from_logit), and the
+           reduce-scatter and scales run beside the exponentials instead of after them. The frame of the lane's
+           column from the values it holds. */
+        float a[8][2], m[8][2];
+#pragma unroll
+        for (int kb = 0; kb < 4; kb++) {
+            const float4 m4 = step_stat(row_m, kb);
+            m[2 * kb][0] = m4.x, m[2 * kb][1] = m4.y, m[2 * kb + 1][0] = m4.z, m[2 * kb + 1][1] = m4.w;
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) a[n][j] = fmaxf(st[n][j], st[n][j + 2]);
+        reduce_column(a);
+        select_column(m, [](float keep, float, int) { return keep; });
+#pragma unroll
+        for (int j = 0; j < 2; j++) amax[j] = block_amax_from_logit(a[0][j], lm->exp_scale, m[0][j]);
+    }
+    /* P̂ in place (0 on dead terms) */
+#pragma unroll
+    for (int kb = 0; kb < 4; kb++) {
+        const float4 m4 = step_stat(row_m, kb);
+        float4 inv_l4 = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+        if constexpr (CHECKED) inv_l4 = step_stat(row_inv_l, kb);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int n = 2 * kb + h;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = 2 * h + (e & 1);
+                bool live;
+                st[n][e] = dkdv_term_p_hat<CHECKED>(lm, st[n][e], float4_at(m4, col), float4_at(inv_l4, col), q0,
+                                                    key_base, n, e, span, &live, &live_bits);
+            }
+        }
+    }
+    if constexpr (CHECKED) { /* over the P̂ themselves, dead terms 0: the integer max of their bits */
+        uint32_t a[8][2];
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) a[n][j] = max(__float_as_uint(st[n][j]), __float_as_uint(st[n][j + 2]));
+        reduce_column(a);
+        amax[0] = a[0][0], amax[1] = a[0][1];
+    }
+    float s[2], s_pf[2], r[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) p_block_scale(amax[j], &s[j], &s_pf[j], &r[j]);
+    __syncwarp(); /* the last step's loads are done before the store */
+    scales[lane] = make_float4(s_pf[0], r[0], s_pf[1], r[1]);
+    __syncwarp();
+#pragma unroll
+    for (int kb = 0; kb < 4; kb++) {
+        const float4 inv_l4 = step_stat(row_inv_l, kb);
+        float pf[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int n = 2 * kb + h;
+            const float4 sr = scales[4 * n + (lane & 3)]; /* columns 8n + 2t and 8n + 2t + 1 */
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = 2 * h + (e & 1);
+                const float inv_l = float4_at(inv_l4, col);
+                const float xq = (e & 1) ? p_fake_quantize_element(st[n][e], sr.z, sr.w)
+                                         : p_fake_quantize_element(st[n][e], sr.x, sr.y);
+                pf[h][e] = xq * inv_l;
+                st[n][e] *= inv_l;
+                if constexpr (CHECKED) {
+                    const bool live = (live_bits >> (4 * n + e)) & 1u;
+                    pf[h][e] = live ? pf[h][e] : 0.0f;
+                    st[n][e] = live ? st[n][e] : 0.0f;
+                }
+            }
+        }
+        pack_a_from_c<DT>(pa[kb], pf[0], pf[1]);
+    }
+    return live_bits;
+}
+
+template <aq_dtype DT, typename M, typename InvL>
+AQ_D uint32_t dkdv_step_p_quantized(const logit_map *lm, float (&st)[8][4], uint32_t (&pa)[4][4], const M &row_m,
+                                    const InvL &row_inv_l, int q0, int key_base, bool checked, float4 *scales) {
+    if (checked) return dkdv_step_p_quantized_impl<DT, true>(lm, st, pa, row_m, row_inv_l, q0, key_base, scales);
+    return dkdv_step_p_quantized_impl<DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base, scales);
+}
+
+/* dS^T = P^T (dP^T - delta) into dpt as A fragments dsa, from dkdv_step_p's st and live bits. */
+template <int BQ, aq_dtype DT, bool CHECKED, typename Delta>
+AQ_D void dkdv_step_ds_impl(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][4], uint32_t (&dsa)[BQ / 16][4],
+                            const Delta &row_delta, uint32_t live_bits) {
+#pragma unroll
+    for (int kb = 0; kb < BQ / 16; kb++) {
+        const float4 delta4 = step_stat(row_delta, kb);
+        float ds[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int n = 2 * kb + h;
+                ds[h][e] = st[n][e] * (dpt[n][e] - float4_at(delta4, 2 * h + (e & 1)));
+                if constexpr (CHECKED) ds[h][e] = (live_bits >> (4 * n + e)) & 1u ? ds[h][e] : 0.0f;
+            }
+        pack_a_from_c<DT>(dsa[kb], ds[0], ds[1]);
+    }
+}
+
+template <int BQ, aq_dtype DT, typename Delta>
+AQ_D void dkdv_step_ds(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][4], uint32_t (&dsa)[BQ / 16][4],
+                       const Delta &row_delta, uint32_t live_bits, bool checked) {
+    if (checked) dkdv_step_ds_impl<BQ, DT, true>(st, dpt, dsa, row_delta, live_bits);
+    else dkdv_step_ds_impl<BQ, DT, false>(st, dpt, dsa, row_delta, live_bits);
+}
+
+/* dQ orientation, queries as C rows: s = S (row row_base + frag_c_row, key k0 + 8n + frag_c_col); the thread's
+   two rows' statistics in m, inv_l. Leaves P = P̂ / l (unquantized) in s. */
+template <int BK, bool CHECKED>
+AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
+                             int row_base, int k0) {
+    static_assert(BK <= 64, "one live bit per term of the step");
+    const int lane = (int)threadIdx.x & 31;
+    uint32_t live_bits = CHECKED ? 0u : ~0u;
+    int2 span[2] = {};
+    if constexpr (CHECKED) query_row_spans(lm, row_base, span);
+#pragma unroll
+    for (int n = 0; n < BK / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = e >> 1;
+            if constexpr (CHECKED) {
+                float u;
+                const int j = k0 + 8 * n + frag_c_col(lane, e);
+                const bool live =
+                    span_logit<true>(lm, span[r], j, s[n][e], row_base + frag_c_row(lane, e), j, &u) && inv_l[r] != 0.0f;
+                s[n][e] = live ? p_hat(u, lm->exp_scale, m[r]) * inv_l[r] : 0.0f;
+                live_bits |= (uint32_t)live << (4 * n + e);
+            } else {
+                s[n][e] = p_hat(s[n][e], lm->exp_scale, m[r]) * inv_l[r];
+            }
+        }
+    return live_bits;
+}
+
+template <int BK>
+AQ_D uint32_t dq_step_p(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
+                        int row_base, int k0, bool checked) {
+    if (checked) return dq_step_p_impl<BK, true>(lm, s, m, inv_l, row_base, k0);
+    return dq_step_p_impl<BK, false>(lm, s, m, inv_l, row_base, k0);
+}
+
+/* dS = P (dP - delta) as A fragments dsa (16 keys each), from dq_step_p's s and live bits. */
+template <int BK, aq_dtype DT>
+AQ_D void dq_step_ds(const float (&s)[BK / 8][4], const float (&dps)[BK / 8][4], uint32_t (&dsa)[BK / 16][4],
+                     const float delta[2], uint32_t live_bits, bool checked) {
+    float ds[BK / 8][4];
+    if (checked) {
+#pragma unroll
+        for (int n = 0; n < BK / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                ds[n][e] = (live_bits >> (4 * n + e)) & 1u ? s[n][e] * (dps[n][e] - delta[e >> 1]) : 0.0f;
+    } else {
+#pragma unroll
+        for (int n = 0; n < BK / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) ds[n][e] = s[n][e] * (dps[n][e] - delta[e >> 1]);
+    }
+#pragma unroll
+    for (int kb = 0; kb < BK / 16; kb++) pack_a_from_c<DT>(dsa[kb], ds[2 * kb], ds[2 * kb + 1]);
+}

@@ -1,0 +1,212 @@
+/* P's NVFP4 fake quantizer, fq16(P̂ * 2^11), bit for bit nvfp4.h's block rule: sm80/, sm90/ and decode/. */
+#pragma once
+
+#include <type_traits>
+
+#include "attention/fragments.cuh"
+
+/* ------------------------------------------------------------------------------------------------
+   NVFP4 fake-quant of P̂ * 2^11 (numerics.md §3). P̂ is >= 0 (or NaN), which makes the block rule cheap; the
+   functions below give bit for bit aq_block_fake_quantize's result for such inputs:
+   - amax is the max of the values' bits (non-negative floats order like their bits; NaN above all), or, in the
+     sm90 forward at D = 128 and the dK/dV kernel's unmasked steps, P̂ at the block's largest logit
+     (block_amax_from_logit), where a NaN logit leaves its block's scale finite: that element's P^F is then 6 s,
+     not NaN, but its row's l is NaN, and with it the row's O, O' and LSE (forward) and its 1/l-scaled P^F and P
+     (dK/dV), as when the whole block was NaN;
+   - amax / 6 correctly rounded as x * fl(1/6) plus one fma correction (Markstein; checked for every fp32 x:
+     it differs from x / 6 only where x / 6 is subnormal, and such a scale is 0 either way);
+   - the E4M3 rounding by the hardware cvt (sm_89+; nvfp4.h's software rounding elsewhere);
+   - e2m1(y) for y >= 0 by nvfp4.h's aq_e2m1_round_nonneg_unclamped: y + 2^(22 + max(exponent(y), 0)) rounded once
+     (an fma) lands on the E2M1 spacing of y's binade (0.5 below 2, 1 below 4, 2 from 4), ties to even, which is
+     the E2M1 tie rule; the offset comes off exactly (fminf saturates at 6 first, or a 16-bit min after);
+   - r = fl(2^11 / s) from the approximate reciprocal and one Newton step (exact for E4M3 scales, see below);
+   - a zero-scale block uses r = 0, so its y and values are 0; a NaN scale makes every value NaN. */
+
+/* From the bits of the amax of a block of P̂ (unscaled): s, the E4M3 scale of the block of P̂ * 2^11; s_pf = s * 2^-11,
+   the scale of P^F itself; and r = fl(2^11 / s) (0 when s = 0), so that x * r for x = P̂ is (x * 2^11) / s rounded
+   once: the 2^11 costs no multiply per element. The Markstein steps are those on A = amax * 2^11 scaled by 2^-11,
+   which is exact wherever the scale is not 0 (A >= 2^-10, so no intermediate is subnormal). */
+AQ_D void p_block_scale(uint32_t amax_bits, float *s, float *s_pf, float *r) {
+    const float amax = __uint_as_float(amax_bits), sixth = (1.0f / 6.0f) * AQ_P_HEADROOM; /* 2^11 fl(1/6) */
+    const float q0 = __fmul_rn(amax, sixth);
+    const float v = __fmaf_rn(__fmaf_rn(-q0, 6.0f * AQ_P_HEADROOM_INV, amax), sixth, q0);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint16_t pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;\n" : "=h"(pair) : "f"(v));
+    uint32_t halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(halves) : "h"(pair));
+    *s = __half2float(__ushort_as_half((uint16_t)(halves & 0xFFFFu)));
+#else
+    *s = amax_bits >= 0x7F800000u ? __uint_as_float(0x7FC00000u) : aq_e4m3_round(v);
+#endif
+    *s_pf = *s * AQ_P_HEADROOM_INV;
+    /* 1 / s_pf correctly rounded without __frcp_rn's special-case branch: the approximate reciprocal (within an
+       ulp) and one Newton step land within 2^-45 of 1 / s_pf, while 1 / s = 2^-e * 8 / (8 + m) (or 512 / m) is a
+       fraction with an odd denominator below 16, at least 2^-29 away from any rounding midpoint; a power of two
+       comes out exact. So the rounding is the correct one for every E4M3 scale. */
+    float r0;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r0) : "f"(*s_pf));
+    *r = *s == 0.0f ? 0.0f : __fmaf_rn(r0, __fmaf_rn(-*s_pf, r0, 1.0f), r0);
+}
+
+/* e2m1(x * r) * s for x >= 0 or NaN. */
+AQ_D float p_fake_quantize_element(float x, float s, float r) {
+    return __fmul_rn(aq_e2m1_round_nonneg_unclamped(fminf(__fmul_rn(x, r), 6.0f)), s);
+}
+
+/* Query rows in C-fragment rows (forward): one row's 16-key block is two adjacent n-blocks, held by the 4 lanes
+   of a quad (lanes 4g .. 4g+3), 4 values each (keys 2t, 2t+1, 2t+8, 2t+9). x = P̂ in, P^F * 2^11 out. */
+AQ_D void fake_quantize_p_quad(float x[4]) {
+    uint32_t amax = max(max(__float_as_uint(x[0]), __float_as_uint(x[1])),
+                        max(__float_as_uint(x[2]), __float_as_uint(x[3])));
+    amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 1));
+    amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 2));
+    float s, s_pf, r;
+    p_block_scale(amax, &s, &s_pf, &r);
+#pragma unroll
+    for (int i = 0; i < 4; i++) x[i] = p_fake_quantize_element(x[i], s, r);
+}
+
+/* Keys in C-fragment rows (dK/dV kernels, S^T = K Q^T): a warp's 16 keys are one block of every query column, and
+   that column's 16 values sit in the 8 lanes sharing lane & 3, two each (key rows g and g+8). x[c][0..1] = P̂ of
+   the thread's query column c (of the 4 of one A fragment: c = 2h + e for n-block h, column 2t + e) in, P^F out.
+   The 8 lanes of a column set share the work instead of each computing all 4 scales: a reduce-scatter of the 4
+   amaxes (lane bits 4 and 3 pick the column a lane keeps, bit 2 lanes finish the same one), one block scale a
+   lane, and an all-gather of (s_pf, r): 12 shuffles, as before, but one scale computation instead of four.
+   HEADROOM: P^F * 2^11 out instead (the decode kernel's fq16(P̂ * 2^11)). */
+template <bool HEADROOM = false>
+AQ_D void fake_quantize_p_columns(float (&x)[4][2]) {
+    const int lane = (int)threadIdx.x & 31;
+    const bool hi4 = lane & 16, hi3 = lane & 8;
+    uint32_t a[4];
+#pragma unroll
+    for (int c = 0; c < 4; c++) a[c] = max(__float_as_uint(x[c][0]), __float_as_uint(x[c][1]));
+    uint32_t b[2]; /* columns 2 * hi4 + i */
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const uint32_t keep = hi4 ? a[i + 2] : a[i], send = hi4 ? a[i] : a[i + 2];
+        b[i] = max(keep, __shfl_xor_sync(AQ_FULL_MASK, send, 16));
+    }
+    uint32_t amax = hi3 ? b[1] : b[0]; /* column 2 * hi4 + hi3 */
+    amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, hi3 ? b[0] : b[1], 8));
+    amax = max(amax, __shfl_xor_sync(AQ_FULL_MASK, amax, 4));
+    float s, s_pf, r;
+    p_block_scale(amax, &s, &s_pf, &r);
+#pragma unroll
+    for (int c = 0; c < 4; c++) { /* column c's scale from the lanes that kept it */
+        const int src = (lane & 7) | (c << 3);
+        const float cs = __shfl_sync(AQ_FULL_MASK, HEADROOM ? s : s_pf, src), cr = __shfl_sync(AQ_FULL_MASK, r, src);
+        x[c][0] = p_fake_quantize_element(x[c][0], cs, cr);
+        x[c][1] = p_fake_quantize_element(x[c][1], cs, cr);
+    }
+}
+
+/* fq16(P̂ * 2^11) in place for one 16-key block of a warp's 16 rows in C layout (c0 = keys 0..7, c1 = keys 8..15
+   of the block): P̂ in, P^F * 2^11 out. Row g's block is c0[0..1], c1[0..1] across the lane quad, row g+8's is
+   c0[2..3], c1[2..3]. The results are exact in bf16 and fp16 (6 significant bits, <= 2112). */
+AQ_D void fake_quantize_p_block(float c0[4], float c1[4]) {
+    float row_g[4] = {c0[0], c0[1], c1[0], c1[1]}, row_g8[4] = {c0[2], c0[3], c1[2], c1[3]};
+    fake_quantize_p_quad(row_g);
+    fake_quantize_p_quad(row_g8);
+    c0[0] = row_g[0], c0[1] = row_g[1], c1[0] = row_g[2], c1[1] = row_g[3];
+    c0[2] = row_g8[0], c0[3] = row_g8[1], c1[2] = row_g8[2], c1[3] = row_g8[3];
+}
+
+/* e2m1(x * r) for x >= 0 or NaN, as p_fake_quantize_element but neither clamped at 6 nor scaled
+   (aq_e2m1_round_nonneg_unclamped; y <= 2^20 here: x <= 1, r <= 2^20): p_round_block_pair's part, whose other half
+   (pack_quantized_p_pair) clamps and scales two values at once in 16-bit pairs. */
+AQ_D float p_round_element(float x, float r) { return aq_e2m1_round_nonneg_unclamped(__fmul_rn(x, r)); }
+
+/* min(q, 6) * s on a 16-bit pair (DT), both exact: q is an E2M1 grid value or a larger power-of-two multiple of one
+   (at most 2 significant bits), s an E4M3 value (4), so the product has at most 6 significant bits and lies within
+   [2^-10, 2688]. One min and one multiply for two elements, where fp32 took two of each; a NaN s (non-finite block)
+   makes both NaN. */
+template <aq_dtype DT>
+AQ_D uint32_t clamp_scale_pair(uint32_t q, uint32_t s2) {
+    uint32_t r;
+    if constexpr (DT == AQ_BFLOAT16)
+        asm("{\n .reg .b32 t;\n min.bf16x2 t, %1, %3;\n mul.rn.bf16x2 %0, t, %2;\n}\n"
+            : "=r"(r) : "r"(q), "r"(s2), "r"(0x40C040C0u));
+    else
+        asm("{\n .reg .b32 t;\n min.f16x2 t, %1, %3;\n mul.rn.f16x2 %0, t, %2;\n}\n"
+            : "=r"(r) : "r"(q), "r"(s2), "r"(0x46004600u));
+    return r;
+}
+
+/* The larger of two values: logits (fmaxf, which skips a NaN), or the bits of non-negative floats (P̂), which order
+   like the values, with NaN above all. */
+AQ_D float max_of(float a, float b) { return fmaxf(a, b); }
+AQ_D uint32_t max_of(uint32_t a, uint32_t b) { return max(a, b); }
+
+/* Two 16-key blocks at once (c0, c1: block A, c2, c3: block B, C layout): the lane quad holds 4 row-blocks (j = 0:
+   block A row g, 1: block A row g+8, 2: block B row g, 3: block B row g+8), 4 values of each a lane. a[j]: the
+   lane's maximum of row-block j, as floats or (T = uint32_t) as the bits of non-negative ones. */
+template <typename T>
+AQ_D void lane_row_block_max(const float c0[4], const float c1[4], const float c2[4], const float c3[4], T a[4]) {
+    auto v = [](float x) {
+        if constexpr (std::is_same<T, float>::value) return x;
+        else return __float_as_uint(x);
+    };
+    a[0] = max_of(max_of(v(c0[0]), v(c0[1])), max_of(v(c1[0]), v(c1[1])));
+    a[1] = max_of(max_of(v(c0[2]), v(c0[3])), max_of(v(c1[2]), v(c1[3])));
+    a[2] = max_of(max_of(v(c2[0]), v(c2[1])), max_of(v(c3[0]), v(c3[1])));
+    a[3] = max_of(max_of(v(c2[2]), v(c2[3])), max_of(v(c3[2]), v(c3[3])));
+}
+
+/* A reduce-scatter of lane_row_block_max's 4 maxima over lane bits 0 and 1 leaves lane 4g + t the maximum over the
+   quad of row-block 2 (t & 1) + (t >> 1) (block A or B by lane bit 0, row g or g+8 by bit 1), so that each lane
+   computes one block scale. */
+template <typename T>
+AQ_D T quad_row_block_max(const T a[4]) {
+    const int lane = (int)threadIdx.x & 31;
+    const bool bit0 = lane & 1, bit1 = lane & 2;
+    T kept[2]; /* over lane bit 0: row-blocks 2 * bit0 + i */
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const T keep = bit0 ? a[2 + i] : a[i], send = bit0 ? a[i] : a[2 + i];
+        kept[i] = max_of(keep, __shfl_xor_sync(AQ_FULL_MASK, send, 1));
+    }
+    /* over lane bit 1 */
+    return max_of(bit1 ? kept[1] : kept[0], __shfl_xor_sync(AQ_FULL_MASK, bit1 ? kept[0] : kept[1], 2));
+}
+
+/* The E2M1 roundings of x * r (p_round_element) in place for one block pair (as lane_row_block_max). quad_r: the
+   quad's reciprocals (online_softmax_p_scales' r) of lanes 4g .. 4g+3 in x .. w, so of row-blocks 0, 2, 1, 3. With
+   pack_quantized_p_pair, bit for bit the per-block rule (aq_block_fake_quantize on P̂ * 2^11). */
+AQ_D void p_round_block_pair(float c0[4], float c1[4], float c2[4], float c3[4], const float4 &quad_r) {
+    float x[4][4] = {{c0[0], c0[1], c1[0], c1[1]}, {c0[2], c0[3], c1[2], c1[3]},
+                     {c2[0], c2[1], c3[0], c3[1]}, {c2[2], c2[3], c3[2], c3[3]}};
+    const float jr[4] = {quad_r.x, quad_r.z, quad_r.y, quad_r.w}; /* quad_row_block_max's order */
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) x[j][i] = p_round_element(x[j][i], jr[j]);
+    c0[0] = x[0][0], c0[1] = x[0][1], c1[0] = x[0][2], c1[1] = x[0][3];
+    c0[2] = x[1][0], c0[3] = x[1][1], c1[2] = x[1][2], c1[3] = x[1][3];
+    c2[0] = x[2][0], c2[1] = x[2][1], c3[0] = x[2][2], c3[1] = x[2][3];
+    c2[2] = x[3][0], c2[3] = x[3][1], c3[2] = x[3][2], c3[3] = x[3][3];
+}
+
+/* The A fragments of blocks A (a0) and B (a1) from p_round_block_pair's roundings and the quad's scale pairs
+   (online_softmax_p_scales' scale_pairs, in lane order as quad_r). */
+template <aq_dtype DT>
+AQ_D void pack_quantized_p_pair(uint32_t a0[4], uint32_t a1[4], const float c0[4], const float c1[4], const float c2[4],
+                                const float c3[4], const uint4 &quad_s) {
+    const uint32_t s2[4] = {quad_s.x, quad_s.z, quad_s.y, quad_s.w}; /* as quad_r */
+    a0[0] = clamp_scale_pair<DT>(pack2<DT>(c0[0], c0[1]), s2[0]);
+    a0[1] = clamp_scale_pair<DT>(pack2<DT>(c0[2], c0[3]), s2[1]);
+    a0[2] = clamp_scale_pair<DT>(pack2<DT>(c1[0], c1[1]), s2[0]);
+    a0[3] = clamp_scale_pair<DT>(pack2<DT>(c1[2], c1[3]), s2[1]);
+    a1[0] = clamp_scale_pair<DT>(pack2<DT>(c2[0], c2[1]), s2[2]);
+    a1[1] = clamp_scale_pair<DT>(pack2<DT>(c2[2], c2[3]), s2[3]);
+    a1[2] = clamp_scale_pair<DT>(pack2<DT>(c3[0], c3[1]), s2[2]);
+    a1[3] = clamp_scale_pair<DT>(pack2<DT>(c3[2], c3[3]), s2[3]);
+}
+
+/* The A fragment of fq16(P̂ * 2^11) for one 16-key block, from P̂ in C layout (fake_quantize_p_block). */
+template <aq_dtype DT>
+AQ_D void quantized_p_fragment(uint32_t a[4], const float c0[4], const float c1[4]) {
+    float q0[4] = {c0[0], c0[1], c0[2], c0[3]}, q1[4] = {c1[0], c1[1], c1[2], c1[3]};
+    fake_quantize_p_block(q0, q1);
+    pack_a_from_c<DT>(a, q0, q1);
+}

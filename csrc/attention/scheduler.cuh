@@ -1,0 +1,54 @@
+/* Work order and last-wave split: work_item_at (backwards), tail_split (sm90/'s split last wave). */
+#pragma once
+
+#include "attention/fragments.cuh"
+
+typedef struct {
+    int tile, h, b;
+} work_item;
+
+/* The backward kernels' work items: tile w.tile (the dK/dV kernel's key tile, or the dQ kernel's query tile) of head
+   w.h and batch entry w.b, for block t of a 1-D grid of n_tiles x heads x batch. Blocks start in index order. By
+   default each head's tiles go side by side (they read the same Q and dO, or K and V, from L2), and under a causal
+   mask the longest first (the first key tile, or the last query tile: last_longest). But then each head's longest
+   item comes once more near the end, and when the grid is short (under ~13 waves of `sms` items) and the items long
+   (grouped heads: a dK/dV item covers the group's query heads), the last wave holds long items: the Qwen causal
+   backward (4 x 8 KV heads, 4096 tokens) was 14% over its mean in a list-scheduling model (a CTA an SM). There
+   the tiles go longest first across chunks of consecutive heads (h + heads b) of about two waves of items. H200,
+   backward, attn_qat (bf16 mode) ms, head-major -> chunks: (4, 32/8 heads, 4096) 3.99 -> 3.68 (3.41 -> 3.22);
+   (2, 32/8, 8192) 7.02 -> 6.62 (6.12 -> 5.83); (1, 32/8, 16384) 12.3 -> 12.4 (11.2 -> 11.3). On a long grid
+   the model gains less and L2 loses more (more heads in flight): (8, 16, 4096) MHA 3.90 -> 4.03, so grids over
+   13 waves keep head-major order. The forward keeps it too: a short item at the end moves it 1-3% (model), and
+   this index arithmetic held across its loop made the quantized forward spill. */
+AQ_D work_item work_item_at(int t, int n_tiles, int heads, int batch, int causal, bool last_longest, int sms) {
+    const int n_hb = heads * batch;
+    int tile, hb;
+    if (causal && n_hb * n_tiles <= 13 * sms) {
+        const int want = (2 * sms + n_tiles - 1) / n_tiles, n_chunks = (n_hb + want - 1) / want;
+        const int chunk = (n_hb + n_chunks - 1) / n_chunks; /* equal chunks, the last up to n_chunks - 1 smaller */
+        const int first = t / (chunk * n_tiles) * chunk, r = t - first * n_tiles, size = min(chunk, n_hb - first);
+        tile = r / size, hb = first + r % size;
+    } else {
+        tile = t % n_tiles, hb = t / n_tiles;
+    }
+    work_item w;
+    w.tile = causal && last_longest ? n_tiles - 1 - tile : tile;
+    w.h = hb % heads, w.b = hb / heads;
+    return w;
+}
+
+/* The last wave of a grid of equal work items, split (host plan, kernel argument). A grid of W items on an SM each
+   takes ceil(W / sms) item times; when the last wave holds only a few items, the rest of the GPU waits for them
+   (4096 items on 132 SMs: 32 waves for 31.03 of work, 3% of the kernel). Split, the first main_items run as before
+   and each of the last tail_items runs as `splits` CTAs over parts of its reduction axis (key tiles in the
+   forward, query tiles in the dK/dV kernel), writing fp32 partial results to `part`, which a small kernel then
+   merges in a fixed order. splits <= 1: no split. */
+typedef struct {
+    int main_items, tail_items, splits;
+    float *part;
+} tail_split;
+
+/* The units [*u0, *u1) of part `split` of an item's `units` (nonempty while splits <= units). */
+AQ_D void tail_split_units(int split, int splits, int units, int *u0, int *u1) {
+    *u0 = (int)((int64_t)units * split / splits), *u1 = (int)((int64_t)units * (split + 1) / splits);
+}

@@ -1,0 +1,38 @@
+// The process's CUDA kernel options (attn_qat.h): read from the environment once, when the library loads; set at
+// run time through attn_qat._C (module.c), which attn_qat.ops.kernel_options wraps.
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+
+#include "binding/attn_qat.h"
+
+namespace {
+
+// ATTN_QAT_SM90: "0" keeps the Hopper kernels out. ATTN_QAT_TAIL_SPLIT: unset or empty, the plan decides; "T,S"
+// forces the last T items into S parts; anything else never splits.
+aq_kernel_options from_environment() {
+    aq_kernel_options o = {1, AQ_TAIL_SPLIT_AUTO, 0, 0};
+    const char *sm90 = std::getenv("ATTN_QAT_SM90");
+    o.sm90 = !(sm90 != nullptr && sm90[0] == '0');
+    const char *split = std::getenv("ATTN_QAT_TAIL_SPLIT");
+    long tail = 0, splits = 0;
+    if (split != nullptr && split[0] != '\0')
+        o.tail_split = std::sscanf(split, "%ld,%ld", &tail, &splits) == 2 ? AQ_TAIL_SPLIT_FORCED : AQ_TAIL_SPLIT_OFF;
+    if (o.tail_split == AQ_TAIL_SPLIT_FORCED) o.forced_tail = tail, o.forced_splits = splits;
+    return o;
+}
+
+std::mutex options_mutex; // the calls that plan may run on other threads than the one that sets
+aq_kernel_options options = from_environment();
+
+} // namespace
+
+extern "C" aq_kernel_options aq_get_kernel_options(void) {
+    std::lock_guard<std::mutex> lock(options_mutex);
+    return options;
+}
+
+extern "C" void aq_set_kernel_options(const aq_kernel_options *o) {
+    std::lock_guard<std::mutex> lock(options_mutex);
+    options = *o;
+}

@@ -1,0 +1,60 @@
+"""attn_qat.ops.kernel_options (README, "Kernel options"): the environment gives the options once, when the library
+loads; the call sets them at once and, as a context manager, restores the previous ones. Which kernels they pick is
+checked on the GPU (test_attention.py's split and mma.sync tests)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attn_qat.ops import kernel_options
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def options_at_load(env):
+    """(sm90, tail_split) in a fresh interpreter started with these variables, then after changing them there."""
+    code = ("import os; from attn_qat.ops import kernel_options as k; a = k(); "
+            "os.environ['ATTN_QAT_SM90'] = '1'; os.environ['ATTN_QAT_TAIL_SPLIT'] = '3,3'; b = k(); "
+            "print(repr((a.sm90, a.tail_split, b.sm90, b.tail_split)))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("ATTN_QAT_SM90", "ATTN_QAT_TAIL_SPLIT")}
+    clean["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, clean.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                         check=True).stdout
+    return eval(out)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, (True, "auto")),
+    ({"ATTN_QAT_SM90": "0", "ATTN_QAT_TAIL_SPLIT": "5,3"}, (False, (5, 3))),
+    ({"ATTN_QAT_TAIL_SPLIT": "never"}, (True, 0)),
+    ({"ATTN_QAT_TAIL_SPLIT": ""}, (True, "auto")),
+])
+def test_environment_is_read_once_at_load(env, expected):
+    at_load = options_at_load(env)
+    assert at_load[:2] == expected
+    assert at_load[2:] == expected, "the environment was read again after the library loaded"
+
+
+def test_call_sets_and_context_restores(kernel_options):
+    before = kernel_options()
+    with kernel_options(sm90=False, tail_split=(5, 3)) as inside:
+        assert (inside.sm90, inside.tail_split) == (False, (5, 3))
+        kernel_options(tail_split=0)  # outside any `with`: applies at once, leaves sm90 alone
+        now = kernel_options()
+        assert (now.sm90, now.tail_split) == (False, 0)
+        with kernel_options(tail_split="auto"):
+            assert kernel_options().tail_split == "auto"
+        assert kernel_options().tail_split == 0
+    after = kernel_options()
+    assert (after.sm90, after.tail_split) == (before.sm90, before.tail_split)
+
+
+@pytest.mark.parametrize("bad", [dict(sm90=1), dict(sm90="0"), dict(tail_split="5,3"), dict(tail_split=1),
+                                 dict(tail_split=(5, -1)), dict(tail_split=(5, 3, 1)), dict(tail_split=True)])
+def test_bad_values_raise_and_change_nothing(kernel_options, bad):
+    before = kernel_options()
+    with pytest.raises((TypeError, ValueError), match="kernel_options"):
+        kernel_options(**bad)
+    after = kernel_options()
+    assert (after.sm90, after.tail_split) == (before.sm90, before.tail_split)
