@@ -13,9 +13,14 @@ call finds the previous call's cache in L2 and neither side's host launch overhe
 on the lent H100 machines a decode call spends 50-60 us in Python checks and op dispatch, more than the kernels
 take at 4k context, and eager timing then measures the host. Serving stacks replay decode steps as graphs too.
 
-    python benchmarks/bench_decode.py [--out benchmarks/results/decode.json] [--quick] [--peak-gbs GB/s]
+    python benchmarks/bench_decode.py [--out benchmarks/results/decode.json] [--quick] [--only shape,...]
+                                      [--peak-gbs GB/s] [--variants 0,1,2,3] [--chunks 512,1024,2048]
+
+--variants and --chunks add a row for each kernel variant and chunk length (ATTN_QAT_DECODE_VARIANT,
+ATTN_QAT_DECODE_CHUNK: csrc/decode/decode_cuda.cu), for A/B runs in one process on the same caches.
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -67,7 +72,22 @@ def make_caches(b, hkv, ctx, d, copies=2):
 NOMINAL_HBM_GBS = (("GH200", None), ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0))
 
 
-def bench_shape(name, shape, repeat, copy_gbs, peak_gbs):
+@contextlib.contextmanager
+def decode_env(settings):
+    """The decode kernel's environment overrides (variant, chunk) for the calls inside, the old values after."""
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update({k: str(v) for k, v in settings.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def bench_shape(name, shape, repeat, copy_gbs, peak_gbs, variants=(), chunks=()):
     b, hq, hkv, ctx, tq, d = shape
     caches, lengths = make_caches(b, hkv, ctx, d)
     qs = [torch.randn(b, hq, tq, d, device="cuda", dtype=torch.bfloat16) for _ in caches]
@@ -87,6 +107,16 @@ def bench_shape(name, shape, repeat, copy_gbs, peak_gbs):
 
     add("attn_qat decode kernel", [lambda c=c, q=q: c.attention(q) for (c, _, _, _), q in zip(caches, qs)],
         packed_bytes)
+    for variant in variants or [None]:  # the A/B rows: the plan reads the overrides when the graph is captured
+        for chunk in chunks or [None]:
+            if variant is None and chunk is None:
+                continue
+            settings = {k: v for k, v in (("ATTN_QAT_DECODE_VARIANT", variant), ("ATTN_QAT_DECODE_CHUNK", chunk))
+                        if v is not None}
+            with decode_env(settings):
+                label = ", ".join(f"{k[len('ATTN_QAT_DECODE_'):].lower()} {v}" for k, v in settings.items())
+                add(f"attn_qat decode kernel ({label})",
+                    [lambda c=c, q=q: c.attention(q) for (c, _, _, _), q in zip(caches, qs)], packed_bytes)
     add(f"attn_qat decode kernel, paged ({PAGE_SIZE}-token pages)",
         [lambda c=c, q=q: c.attention(q) for (_, c, _, _), q in zip(caches, qs)], packed_bytes)
     add("attn_qat composite (dequantize + forward)",
@@ -147,7 +177,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode.json"))
     parser.add_argument("--quick", action="store_true", help="only " + ", ".join(QUICK))
+    parser.add_argument("--only", default="", help="comma-separated shapes: " + ", ".join(SHAPES))
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--variants", default="", help="comma-separated ATTN_QAT_DECODE_VARIANT values to add rows for")
+    parser.add_argument("--chunks", default="", help="comma-separated ATTN_QAT_DECODE_CHUNK values to add rows for")
     parser.add_argument("--peak-gbs", type=float, default=None,
                         help="nominal HBM GB/s (default: from the GPU's name, " +
                         ", ".join(f"{k} {v:.0f}" for k, v in NOMINAL_HBM_GBS if v) + ")")
@@ -165,11 +198,17 @@ def main():
     copy_gbs = 2 * src.numel() / copy_ms / 1e6
     del src, dst
     print(f"bf16 device copy: {copy_gbs:.0f} GB/s (read + write)")
+    only = [s for s in args.only.split(",") if s]
+    unknown = [s for s in only if s not in SHAPES]
+    if unknown:
+        sys.exit(f"bench_decode: unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    variants = [int(v) for v in args.variants.split(",") if v]
+    chunks = [int(c) for c in args.chunks.split(",") if c]
     results = []
     for name, shape in SHAPES.items():
-        if args.quick and name not in QUICK:
+        if (args.quick and name not in QUICK) or (only and name not in only):
             continue
-        r = bench_shape(name, shape, args.repeat, copy_gbs, args.peak_gbs)
+        r = bench_shape(name, shape, args.repeat, copy_gbs, args.peak_gbs, variants, chunks)
         results.append(r)
         print(f"\n{name} {r['dims']}")
         for label, row in r["results"].items():

@@ -175,9 +175,13 @@ def prefill(b, hq, hkv, nq, nk, d, causal, layout):
     return f"out {error:.1e}"
 
 
-def decode(b, hq, hkv, d, lengths, tq, page_size=None, dtype=torch.bfloat16):
+DECODE_VARIANTS = ("0", "1", "2", "3")  # ATTN_QAT_DECODE_VARIANT: combine kernel or last-CTA merge, x early start
+
+
+def decode(b, hq, hkv, d, lengths, tq, page_size=None, dtype=torch.bfloat16, chunk=None):
     """Appends in two pieces (sequences growing unequally), then attention of tq query tokens (the CUDA decode
-    kernel takes up to 16) against the reference on the fake-quantized cache, bottom-right causal per sequence."""
+    kernel takes up to 16) against the reference on the fake-quantized cache, bottom-right causal per sequence;
+    every kernel variant (DECODE_VARIANTS) must give the same bits. `chunk` sets ATTN_QAT_DECODE_CHUNK."""
     g = generator()
     capacity = max(lengths)
     paging = {} if page_size is None else {"page_size": page_size}
@@ -191,10 +195,20 @@ def decode(b, hq, hkv, d, lengths, tq, page_size=None, dtype=torch.bfloat16):
     tail_v = torch.stack([torch.cat([v[i, :, f:], v[i, :, :f]], dim=1) for i, f in enumerate(first)])
     cache.append(tail[:, :, : max(rest)].cuda(), tail_v[:, :, : max(rest)].cuda(), rest)
     q = randn(b, hq, tq, d, dtype=dtype, g=g)
-    poison()
-    out = cache.attention(q)
+    outs = []
+    with env("ATTN_QAT_DECODE_CHUNK", str(chunk or "")):
+        for variant in DECODE_VARIANTS:
+            with env("ATTN_QAT_DECODE_VARIANT", variant):
+                poison()
+                outs.append(cache.attention(q))
+    out = outs[0]
+    for variant, other in zip(DECODE_VARIANTS, outs):
+        assert torch.equal(other.view(torch.int16), out.view(torch.int16)), f"variant {variant} differs"
     worst = 0.0
     for i, n in enumerate(lengths):
+        if n == 0:  # no key: O = 0
+            assert not out[i].any()
+            continue
         fq = lambda t, n=n: reference.fake_quantize(t[:, :n], -1)[None]  # noqa: E731
         ref = reference.attention_forward(reference.fake_quantize(q[i].cpu(), -1)[None], fq(k[i]), fq(v[i]),
                                           causal="bottom_right", operands_quantized=True)["out"]
@@ -250,6 +264,11 @@ def cases():
          lambda: decode(1, 9, 3, 64, [90], 1)),
         ("decode_paged_3", "Tq3 D128 fp16 pages of 32, lengths 65, 30",
          lambda: decode(2, 4, 1, 128, [65, 30], 3, page_size=32, dtype=torch.float16)),
+        # the last-CTA merge: up to 40 chunks a sequence (more than a warp's lanes), an empty and a one-chunk one
+        ("decode_merge", "Tq1 D128 chunks of 64, lengths 2500, 0, 40",
+         lambda: decode(3, 8, 2, 128, [2500, 0, 40], 1, chunk=64)),
+        ("decode_merge_tiles", "Tq5 D64 pages of 16, 16 q heads a KV head (5 row tiles), chunks of 128, L 700, 300",
+         lambda: decode(2, 16, 1, 64, [700, 300], 5, page_size=16, chunk=128)),
     ]
 
 

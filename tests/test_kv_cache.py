@@ -550,3 +550,103 @@ def test_kernel_block_table_outside_the_pool_gives_nan():
         table[1, 1] = bad_page
         out = kernel(f, q, block_table=table)
         assert out[1].isnan().all() and torch.equal(out[0], good[0])
+
+
+# The chunks' merge: by default the last CTA of a sequence's chunks merges them (csrc/decode/decode_cuda.cu,
+# merge_chunks), with counters that must be 0 at every call; ATTN_QAT_DECODE_VARIANT=0 keeps the separate combine
+# kernel, whose output the other variants must give bit for bit.
+DECODE_VARIANTS = (0, 1, 2, 3)
+
+
+def bits(t):
+    """The output's bit patterns (NaN included), for bit-for-bit comparisons."""
+    return t.view(torch.int16)
+
+
+def kernel_variants(f, q, monkeypatch, causal=True, block_table=None, chunk=None):
+    """{variant: output} of the kernel under each ATTN_QAT_DECODE_VARIANT, twice each: the second call finds the
+    counters the first left."""
+    if chunk is not None:
+        monkeypatch.setenv("ATTN_QAT_DECODE_CHUNK", str(chunk))
+    outs = {}
+    for variant in DECODE_VARIANTS:
+        monkeypatch.setenv("ATTN_QAT_DECODE_VARIANT", str(variant))
+        first = kernel(f, q, causal, block_table)
+        again = kernel(f, q, causal, block_table)
+        assert torch.equal(bits(first), bits(again)), f"variant {variant}: a second call differs"
+        outs[variant] = first
+    monkeypatch.delenv("ATTN_QAT_DECODE_VARIANT")
+    return outs
+
+
+MERGE_CASES = {
+    # 32 query / 8 KV heads, ~5k keys: many chunks a sequence, one that ends mid-unit
+    "long": lambda: (fill(2, 8, 128, [(5000, [5000, 3333]), (1, None)], device="cuda"), 32, 1),
+    # an empty sequence and a one-chunk one beside a long one, D = 64, three causal query tokens
+    "empty_and_one_chunk": lambda: (fill(3, 2, 64, [(3000, [3000, 0, 40])], device="cuda"), 4, 3),
+    # 8 query heads a KV head x 16 tokens: 8 row tiles, each merged by its own last CTA
+    "many_row_tiles": lambda: (fill(2, 2, 128, [(300, [300, 181]), (16, None)], device="cuda"), 16, 16),
+    # 16-token pages: a chunk's units from 64-256 pages
+    "paged": lambda: (Filled(2, 8, 128, 5001, torch.bfloat16, "cuda", page_size=16).append(5000, [5000, 3333])
+                      .append(1), 32, 1),
+}
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", MERGE_CASES)
+@pytest.mark.parametrize("chunk", [None, 64], ids=["planned_chunks", "chunks_of_64"])
+def test_kernel_variants_are_bit_identical(case, chunk, monkeypatch):
+    # Chunks of 64 keys give up to 79 chunks a sequence: more than a warp's lanes and than a merge batch.
+    f, heads_q, tq = MERGE_CASES[case]()
+    q = f.query(heads_q, tq)
+    for causal in (True, False):
+        outs = kernel_variants(f, q, monkeypatch, causal, chunk=chunk)
+        for variant, out in outs.items():
+            assert torch.equal(bits(out), bits(outs[0])), f"variant {variant} differs from the combine kernel"
+        assert forward_error(outs[0], f.reference(q, causal))[0] <= FWD_TOL
+    if case == "empty_and_one_chunk":
+        assert not outs[0][1].any() and outs[0][2].isfinite().all()
+
+
+@requires_cuda
+def test_kernel_variants_agree_on_a_block_table_outside_the_pool(monkeypatch):
+    # The NaN rows of a sequence that meets a bad page, in a chunk that is not its last; the calls after it find
+    # the counters at 0 again and give the good output.
+    f = fill(2, 2, 64, [(700, [700, 500])], device="cuda", page_size=16)
+    q = f.query(4, 1)
+    good = kernel_variants(f, q, monkeypatch, chunk=64)
+    table = f.cache.block_table.clone()
+    table[1, 3] = f.cache.num_pages
+    bad = kernel_variants(f, q, monkeypatch, block_table=table, chunk=64)
+    for variant in DECODE_VARIANTS:
+        assert bad[variant][1].isnan().all() and torch.equal(bad[variant][0], good[0][0])
+        assert torch.equal(bits(bad[variant]), bits(bad[0]))
+    assert torch.equal(bits(kernel_variants(f, q, monkeypatch, chunk=64)[3]), bits(good[0]))
+
+
+@requires_cuda
+def test_kernel_graph_replays_with_new_lengths():
+    # A CUDA graph captured on a fresh stream (the merge's counters for it are allocated during the capture), then
+    # replayed with lengths that change each sequence's number of chunks: every replay must find the counters at 0
+    # and write every row (the output is poisoned before each replay).
+    f = fill(3, 8, 128, [(5000, [5000, 3333, 2000]), (1, None)], device="cuda")
+    c = f.cache
+    q = f.query(32, 1)
+    lengths = c.lengths.clone()
+    max_length = max(c.lengths.tolist())  # fixes the chunks, as a graph's baked-in argument does
+
+    def decode():
+        return ops.kv_cache_decode(q, c.k_codes, c.k_scales, c.v_codes, c.v_scales, lengths, c.block_table, max_length,
+                                   128 ** -0.5, True)
+
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=stream):
+        out = decode()
+    for new in ([5001, 3334, 0], [4000, 65, 1], [5001, 0, 2001], [30, 3334, 2001], [5001, 3334, 2001]):
+        lengths.copy_(torch.tensor(new))
+        out.fill_(float("nan"))
+        graph.replay()
+        expected = decode()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out), bits(expected)), f"lengths {new}"
+        assert out.isfinite().all() and not out[[b for b, n in enumerate(new) if n == 0]].any()

@@ -183,7 +183,9 @@ const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, const aq_att
    t of sequence b is token L_b - Tq + t and sees keys j < L_b with, when causal, j <= L_b - Tq + t. A row with no
    visible key gives O = 0.
    out (B, Hq, Tq, D) contiguous in dtype. The CUDA kernel splits the keys into chunks of `chunk` tokens and
-   merges the chunks' partial results through `workspace` (aq_kv_cache_decode_plan_cuda sizes both). */
+   merges the chunks' partial results through `workspace` (aq_kv_cache_decode_plan_cuda sizes both); the merge's
+   counters are the launcher's own, one set a (device, stream) (decode_cuda.cu, decode_counters), so calls that
+   may run at the same time must be on different streams. */
 typedef struct {
     const void *q;
     const uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
@@ -198,6 +200,7 @@ typedef struct {
     aq_dtype dtype;
     int64_t chunk, num_splits; /* set by aq_kv_cache_decode_plan_cuda */
     int programmatic_launch;    /* likewise: sm_90+ overlaps the two kernels' launches */
+    int variant;                /* likewise: kv_decode_kernel's FLAGS (decode_cuda.cu) */
 } aq_decode_params;
 
 /* Checks the sizes, picks chunk and num_splits for the current device and sets *workspace_floats. */

@@ -5,10 +5,12 @@
    sequence and 16 query rows of one KV group: row r = head_in_group * Tq + t is the MMA's M (padded to 16; more
    than 16 rows take several m-tiles, which read the same keys, mostly from L2). The CTA's 4 warps take the chunk's
    16-key units in turn (warp w: units w, w + 4, ...), each with its own integer frame, row sums and O accumulator
-   and a private cp.async ring of DEC_STAGES units. The warps' results merge in shared memory, the chunks' in
-   decode_combine_kernel. Every frame is an integer, so both merges rescale by exact powers of two: the result is
-   that of the one-pass forward kernel (numerics.md §3; chunks are multiples of 16 keys, so no P block straddles
-   two of them).
+   and a private cp.async ring of DEC_STAGES units. The warps' results merge in shared memory, the chunks' either
+   in decode_combine_kernel or, by default, in the last of a sequence's CTAs to finish (merge_chunks, counted in by
+   one atomic a CTA: no second kernel; a one-chunk sequence writes O at once). Every frame is an integer, so both
+   merges rescale by exact powers of two: the result is that of the one-pass forward kernel (numerics.md §3; chunks
+   are multiples of 16 keys, so no P block straddles two of them), and both chunk merges add the same terms in the
+   same order (merge_term), so they agree bit for bit.
 
    Pages. A unit (16 tokens of one KV head) never straddles a page (pages are multiples of 16 tokens), so paging
    only changes where a unit's bytes start: the CTA looks its units' pool slots up in the block table once, into
@@ -56,6 +58,12 @@
      2t + 9 of query row 8 nb + g). The lane's O elements o[mt][nb][e] are channel g * D/8 + 2 mt + (e >> 1),
      query row 8 nb + 2t + (e & 1): the rows whose softmax state the lane keeps.
    - Units with hidden keys (pv_checked) take the same fragments, with non-finite V values set aside. */
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "attention/fragments.cuh"
 #include "attention/launch.h"
 #include "attention/softmax.cuh"
@@ -507,91 +515,112 @@ AQ_D void load_unit(unsigned char *st, const page_pools &pools, uint32_t slot, i
 }
 
 /* ------------------------------------------------------------------------------------------------
-   Kernels */
+   The CTA's pieces: its tile, its start, the warps' loop, their merge, and the chunks' merge */
 
-/* grid (num_splits * m_tiles, Hkv, B), DEC_THREADS threads; NB query n-blocks of O^T (1: the tile has at most 8
-   valid rows). Writes, for each of its valid rows, the chunk's partial result to the workspace: D floats of
-   unnormalised O (sum of fq16(P̂ * 2^11) v), then the frame M and the row sum l. Chunks at or past the sequence's
-   length write nothing (the combine kernel stops before them). With one n-block the O registers fit in 128 per
-   thread, so four CTAs (16 warps) share an SM instead of three: more units in flight and in compute. */
-template <int D, aq_dtype DT, int NB>
-__global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel(const aq_decode_params p, int m_tiles) {
-    using U = UnitLayout<D>;
-    constexpr int RING = DEC_STAGES * U::BYTES, MERGE = DEC_WARPS * 16 * (D + 2) * (int)sizeof(float);
-    __shared__ __align__(16) unsigned char smem[DEC_WARPS * RING > MERGE ? DEC_WARPS * RING : MERGE];
+/* kv_decode_kernel's variants, bits of its FLAGS (aq_kv_cache_decode_plan_cuda picks one a call):
+   - DEC_LAST_CTA_MERGE: the last CTA of a (row tile, KV head, sequence) to finish merges the chunks' partial results
+     (merge_chunks) instead of decode_combine_kernel, and the CTA of a one-chunk sequence writes O itself.
+   - DEC_EARLY_START: the sequence's length, the chunk's block-table entries and the raw Q are loaded side by side,
+     so the first copies wait for one global load rather than two in a row. */
+enum { DEC_LAST_CTA_MERGE = 1, DEC_EARLY_START = 2, DEC_VARIANTS = 4 };
 
-    const int split = (int)blockIdx.x / m_tiles, mt = (int)blockIdx.x % m_tiles;
-    const int hk = (int)blockIdx.y, b = (int)blockIdx.z;
-    const int L = (int)min(max(p.lengths[b], (int64_t)0), p.max_length);
-    const int chunk = (int)p.chunk, c0 = split * chunk;
-    if (c0 >= L) return; /* CTA-uniform, before any barrier */
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    /* decode_combine_kernel may be scheduled once every CTA has started; it waits for this grid to complete */
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#define DEC_COMBINE_THREADS 256 /* decode_combine_kernel's CTA: DEC_COMBINE_THREADS / D chains a channel (merge_term) */
+#ifndef DEC_MERGE_BATCH /* chunk results a thread of merge_chunks loads at once (16 spills at D = 128) */
+#define DEC_MERGE_BATCH 12
 #endif
-    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-    const int u_begin = c0 / DEC_UNIT, u_end = (min(c0 + chunk, L) + DEC_UNIT - 1) / DEC_UNIT;
+#ifndef DEC_MERGE_BATCH_ITEMS /* the same, over a thread's items when it has several (12 spills at D = 128) */
+#define DEC_MERGE_BATCH_ITEMS 8
+#endif
 
-    const page_pools pools = {p.k_codes, p.k_scales, p.v_codes, p.v_scales};
+/* What a CTA works on: keys [c0, c0 + chunk) of sequence b, cut at its length L, against row tile mt of KV head hk's
+   query rows. Group row ridx (< rows) is query token ridx % Tq of query head hk * group + ridx / Tq, q's row
+   row_base + ridx; tile row r is group row 16 mt + r. */
+struct DecodeTile {
+    int split, mt, hk, b;
+    int L, c0;
+    int tq_count, rows; /* query tokens; the KV group's query rows, group * Tq */
+    int64_t row_base;
+    int splits;         /* the sequence's chunks, the CTAs that share the merge: ceil(L / chunk) */
 
-    /* Where each unit of the chunk is stored: pool unit (page * Hkv + hk) * page_units + the unit's place in its
-       page, page = the sequence's block-table entry. A page outside the pool is never read: the CTA reads pool
-       unit 0 instead and its results turn NaN (a corrupt block table must not give plausible output). */
-    const int page_units = (int)(p.page_size / DEC_UNIT);
-    const int32_t *table = p.block_table + (int64_t)b * p.pages_per_seq;
-    auto slot_of = [&](int u, bool &bad_page) -> uint32_t {
-        const int32_t page = table[u / page_units];
-        const bool ok = page >= 0 && page < p.num_pages;
-        bad_page |= !ok;
-        return ok ? ((uint32_t)page * (uint32_t)p.heads_kv + hk) * page_units + u % page_units : 0u;
-    };
+    AQ_D int64_t q_row(int ridx) const { return row_base + ridx; }
+    /* keys that group row ridx sees: the sequence's L, or with causal those up to L - Tq + its token */
+    AQ_D int visible(int ridx, bool causal) const { return causal ? min(L, L - tq_count + ridx % tq_count + 1) : L; }
+    AQ_D int tile_rows() const { return min(16, rows - 16 * mt); }
+};
 
-    /* This warp's units u_begin + warp + DEC_WARPS * i, i < count, through its ring: unit i sits in stage
-       i % DEC_STAGES and is cp.async group i (one group is committed per unit, empty or not). A step takes SU
-       units: with one n-block, two (32 keys), so the softmax's reductions, its rescale vote and the P block
-       scales are shared by two units (one p_block_scale a lane for four blocks instead of one for two), and
-       the loop's bookkeeping runs half as often; with two n-blocks, one (their registers leave no room). */
-    constexpr int SU = NB == 1 ? 2 : 1;
-    unsigned char *ring = smem + warp * RING;
-    const int n_units = u_end - u_begin;
-    const int count = n_units > warp ? (n_units - warp + DEC_WARPS - 1) / DEC_WARPS : 0;
+/* The workspace (S = num_splits chunks of each of the B Hq Tq query rows): chunk s's partial O of q's row r, D floats,
+   at (r S + s) D, 16-byte aligned for merge_chunks' vector loads; its frame and row sum after all of those, at
+   B Hq Tq S D + 2 (r S + s), so that a row's frames are contiguous. */
+template <int D>
+struct Workspace {
+    float *o, *ml;
+    int64_t splits;
+    AQ_D explicit Workspace(const aq_decode_params &p)
+        : o(p.workspace), ml(p.workspace + p.batch * p.heads_q * p.seqlen_q * p.num_splits * D), splits(p.num_splits) {}
+    AQ_D float *o_of(int64_t row, int s) const { return o + (row * splits + s) * D; }
+    AQ_D float *ml_of(int64_t row, int s) const { return ml + (row * splits + s) * 2; }
+};
 
-    /* The CTA's start, three latencies side by side rather than in a row: each warp's first units (their slots
-       read from the block table directly), the raw Q blocks, and the block table for the rest of the chunk
-       (into shared memory, so the copies of a later step wait for no global load). */
-    bool bad_page = false;
+/* The chunks' merge of one output element, one arithmetic for decode_combine_kernel and the last CTA so that both give
+   the same bits: chunk s's term (its partial result times the exact power of two f that takes its frame to the
+   row's) goes to chain s % merge_chains in ascending s from 0, and the chains are added in order from 0 (the
+   combine kernel's thread groups). merge_output: a row whose visible scores are all -inf or NaN (frame -inf), or
+   one that met a page outside the pool, is NaN, like the forward kernels. */
+template <int D>
+constexpr int merge_chains() { return DEC_COMBINE_THREADS / D; }
+AQ_D void merge_term(float &chain, float part, float f) { chain = __fmaf_rn(part, f, chain); }
+template <int G>
+AQ_D float merge_chain_sum(const float (&chain)[G]) {
+    float sum = 0.0f;
 #pragma unroll
-    for (int i = 0; i < DEC_STAGES - SU; i++) {
-        if (i < count) load_unit<D>(ring + i * U::BYTES, pools, slot_of(u_begin + warp + DEC_WARPS * i, bad_page), lane);
-        cp_async_commit();
-    }
-    const int tq_count = (int)p.seqlen_q, group = (int)(p.heads_q / p.heads_kv), rows = group * tq_count;
-    const int64_t row_base = ((int64_t)b * p.heads_q + (int64_t)hk * group) * tq_count; /* query row of ridx 0 */
-    QFragmentBuild<D, DT, NB> qbuild;
-    qbuild.load((int)threadIdx.x, p.q, 16 * mt, rows, row_base);
-    __shared__ uint32_t unit_slot[DEC_MAX_CHUNK / DEC_UNIT];
-    __shared__ int chunk_bad_page; /* read after the merge's barriers; kept out of the registers of the loop */
-    for (int i = (int)threadIdx.x; i < n_units; i += DEC_THREADS) unit_slot[i] = slot_of(u_begin + i, bad_page);
-    __shared__ uint2 q_frag[D / 16][NB][32]; /* Q^F's B fragments by lane: the same for every warp */
-    qbuild.store(q_frag, (int)threadIdx.x);
-    bad_page = __syncthreads_or(bad_page); /* also publishes unit_slot and q_frag */
-    if (threadIdx.x == 0) chunk_bad_page = bad_page;
+    for (int g = 0; g < G; g++) sum += chain[g];
+    return sum;
+}
+AQ_D float merge_output(float acc, float lsum, float frame, bool bad_page) {
+    return frame == -INFINITY || bad_page ? NAN : acc * AQ_P_HEADROOM_INV * (1.0f / lsum);
+}
 
-    /* Query row ridx of the tile (16 mt + ridx < rows, else past the group's: computed with Q = 0 and dropped) is
-       query token ridx % Tq of head hk * group + ridx / Tq. The lane loads Q^F of rows 8 nb + g (the B operand) and
-       keeps the scores, frames and O^T columns of rows 8 nb + 2t + c, with the last key each sees (keys < L only;
-       rows past the group's see them all). */
-    auto q_row = [&](int ridx) -> int64_t { return row_base + ridx; };
+/* Pool unit of the sequence's unit u from its block-table entry `page`: (page * Hkv + hk) * page_units + the unit's
+   place in its page. A page outside the pool is never read: the CTA reads pool unit 0 instead and sets bad_page, so
+   its results turn NaN (a corrupt block table must not give plausible output). */
+AQ_D uint32_t unit_slot_of(const aq_decode_params &p, int32_t page, uint32_t u, int hk, uint32_t page_units,
+                            bool &bad_page) {
+    const bool ok = page >= 0 && page < p.num_pages;
+    bad_page |= !ok;
+    return ok ? ((uint32_t)page * (uint32_t)p.heads_kv + hk) * page_units + u % page_units : 0u;
+}
+
+/* This warp's units u_begin + warp + DEC_WARPS * i, i < count, through its ring: unit i sits in stage i % DEC_STAGES
+   and is cp.async group i (one group is committed per unit, empty or not; the first DEC_STAGES - SU are in flight
+   already, from the CTA's start). A step takes SU units: with one n-block, two (32 keys), so the softmax's
+   reductions, its rescale vote and the P block scales are shared by two units (one p_block_scale a lane for four
+   blocks instead of one for two), and the loop's bookkeeping runs half as often; with two n-blocks, one (their
+   registers leave no room). Accumulates O^T, the frames m and the row sums l of the lane's query rows. */
+template <int NB>
+constexpr int units_a_step() { return NB == 1 ? 2 : 1; }
+
+template <int D, int NB>
+AQ_D void decode_mainloop(float (&o)[D / 16][NB][4], float (&m)[NB][2], float (&l)[NB][2], const aq_decode_params &p,
+                          const DecodeTile &tile, unsigned char *ring, const uint32_t *unit_slot,
+                          const uint2 (&q_frag)[D / 16][NB][32], int u_begin, int count) {
+    using U = UnitLayout<D>;
+    constexpr int SU = units_a_step<NB>();
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const page_pools pools = {p.k_codes, p.k_scales, p.v_codes, p.v_scales};
+    const int L = tile.L, tq_count = tile.tq_count;
+
+    /* The lane loads Q^F of rows 8 nb + g (the B operand) and keeps the scores, frames and O^T columns of rows
+       8 nb + 2t + c, with the last key each sees (keys < L only; rows past the group's, computed with Q = 0 and
+       dropped, see them all). */
     int lim[NB][2];
 #pragma unroll
     for (int nb = 0; nb < NB; nb++) {
 #pragma unroll
         for (int c = 0; c < 2; c++) {
-            const int ridx = 16 * mt + 8 * nb + 2 * t + c;
-            lim[nb][c] = ridx < rows && p.causal ? L - tq_count + ridx % tq_count : L - 1;
+            const int ridx = 16 * tile.mt + 8 * nb + 2 * t + c;
+            lim[nb][c] = ridx < tile.rows && p.causal ? L - tq_count + ridx % tq_count : L - 1;
         }
     }
-    float o[D / 16][NB][4], m[NB][2], l[NB][2];
 #pragma unroll
     for (int nb = 0; nb < NB; nb++) {
         m[nb][0] = m[nb][1] = -INFINITY;
@@ -653,62 +682,377 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3) kv_decode_kernel
         }
         __syncwarp(); /* every lane is done with the step's stages before the next step refills them */
     }
+}
 
-    /* Merge the warps' partial results: the rings are free once every copy has landed and every warp is done. */
-    cp_async_wait<0>();
-    __syncthreads();
-    float *merge_o = (float *)smem;                      /* [warp][16 rows][D], channel order */
-    float *merge_m = merge_o + DEC_WARPS * 16 * D;       /* [warp][16 rows] */
-    float *merge_l = merge_m + DEC_WARPS * 16;           /* [warp][16 rows] */
-#pragma unroll
-    for (int nb = 0; nb < NB; nb++)
-#pragma unroll
-        for (int c = 0; c < 2; c++) { /* query row 8 nb + 2t + c: its sum is spread over the 8 lanes sharing t */
-            float lsum = l[nb][c] + __shfl_xor_sync(AQ_FULL_MASK, l[nb][c], 4);
-            lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 8);
-            lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 16);
-            if (g == 0) {
-                merge_m[warp * 16 + 8 * nb + 2 * t + c] = m[nb][c];
-                merge_l[warp * 16 + 8 * nb + 2 * t + c] = lsum;
-            }
-        }
-#pragma unroll
-    for (int mt = 0; mt < D / 16; mt++)
+/* The warps' partial results side by side in shared memory (the rings are free once every copy has landed and every
+   warp is done): O^T as [warp][16 rows][D] in channel order, the frames and the row sums as [warp][16 rows]. */
+template <int D>
+struct WarpMerge {
+    float *o, *m, *l;
+    AQ_D explicit WarpMerge(unsigned char *smem)
+        : o((float *)smem), m((float *)smem + DEC_WARPS * 16 * D), l((float *)smem + DEC_WARPS * 16 * (D + 1)) {}
+
+    template <int NB>
+    AQ_D void store(const float (&acc)[D / 16][NB][4], const float (&frame)[NB][2], const float (&sum)[NB][2]) const {
+        const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+        cp_async_wait<0>();
+        __syncthreads();
 #pragma unroll
         for (int nb = 0; nb < NB; nb++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) /* rows past 8 * NB are past the tile's valid rows: never read */
-                merge_o[(warp * 16 + 8 * nb + frag_c_col(lane, e)) * D + g * (D / 8) + 2 * mt + (e >> 1)] = o[mt][nb][e];
-    __syncthreads();
-    for (int idx = (int)threadIdx.x; idx < 16 * D; idx += DEC_THREADS) {
-        const int row = idx / D, d = idx % D, ridx = 16 * mt + row;
-        if (ridx >= rows) break; /* rows ascend with idx */
-        float frame = -INFINITY;
+            for (int c = 0; c < 2; c++) { /* query row 8 nb + 2t + c: its sum is spread over the 8 lanes sharing t */
+                float lsum = sum[nb][c] + __shfl_xor_sync(AQ_FULL_MASK, sum[nb][c], 4);
+                lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 8);
+                lsum += __shfl_xor_sync(AQ_FULL_MASK, lsum, 16);
+                if (g == 0) {
+                    m[warp * 16 + 8 * nb + 2 * t + c] = frame[nb][c];
+                    l[warp * 16 + 8 * nb + 2 * t + c] = lsum;
+                }
+            }
 #pragma unroll
-        for (int w = 0; w < DEC_WARPS; w++) frame = fmaxf(frame, merge_m[w * 16 + row]);
-        float acc = 0.0f, lsum = 0.0f;
+        for (int mt = 0; mt < D / 16; mt++)
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) { /* rows past 8 * NB are past the tile's valid rows: never read */
+                    const int row = warp * 16 + 8 * nb + frag_c_col(lane, e);
+                    o[row * D + g * (D / 8) + 2 * mt + (e >> 1)] = acc[mt][nb][e];
+                }
+        __syncthreads();
+    }
+
+    /* The CTA's partial result of tile row `row`, channel d: O times DEC_FRAME (exact: O^T was accumulated from
+       2^-14 V^F), the frame and the row sum; all NaN when the chunk met a page outside the pool. */
+    AQ_D void chunk_result(int row, int d, bool bad_page, float &po, float &frame, float &lsum) const {
+        frame = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; w++) frame = fmaxf(frame, m[w * 16 + row]);
+        float acc = 0.0f;
+        lsum = 0.0f;
 #pragma unroll
         for (int w = 0; w < DEC_WARPS; w++) { /* 0 for a warp with nothing (frame -inf), and when frame is -inf */
-            const float f = exp2_frame_step(merge_m[w * 16 + row] - frame);
-            acc += merge_o[(w * 16 + row) * D + d] * f;
-            lsum += merge_l[w * 16 + row] * f;
+            const float f = exp2_frame_step(m[w * 16 + row] - frame);
+            acc += o[(w * 16 + row) * D + d] * f;
+            lsum += l[w * 16 + row] * f;
         }
-        const bool bad_page = chunk_bad_page;
-        float *part = p.workspace + (q_row(ridx) * p.num_splits + split) * (D + 2);
-        part[d] = bad_page ? NAN : acc * DEC_FRAME; /* exact: O^T was accumulated from 2^-14 V^F */
-        if (d == 0) {
-            part[D] = bad_page ? NAN : frame;
-            part[D + 1] = bad_page ? NAN : lsum;
+        po = bad_page ? NAN : acc * DEC_FRAME;
+        frame = bad_page ? NAN : frame;
+        lsum = bad_page ? NAN : lsum;
+    }
+};
+
+/* O of a row whose sequence is one chunk, from that chunk's result: merge_chunks' arithmetic with one chunk, so the
+   bits decode_combine_kernel would give. */
+template <int D>
+AQ_D float one_chunk_output(float po, float frame_s, float lsum_s) {
+    constexpr int G = merge_chains<D>();
+    const float frame = fmaxf(-INFINITY, frame_s); /* the merge's max, which passes over a NaN frame */
+    const bool bad_page = isnan(frame_s);
+    float acc[G], lsum[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) acc[g] = lsum[g] = 0.0f;
+    if (frame != -INFINITY && !bad_page) {
+        const float f = exp2_frame_step(frame_s - frame);
+        merge_term(acc[0], po, f);
+        merge_term(lsum[0], lsum_s, f);
+    }
+    return merge_output(merge_chain_sum(acc), merge_chain_sum(lsum), frame, bad_page);
+}
+
+/* Whether this CTA is the last of the n sharing *counter to get here. Every thread's stores before the call are
+   visible to that CTA: a barrier, then one atomic with acquire-release semantics at GPU scope (as CUTLASS's
+   GenericBarrier::arrive_inc: a barrier, then one thread's release). The last one sets the counter back to 0 for
+   the next call: no other CTA of this launch touches it again, and the next launch sees the store. */
+AQ_D bool last_to_arrive(unsigned *counter, int n, int &flag) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
+        flag = before == (unsigned)n - 1;
+        if (flag) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;\n" ::"l"(counter) : "memory");
+    }
+    __syncthreads();
+    return flag != 0;
+}
+
+/* The shared-memory results of merge_chunks' first pass: each tile row's frame, bad-page mark and row sum. */
+struct RowMerge {
+    float frame[16], lsum[16];
+    int bad_page[16];
+};
+
+/* O of the tile's rows from the sequence's n chunk results in the workspace, by the CTA that finished last, with
+   decode_combine_kernel's arithmetic (merge_term ...). First a warp a row (the warp's rows' loads issued together)
+   finds the row's frame and bad-page mark and sums the row sum's chains: its lanes hold 32 chunks at a time and
+   shuffles hand them to every lane in order. Then each thread sums the chains of its ITEMS (row, channel quad)
+   items, DEC_MERGE_BATCH chunks' loads in flight at once across them; the first round is issued before the first
+   pass, as those loads need no frame. The workspace is read through L2 (ld.cg): other CTAs wrote it during this
+   launch. A row that sees no key is 0. */
+template <int D, aq_dtype DT, int NB, int ITEMS>
+AQ_D void merge_chunks(const aq_decode_params &p, const DecodeTile &tile, RowMerge &rm) {
+    constexpr int G = merge_chains<D>(), QUADS = D / 4, ROWS_A_WARP = 8 * NB / DEC_WARPS;
+    constexpr int TOTAL = ITEMS == 1 ? DEC_MERGE_BATCH : DEC_MERGE_BATCH_ITEMS; /* loads in flight */
+    constexpr int B = TOTAL / ITEMS / G * G > G ? TOTAL / ITEMS / G * G : G; /* a round: B chunks of each item */
+    static_assert(32 % G == 0, "chunk s0 + k of a round (or of a warp's 32) is on chain k % G");
+    const Workspace<D> ws(p);
+    const int n = tile.splits, rows = tile.tile_rows(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+
+    float4 part[ITEMS][B]; /* a round: chunks s0 .. s0 + B - 1 of each item, their O quads and frames */
+    float part_frame[ITEMS][B];
+    auto load_round = [&](int s0) {
+#pragma unroll
+        for (int j = 0; j < ITEMS; j++) {
+            const int item = (int)threadIdx.x + DEC_THREADS * j;
+            if (item >= rows * QUADS) break;
+            const int64_t row = tile.q_row(16 * tile.mt + item / QUADS);
+            const float *po = ws.o_of(row, 0) + 4 * (item % QUADS), *ml = ws.ml_of(row, 0);
+#pragma unroll
+            for (int k = 0; k < B; k++)
+                if (s0 + k < n) {
+                    part[j][k] = __ldcg((const float4 *)(po + (int64_t)(s0 + k) * D));
+                    part_frame[j][k] = __ldcg(ml + 2 * (s0 + k));
+                }
         }
+    };
+    load_round(0);
+
+    float2 first[ROWS_A_WARP]; /* (frame, row sum) of chunk `lane` of the warp's rows */
+#pragma unroll
+    for (int i = 0; i < ROWS_A_WARP; i++) {
+        const int r = warp + DEC_WARPS * i;
+        first[i] = r < rows && lane < n ? __ldcg((const float2 *)ws.ml_of(tile.q_row(16 * tile.mt + r), 0) + lane)
+                                        : make_float2(-INFINITY, 0.0f);
+    }
+#pragma unroll
+    for (int i = 0; i < ROWS_A_WARP; i++) {
+        const int r = warp + DEC_WARPS * i;
+        if (r >= rows) break; /* warp-uniform */
+        const float *ml = ws.ml_of(tile.q_row(16 * tile.mt + r), 0);
+        float frame = fmaxf(-INFINITY, first[i].x); /* the max passes over NaN frames, as in the combine kernel */
+        bool bad_page = isnan(first[i].x);          /* a chunk that met a page outside the pool marked its frame NaN */
+        for (int s = lane + 32; s < n; s += 32) {
+            const float x = __ldcg(ml + 2 * s);
+            frame = fmaxf(frame, x);
+            bad_page |= isnan(x);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) frame = fmaxf(frame, __shfl_xor_sync(AQ_FULL_MASK, frame, o));
+        bad_page = __any_sync(AQ_FULL_MASK, bad_page);
+        float lsum[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) lsum[g] = 0.0f;
+        if (frame != -INFINITY && !bad_page) {
+            for (int s0 = 0; s0 < n; s0 += 32) {
+                const float2 v = s0 == 0          ? first[i]
+                                 : s0 + lane < n ? __ldcg((const float2 *)ml + s0 + lane)
+                                                 : make_float2(-INFINITY, 0.0f);
+                const float f = exp2_frame_step(v.x - frame);
+#pragma unroll 1
+                for (int k0 = 0; k0 < 32 && s0 + k0 < n; k0 += G)
+#pragma unroll
+                    for (int g = 0; g < G; g++) {
+                        const int k = k0 + g;
+                        const float sum_k = __shfl_sync(AQ_FULL_MASK, v.y, k), f_k = __shfl_sync(AQ_FULL_MASK, f, k);
+                        if (s0 + k < n) merge_term(lsum[g], sum_k, f_k);
+                    }
+            }
+        }
+        if (lane == 0) rm.frame[r] = frame, rm.bad_page[r] = bad_page, rm.lsum[r] = merge_chain_sum(lsum);
+    }
+    __syncthreads();
+
+    float acc[ITEMS][G][4];
+#pragma unroll
+    for (int j = 0; j < ITEMS; j++)
+#pragma unroll
+        for (int g = 0; g < G; g++) acc[j][g][0] = acc[j][g][1] = acc[j][g][2] = acc[j][g][3] = 0.0f;
+    for (int s0 = 0; s0 < n; s0 += B) {
+        if (s0 > 0) load_round(s0);
+#pragma unroll
+        for (int j = 0; j < ITEMS; j++) {
+            const int item = (int)threadIdx.x + DEC_THREADS * j;
+            if (item >= rows * QUADS) break;
+            const int r = item / QUADS;
+            const float frame = rm.frame[r];
+            if (frame == -INFINITY || rm.bad_page[r]) continue; /* NaN (or 0 where the row sees no key) */
+#pragma unroll
+            for (int k = 0; k < B; k++)
+                if (s0 + k < n) {
+                    const float f = exp2_frame_step(part_frame[j][k] - frame);
+                    merge_term(acc[j][k % G][0], part[j][k].x, f);
+                    merge_term(acc[j][k % G][1], part[j][k].y, f);
+                    merge_term(acc[j][k % G][2], part[j][k].z, f);
+                    merge_term(acc[j][k % G][3], part[j][k].w, f);
+                }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < ITEMS; j++) {
+        const int item = (int)threadIdx.x + DEC_THREADS * j;
+        if (item >= rows * QUADS) break;
+        const int r = item / QUADS, ridx = 16 * tile.mt + r;
+        const bool sees = tile.visible(ridx, p.causal) > 0, bad_page = rm.bad_page[r] != 0;
+        const float frame = rm.frame[r], lsum = rm.lsum[r];
+        float out[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float chain[G];
+#pragma unroll
+            for (int g = 0; g < G; g++) chain[g] = acc[j][g][i];
+            out[i] = sees ? merge_output(merge_chain_sum(chain), lsum, frame, bad_page) : 0.0f;
+        }
+        *(uint2 *)((uint16_t *)p.out + tile.q_row(ridx) * D + 4 * (item % QUADS)) =
+            make_uint2(pack2<DT>(out[0], out[1]), pack2<DT>(out[2], out[3]));
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+   Kernels */
+
+/* grid (num_splits * m_tiles, Hkv, B), DEC_THREADS threads; NB query n-blocks of O^T (1: the tile has at most 8
+   valid rows). With one n-block the O registers fit in 128 per thread, so four CTAs (16 warps) share an SM instead
+   of three: more units in flight and in compute. Each CTA's chunk result of its valid rows, D floats of unnormalised
+   O (sum of fq16(P̂ * 2^11) v), the frame M and the row sum l, goes to the workspace, which decode_combine_kernel
+   merges; with DEC_LAST_CTA_MERGE the CTA of a one-chunk sequence writes O instead, and the last of a longer
+   sequence's CTAs to finish merges them (counters: one an (m-tile, KV head, sequence), 0 at the launch). Chunks at
+   or past the sequence's length write nothing. */
+template <int D, aq_dtype DT, int NB, int FLAGS>
+__global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3)
+    kv_decode_kernel(const aq_decode_params p, int m_tiles, int group, unsigned *counters) {
+    using U = UnitLayout<D>;
+    constexpr bool LAST_CTA = (FLAGS & DEC_LAST_CTA_MERGE) != 0, EARLY = (FLAGS & DEC_EARLY_START) != 0;
+    constexpr int RING = DEC_STAGES * U::BYTES, MERGE = DEC_WARPS * 16 * (D + 2) * (int)sizeof(float);
+    constexpr int SU = units_a_step<NB>(), FIRST = DEC_STAGES - SU; /* FIRST: units a warp starts with */
+    constexpr int TABLE_ITEMS = DEC_MAX_CHUNK / DEC_UNIT / DEC_THREADS; /* a thread's units of the longest chunk */
+    __shared__ __align__(16) unsigned char smem[DEC_WARPS * RING > MERGE ? DEC_WARPS * RING : MERGE];
+    __shared__ uint32_t unit_slot[DEC_MAX_CHUNK / DEC_UNIT];
+    __shared__ uint2 q_frag[D / 16][NB][32]; /* Q^F's B fragments by lane: the same for every warp */
+    __shared__ int chunk_bad_page; /* read after the merge's barriers; kept out of the registers of the loop */
+
+    DecodeTile tile;
+    tile.b = (int)blockIdx.z;
+    const int64_t length = p.lengths[tile.b]; /* first: everything below waits for it */
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    tile.split = (int)(blockIdx.x / (unsigned)m_tiles), tile.mt = (int)(blockIdx.x % (unsigned)m_tiles);
+    tile.hk = (int)blockIdx.y;
+    const int chunk = (int)p.chunk;
+    tile.c0 = tile.split * chunk;
+    const int u_begin = tile.c0 / DEC_UNIT;
+    const uint32_t page_units = (uint32_t)(p.page_size / DEC_UNIT); /* unsigned: the divisions by it are shorter */
+    const int32_t *table = p.block_table + (int64_t)tile.b * p.pages_per_seq;
+    QFragmentBuild<D, DT, NB> qbuild;
+
+    /* The CTA's start, three latencies side by side rather than in a row: each warp's first units (their slots read
+       from the block table directly), the raw Q blocks, and the block table for the rest of the chunk (into shared
+       memory, so the copies of a later step wait for no global load). EARLY also issues the table and Q loads
+       before the length arrives (entries past the length are loaded but not used). */
+    auto set_rows = [&] {
+        tile.tq_count = (int)p.seqlen_q, tile.rows = group * tile.tq_count;
+        tile.row_base = ((int64_t)tile.b * p.heads_q + (int64_t)tile.hk * group) * tile.tq_count;
+    };
+    int32_t first_page[FIRST], chunk_page[TABLE_ITEMS];
+    if constexpr (EARLY) {
+        set_rows();
+        /* units clamped to the table's extent, so the loads need no branch (a clamped entry is never used) */
+        const uint32_t last_unit = (uint32_t)p.pages_per_seq * page_units - 1;
+#pragma unroll
+        for (int i = 0; i < FIRST; i++)
+            first_page[i] = table[min((uint32_t)(u_begin + warp + DEC_WARPS * i), last_unit) / page_units];
+        qbuild.load((int)threadIdx.x, p.q, 16 * tile.mt, tile.rows, tile.row_base);
+#pragma unroll
+        for (int k = 0; k < TABLE_ITEMS; k++)
+            chunk_page[k] = table[min((uint32_t)(u_begin + threadIdx.x + DEC_THREADS * k), last_unit) / page_units];
+    }
+    tile.L = (int)min(max(length, (int64_t)0), p.max_length);
+    if (tile.c0 >= tile.L) { /* CTA-uniform, before any barrier */
+        if (!EARLY) set_rows();
+        if (LAST_CTA && tile.split == 0) /* an empty sequence: no CTA of this tile has keys, so this one writes O = 0 */
+            for (int idx = (int)threadIdx.x; idx < tile.tile_rows() * D; idx += DEC_THREADS)
+                ((uint16_t *)p.out)[tile.q_row(16 * tile.mt) * D + idx] = 0;
+        return;
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    /* decode_combine_kernel may be scheduled once every CTA has started; it waits for this grid to complete */
+    if constexpr (!LAST_CTA) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+    tile.splits = (tile.L + chunk - 1) / chunk;
+    const int u_end = (min(tile.c0 + chunk, tile.L) + DEC_UNIT - 1) / DEC_UNIT, n_units = u_end - u_begin;
+    const int count = n_units > warp ? (n_units - warp + DEC_WARPS - 1) / DEC_WARPS : 0; /* the warp's units */
+    unsigned char *ring = smem + warp * RING;
+
+    bool bad_page = false;
+#pragma unroll
+    for (int i = 0; i < FIRST; i++) {
+        const int u = u_begin + warp + DEC_WARPS * i;
+        if (i < count) {
+            const int32_t page = EARLY ? first_page[i] : table[(uint32_t)u / page_units];
+            load_unit<D>(ring + i * U::BYTES, {p.k_codes, p.k_scales, p.v_codes, p.v_scales},
+                         unit_slot_of(p, page, u, tile.hk, page_units, bad_page), lane);
+        }
+        cp_async_commit();
+    }
+    if constexpr (EARLY) {
+#pragma unroll
+        for (int k = 0; k < TABLE_ITEMS; k++) {
+            const int i = (int)threadIdx.x + DEC_THREADS * k;
+            if (i < n_units) unit_slot[i] = unit_slot_of(p, chunk_page[k], u_begin + i, tile.hk, page_units, bad_page);
+        }
+    } else {
+        set_rows();
+        qbuild.load((int)threadIdx.x, p.q, 16 * tile.mt, tile.rows, tile.row_base);
+        for (int i = (int)threadIdx.x; i < n_units; i += DEC_THREADS) {
+            const uint32_t u = u_begin + i;
+            unit_slot[i] = unit_slot_of(p, table[u / page_units], u, tile.hk, page_units, bad_page);
+        }
+    }
+    qbuild.store(q_frag, (int)threadIdx.x);
+    bad_page = __syncthreads_or(bad_page); /* also publishes unit_slot and q_frag */
+    if (threadIdx.x == 0) chunk_bad_page = bad_page;
+
+    float o[D / 16][NB][4], m[NB][2], l[NB][2];
+    decode_mainloop<D, NB>(o, m, l, p, tile, ring, unit_slot, q_frag, u_begin, count);
+
+    const WarpMerge<D> merged(smem);
+    merged.store<NB>(o, m, l);
+    const bool one_chunk = LAST_CTA && tile.splits == 1;
+    const Workspace<D> ws(p);
+    for (int idx = (int)threadIdx.x; idx < 16 * D; idx += DEC_THREADS) {
+        const int row = idx / D, d = idx % D, ridx = 16 * tile.mt + row;
+        if (ridx >= tile.rows) break; /* rows ascend with idx */
+        float po, frame, lsum;
+        merged.chunk_result(row, d, chunk_bad_page, po, frame, lsum);
+        const int64_t qr = tile.q_row(ridx);
+        if (one_chunk) {
+            const float out = tile.visible(ridx, p.causal) > 0 ? one_chunk_output<D>(po, frame, lsum) : 0.0f;
+            ((uint16_t *)p.out)[qr * D + d] = (uint16_t)(pack2<DT>(out, 0.0f) & 0xFFFFu);
+            continue;
+        }
+        ws.o_of(qr, tile.split)[d] = po;
+        if (d == 0) ws.ml_of(qr, tile.split)[0] = frame, ws.ml_of(qr, tile.split)[1] = lsum;
+    }
+    if constexpr (LAST_CTA) {
+        if (one_chunk) return;
+        __shared__ RowMerge row_merge;
+        __shared__ int last;
+        unsigned *counter = counters + ((int64_t)tile.b * p.heads_kv + tile.hk) * m_tiles + tile.mt;
+        if (!last_to_arrive(counter, tile.splits, last)) return;
+        /* a thread's (row, channel quad) items: up to NB D / 64 (8 NB rows of D / 4 quads over the CTA's threads) */
+        constexpr int MAX_ITEMS = NB * D / 64;
+        const int items = (tile.tile_rows() * (D / 4) + DEC_THREADS - 1) / DEC_THREADS;
+        if (MAX_ITEMS == 1 || items == 1)
+            merge_chunks<D, DT, NB, 1>(p, tile, row_merge);
+        else if (MAX_ITEMS == 2 || items == 2)
+            merge_chunks<D, DT, NB, MAX_ITEMS < 2 ? 1 : 2>(p, tile, row_merge);
+        else
+            merge_chunks<D, DT, NB, MAX_ITEMS < 4 ? 1 : 4>(p, tile, row_merge);
     }
 }
 
 /* grid B * Hq * Tq (one output row each), DEC_COMBINE_THREADS threads: merges the row's chunks and writes O in the
-   cache dtype. Thread (group, d) sums channel d over every (DEC_COMBINE_THREADS / D)-th chunk, so a row's chunks are
-   read that many at a time rather than one after another, which left a single long sequence waiting on the merge.
-   A row with no visible key is 0 (numerics.md §6); one whose visible scores are all -inf or NaN has frame -inf and
-   is NaN, like the forward kernels. */
-#define DEC_COMBINE_THREADS 256
+   cache dtype. Thread (group, d) sums channel d over every (DEC_COMBINE_THREADS / D)-th chunk (chain `group` of
+   merge_term), so a row's chunks are read that many at a time rather than one after another, which left a single
+   long sequence waiting on the merge. A row with no visible key is 0 (numerics.md §6); one whose visible scores are
+   all -inf or NaN has frame -inf and is NaN, like the forward kernels. */
 template <int D, aq_dtype DT>
 __global__ void __launch_bounds__(DEC_COMBINE_THREADS) decode_combine_kernel(const aq_decode_params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -716,7 +1060,7 @@ __global__ void __launch_bounds__(DEC_COMBINE_THREADS) decode_combine_kernel(con
        its partial results are visible; a no-op when launched the ordinary way */
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-    constexpr int GROUPS = DEC_COMBINE_THREADS / D, WARPS = DEC_COMBINE_THREADS / 32;
+    constexpr int GROUPS = merge_chains<D>(), WARPS = DEC_COMBINE_THREADS / 32;
     __shared__ float warp_frame[WARPS], group_acc[GROUPS][D], group_sum[GROUPS];
     __shared__ int warp_bad[WARPS];
     const int64_t row = blockIdx.x; /* (b * Hq + h) * Tq + t */
@@ -731,12 +1075,13 @@ __global__ void __launch_bounds__(DEC_COMBINE_THREADS) decode_combine_kernel(con
         return;
     }
     const int splits = (int)min((int64_t)((L + p.chunk - 1) / p.chunk), p.num_splits);
-    const float *part = p.workspace + row * p.num_splits * (D + 2);
+    const Workspace<D> ws(p);
+    const float *part_o = ws.o_of(row, 0), *part_ml = ws.ml_of(row, 0);
     float frame = -INFINITY;
     bool bad_page = false; /* a chunk that met a page outside the pool marks its frame NaN (kv_decode_kernel) */
     for (int s = (int)threadIdx.x; s < splits; s += DEC_COMBINE_THREADS) {
-        frame = fmaxf(frame, part[s * (D + 2) + D]);
-        bad_page |= isnan(part[s * (D + 2) + D]);
+        frame = fmaxf(frame, part_ml[2 * s]);
+        bad_page |= isnan(part_ml[2 * s]);
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) frame = fmaxf(frame, __shfl_xor_sync(AQ_FULL_MASK, frame, o));
@@ -749,19 +1094,19 @@ __global__ void __launch_bounds__(DEC_COMBINE_THREADS) decode_combine_kernel(con
     if (frame != -INFINITY && !bad_page) {
 #pragma unroll 4
         for (int s = group; s < splits; s += GROUPS) {
-            const float f = exp2_frame_step(part[s * (D + 2) + D] - frame);
-            acc += part[s * (D + 2) + d] * f;
-            lsum += part[s * (D + 2) + D + 1] * f;
+            const float f = exp2_frame_step(part_ml[2 * s] - frame);
+            merge_term(acc, part_o[s * D + d], f);
+            merge_term(lsum, part_ml[2 * s + 1], f);
         }
     }
     group_acc[group][d] = acc;
     if (d == 0) group_sum[group] = lsum;
     __syncthreads();
     if (group != 0) return;
-    acc = 0.0f, lsum = 0.0f;
+    float acc_chain[GROUPS], lsum_chain[GROUPS];
 #pragma unroll
-    for (int g = 0; g < GROUPS; g++) acc += group_acc[g][d], lsum += group_sum[g];
-    const float o = frame == -INFINITY || bad_page ? NAN : acc * AQ_P_HEADROOM_INV * (1.0f / lsum);
+    for (int g = 0; g < GROUPS; g++) acc_chain[g] = group_acc[g][d], lsum_chain[g] = group_sum[g];
+    const float o = merge_output(merge_chain_sum(acc_chain), merge_chain_sum(lsum_chain), frame, bad_page);
     *out = (uint16_t)(pack2<DT>(o, 0.0f) & 0xFFFFu);
 }
 
@@ -770,6 +1115,15 @@ __global__ void __launch_bounds__(DEC_COMBINE_THREADS) decode_combine_kernel(con
 
 static int decode_m_tiles(const aq_decode_params *p) {
     return (int)((p->heads_q / p->heads_kv * p->seqlen_q + 15) / 16);
+}
+
+/* An environment override for A/B runs and tests, read per call: an integer in [lo, hi], or `fallback`. */
+static int64_t env_int(const char *name, int64_t lo, int64_t hi, int64_t fallback) {
+    const char *env = getenv(name);
+    if (env == NULL || env[0] == '\0') return fallback;
+    char *end = NULL;
+    const long long v = strtoll(env, &end, 10);
+    return *end == '\0' && v >= lo && v <= hi ? (int64_t)v : fallback;
 }
 
 const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace_floats) {
@@ -795,6 +1149,8 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     if (err != cudaSuccess) return cudaGetErrorString(err);
     p->programmatic_launch = major >= 9;
+    /* ATTN_QAT_DECODE_VARIANT=0..3 picks kv_decode_kernel's FLAGS, for A/B runs and the tests' bit-for-bit check */
+    p->variant = (int)env_int("ATTN_QAT_DECODE_VARIANT", 0, DEC_VARIANTS - 1, DEC_LAST_CTA_MERGE | DEC_EARLY_START);
     /* The longest chunks (up to DEC_MAX_CHUNK keys) that still give every SM a CTA: a CTA's four warps already
        keep enough loads in flight, and shorter chunks only add pipeline start-up and partial results. Measured on
        the H100 (batch 8, 32 q / 8 kv heads, D = 128, one query token): 4k context 42.6 us with this rule against
@@ -806,6 +1162,9 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace
     int64_t chunk = DEC_MAX_CHUNK;
     while (chunk > DEC_MIN_CHUNK && ctas_per_split * ((p->max_length + chunk - 1) / chunk) < (int64_t)sms)
         chunk /= 2;
+    /* ATTN_QAT_DECODE_CHUNK (a multiple of DEC_MIN_CHUNK up to DEC_MAX_CHUNK) sets the chunk instead, for sweeps */
+    chunk = env_int("ATTN_QAT_DECODE_CHUNK", DEC_MIN_CHUNK, DEC_MAX_CHUNK, chunk);
+    if (chunk % DEC_MIN_CHUNK) return "kv_cache_decode: ATTN_QAT_DECODE_CHUNK must be a multiple of 64";
     p->chunk = chunk;
     p->num_splits = (p->max_length + chunk - 1) / chunk;
     if (p->num_splits * decode_m_tiles(p) > INT32_MAX) return "kv_cache_decode: too many query rows and splits";
@@ -813,20 +1172,83 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace
     return NULL;
 }
 
+/* The last-CTA merge's counters on the current device for calls on `stream`: n or more, all 0. Why not a workspace
+   from torch's allocator zeroed by a memset every call: that memset is a launch (a graph node) ahead of every call,
+   where the point was to remove the combine kernel's; instead each call leaves its counters 0 (the merging CTA resets
+   its own), so one zeroing at allocation serves every later call, graph replays included. Kept per (device, stream),
+   since two calls that run at once must not share counters; a graph keeps those of the stream it was captured on, so
+   replays of graphs captured on one stream must not overlap. Never freed: a captured graph may still use a buffer
+   that a larger call replaced. A launch that dies mid-way leaves counters set, but also a dead CUDA context. */
+static const char *decode_counters(cudaStream_t stream, int64_t n, unsigned **out) {
+    static std::mutex mutex;
+    static std::map<std::pair<int, cudaStream_t>, std::pair<unsigned *, int64_t>> buffers;
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return cudaGetErrorString(err);
+    std::lock_guard<std::mutex> lock(mutex);
+    std::pair<unsigned *, int64_t> &buffer = buffers[{device, stream}];
+    if (buffer.second < n) {
+        const int64_t size = std::max<int64_t>(n, std::max<int64_t>(2 * buffer.second, 4096));
+        /* allocating and zeroing on a private stream, which a graph capture under way on `stream` allows in the
+           relaxed mode (torch's caching allocator allocates the same way) */
+        cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+        err = cudaThreadExchangeStreamCaptureMode(&mode);
+        if (err != cudaSuccess) return cudaGetErrorString(err);
+        unsigned *ptr = NULL;
+        cudaStream_t zeroing = NULL;
+        err = cudaMalloc(&ptr, size * sizeof(unsigned));
+        if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking);
+        if (err == cudaSuccess) err = cudaMemsetAsync(ptr, 0, size * sizeof(unsigned), zeroing);
+        if (err == cudaSuccess) err = cudaStreamSynchronize(zeroing);
+        if (zeroing != NULL) cudaStreamDestroy(zeroing);
+        if (err != cudaSuccess && ptr != NULL) cudaFree(ptr);
+        const cudaError_t restored = cudaThreadExchangeStreamCaptureMode(&mode);
+        if (err == cudaSuccess) err = restored;
+        if (err != cudaSuccess) return cudaGetErrorString(err);
+        buffer = {ptr, size};
+    }
+    *out = buffer.first;
+    return NULL;
+}
+
+template <int D, aq_dtype DT, int NB>
+static void launch_kv_decode(const aq_decode_params *p, dim3 grid, int m_tiles, unsigned *counters,
+                             cudaStream_t stream) {
+    const int group = (int)(p->heads_q / p->heads_kv); /* here, not a 64-bit division in every CTA's start */
+    switch (p->variant) {
+    case 0: kv_decode_kernel<D, DT, NB, 0><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles, group, counters); break;
+    case 1: kv_decode_kernel<D, DT, NB, 1><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles, group, counters); break;
+    case 2: kv_decode_kernel<D, DT, NB, 2><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles, group, counters); break;
+    default: kv_decode_kernel<D, DT, NB, 3><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles, group, counters); break;
+    }
+}
+
 template <int D, aq_dtype DT>
 static const char *launch_decode(const aq_decode_params *p, cudaStream_t stream) {
     const int m_tiles = decode_m_tiles(p);
+    const int64_t rows = p->batch * p->heads_q * p->seqlen_q;
+    if (rows > INT32_MAX) return "kv_cache_decode: too many output rows";
+    const bool last_cta = (p->variant & DEC_LAST_CTA_MERGE) != 0;
     if (p->num_splits > 0) {
+        unsigned *counters = NULL;
+        if (last_cta) {
+            const char *err = decode_counters(stream, p->batch * p->heads_kv * m_tiles, &counters);
+            if (err) return err;
+        }
         const dim3 grid((unsigned)(p->num_splits * m_tiles), (unsigned)p->heads_kv, (unsigned)p->batch);
         if (p->heads_q / p->heads_kv * p->seqlen_q <= 8)
-            kv_decode_kernel<D, DT, 1><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles);
+            launch_kv_decode<D, DT, 1>(p, grid, m_tiles, counters, stream);
         else
-            kv_decode_kernel<D, DT, 2><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles);
+            launch_kv_decode<D, DT, 2>(p, grid, m_tiles, counters, stream);
         const char *err = launch_status();
         if (err) return err;
     }
-    const int64_t rows = p->batch * p->heads_q * p->seqlen_q;
-    if (rows > INT32_MAX) return "kv_cache_decode: too many output rows";
+    if (last_cta) {
+        if (p->num_splits > 0) return NULL;
+        /* no key in any sequence (max_length 0): O = 0, whose bits are 0 in either dtype */
+        const cudaError_t err = cudaMemsetAsync(p->out, 0, rows * D * sizeof(uint16_t), stream);
+        return err == cudaSuccess ? NULL : cudaGetErrorString(err);
+    }
     /* Programmatic dependent launch: the combine kernel's launch overlaps the decode kernel's last CTAs instead of
        starting after them (~5 us of a 130 us decode at 32k context). */
     cudaLaunchConfig_t config = {};
@@ -846,7 +1268,7 @@ const char *aq_kv_cache_decode_cuda(const aq_decode_params *p, void *stream) {
     if (p->batch == 0) return NULL;
     if (p->chunk < DEC_MIN_CHUNK || p->chunk % DEC_MIN_CHUNK || p->chunk > DEC_MAX_CHUNK)
         return "kv_cache_decode: call aq_kv_cache_decode_plan_cuda first";
-    const void *ptrs[] = {p->q, p->k_codes, p->k_scales, p->v_codes, p->v_scales, p->workspace};
+    const void *ptrs[] = {p->q, p->k_codes, p->k_scales, p->v_codes, p->v_scales, p->workspace, p->out};
     if (!p->block_table) return "kv_cache_decode: block_table is required";
     for (const void *ptr : ptrs)
         if (!aligned16(ptr)) return "kv_cache_decode: every buffer must be 16-byte aligned";
