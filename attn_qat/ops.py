@@ -48,24 +48,43 @@ class kernel_options:
     sm90: False keeps the Hopper (wgmma, TMA) kernels out, so the mma.sync kernels run on an H100 or H200 too; True
     lets the Hopper kernels run where they can (the default). tail_split: "auto" lets each call split a short last
     wave of a Hopper grid (the default), 0 never splits (a grid-independent reduction order), and (tail, parts) splits
-    the last `tail` work items into `parts` parts each (for tests). None leaves an option as it is.
+    the last `tail` work items into `parts` parts each (for tests). decode_variant: the decode kernel's variant,
+    0-3 (bit 0: the last CTA of a sequence's chunks merges them, else a combine kernel; bit 1: early start), or
+    "auto" (3); decode_chunk: the keys a decode CTA takes, a multiple of 64 up to 4096, or "auto" (planned): both
+    for A/B runs and tests. None leaves an option as it is.
 
     The call sets the options at once; as a context manager it restores, on exit, the ones in force before it. With
-    no arguments it changes nothing, and its `sm90` and `tail_split` attributes tell the options in force. The
-    environment variables ATTN_QAT_SM90 and ATTN_QAT_TAIL_SPLIT give the options when the library loads."""
+    no arguments it changes nothing, and its attributes tell the options in force. The environment variables
+    ATTN_QAT_SM90, ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT and ATTN_QAT_DECODE_CHUNK give the options when the
+    library loads."""
 
-    def __init__(self, sm90=None, tail_split=None):
+    def __init__(self, sm90=None, tail_split=None, decode_variant=None, decode_chunk=None):
         self._previous = _C.kernel_options()
-        sm90_on, mode, tail, parts = self._previous
+        sm90_on, mode, tail, parts, variant, chunk = self._previous
         if sm90 is not None:
             if not isinstance(sm90, bool):
                 raise TypeError(f"attn_qat.ops.kernel_options: sm90 must be True, False or None, got {sm90!r}")
             sm90_on = int(sm90)
         if tail_split is not None:
             mode, tail, parts = self._tail_split_code(tail_split)
-        _C.set_kernel_options(sm90_on, mode, tail, parts)
+        if decode_variant is not None:
+            variant = self._auto_or_int("decode_variant", decode_variant, -1, lambda v: 0 <= v <= 3, "0, 1, 2 or 3")
+        if decode_chunk is not None:
+            chunk = self._auto_or_int("decode_chunk", decode_chunk, 0, lambda c: 0 < c <= 4096 and c % 64 == 0,
+                                      "a multiple of 64 up to 4096")
+        _C.set_kernel_options(sm90_on, mode, tail, parts, variant, chunk)
         self.sm90 = bool(sm90_on)
         self.tail_split = "auto" if mode == _TAIL_AUTO else 0 if mode == _TAIL_OFF else (tail, parts)
+        self.decode_variant = "auto" if variant < 0 else variant
+        self.decode_chunk = "auto" if chunk == 0 else chunk
+
+    @staticmethod
+    def _auto_or_int(name, value, auto, valid, allowed):
+        if isinstance(value, str) and value == "auto":
+            return auto
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and valid(int(value)):
+            return int(value)
+        raise ValueError(f"attn_qat.ops.kernel_options: {name} must be \"auto\" or {allowed}, got {value!r}")
 
     @staticmethod
     def _tail_split_code(value):

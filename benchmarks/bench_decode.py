@@ -16,11 +16,10 @@ take at 4k context, and eager timing then measures the host. Serving stacks repl
     python benchmarks/bench_decode.py [--out benchmarks/results/decode.json] [--quick] [--only shape,...]
                                       [--peak-gbs GB/s] [--variants 0,1,2,3] [--chunks 512,1024,2048]
 
---variants and --chunks add a row for each kernel variant and chunk length (ATTN_QAT_DECODE_VARIANT,
-ATTN_QAT_DECODE_CHUNK: csrc/decode/decode_cuda.cu), for A/B runs in one process on the same caches.
+--variants and --chunks add a row for each kernel variant and chunk length (the decode_variant and decode_chunk
+kernel options: csrc/decode/decode_cuda.cu), for A/B runs in one process on the same caches.
 """
 import argparse
-import contextlib
 import os
 import sys
 
@@ -72,21 +71,6 @@ def make_caches(b, hkv, ctx, d, copies=2):
 NOMINAL_HBM_GBS = (("GH200", None), ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0))
 
 
-@contextlib.contextmanager
-def decode_env(settings):
-    """The decode kernel's environment overrides (variant, chunk) for the calls inside, the old values after."""
-    old = {k: os.environ.get(k) for k in settings}
-    os.environ.update({k: str(v) for k, v in settings.items()})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def bench_shape(name, shape, repeat, copy_gbs, peak_gbs, variants=(), chunks=()):
     b, hq, hkv, ctx, tq, d = shape
     caches, lengths = make_caches(b, hkv, ctx, d)
@@ -111,10 +95,9 @@ def bench_shape(name, shape, repeat, copy_gbs, peak_gbs, variants=(), chunks=())
         for chunk in chunks or [None]:
             if variant is None and chunk is None:
                 continue
-            settings = {k: v for k, v in (("ATTN_QAT_DECODE_VARIANT", variant), ("ATTN_QAT_DECODE_CHUNK", chunk))
-                        if v is not None}
-            with decode_env(settings):
-                label = ", ".join(f"{k[len('ATTN_QAT_DECODE_'):].lower()} {v}" for k, v in settings.items())
+            settings = {k: v for k, v in (("variant", variant), ("chunk", chunk)) if v is not None}
+            with attn_qat.ops.kernel_options(decode_variant=variant, decode_chunk=chunk):
+                label = ", ".join(f"{k} {v}" for k, v in settings.items())
                 add(f"attn_qat decode kernel ({label})",
                     [lambda c=c, q=q: c.attention(q) for (c, _, _, _), q in zip(caches, qs)], packed_bytes)
     add(f"attn_qat decode kernel, paged ({PAGE_SIZE}-token pages)",
@@ -179,8 +162,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="only " + ", ".join(QUICK))
     parser.add_argument("--only", default="", help="comma-separated shapes: " + ", ".join(SHAPES))
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--variants", default="", help="comma-separated ATTN_QAT_DECODE_VARIANT values to add rows for")
-    parser.add_argument("--chunks", default="", help="comma-separated ATTN_QAT_DECODE_CHUNK values to add rows for")
+    parser.add_argument("--variants", default="", help="comma-separated decode_variant kernel options (0-3) to add rows for")
+    parser.add_argument("--chunks", default="", help="comma-separated decode_chunk kernel options (keys) to add rows for")
     parser.add_argument("--peak-gbs", type=float, default=None,
                         help="nominal HBM GB/s (default: from the GPU's name, " +
                         ", ".join(f"{k} {v:.0f}" for k, v in NOMINAL_HBM_GBS if v) + ")")

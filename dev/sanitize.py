@@ -13,7 +13,6 @@ kernels 10-100x; each one is picked for a code path (see the case's label), not 
 Exit status 0 when every case passed, 1 when one failed, 2 when there is no CUDA GPU.
 """
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -175,13 +174,13 @@ def prefill(b, hq, hkv, nq, nk, d, causal, layout):
     return f"out {error:.1e}"
 
 
-DECODE_VARIANTS = ("0", "1", "2", "3")  # ATTN_QAT_DECODE_VARIANT: combine kernel or last-CTA merge, x early start
+DECODE_VARIANTS = (0, 1, 2, 3)  # the decode_variant kernel option: combine kernel or last-CTA merge, x early start
 
 
 def decode(b, hq, hkv, d, lengths, tq, page_size=None, dtype=torch.bfloat16, chunk=None):
     """Appends in two pieces (sequences growing unequally), then attention of tq query tokens (the CUDA decode
     kernel takes up to 16) against the reference on the fake-quantized cache, bottom-right causal per sequence;
-    every kernel variant (DECODE_VARIANTS) must give the same bits. `chunk` sets ATTN_QAT_DECODE_CHUNK."""
+    every kernel variant (DECODE_VARIANTS) must give the same bits. `chunk` sets the decode_chunk kernel option."""
     g = generator()
     capacity = max(lengths)
     paging = {} if page_size is None else {"page_size": page_size}
@@ -196,9 +195,9 @@ def decode(b, hq, hkv, d, lengths, tq, page_size=None, dtype=torch.bfloat16, chu
     cache.append(tail[:, :, : max(rest)].cuda(), tail_v[:, :, : max(rest)].cuda(), rest)
     q = randn(b, hq, tq, d, dtype=dtype, g=g)
     outs = []
-    with env("ATTN_QAT_DECODE_CHUNK", str(chunk or "")):
+    with attn_qat.ops.kernel_options(decode_chunk=chunk or "auto"):
         for variant in DECODE_VARIANTS:
-            with env("ATTN_QAT_DECODE_VARIANT", variant):
+            with attn_qat.ops.kernel_options(decode_variant=variant):
                 poison()
                 outs.append(cache.attention(q))
     out = outs[0]

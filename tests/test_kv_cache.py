@@ -553,7 +553,7 @@ def test_kernel_block_table_outside_the_pool_gives_nan():
 
 
 # The chunks' merge: by default the last CTA of a sequence's chunks merges them (csrc/decode/decode_cuda.cu,
-# merge_chunks), with counters that must be 0 at every call; ATTN_QAT_DECODE_VARIANT=0 keeps the separate combine
+# merge_chunks), with counters that must be 0 at every call; decode_variant=0 keeps the separate combine
 # kernel, whose output the other variants must give bit for bit.
 DECODE_VARIANTS = (0, 1, 2, 3)
 
@@ -563,19 +563,17 @@ def bits(t):
     return t.view(torch.int16)
 
 
-def kernel_variants(f, q, monkeypatch, causal=True, block_table=None, chunk=None):
-    """{variant: output} of the kernel under each ATTN_QAT_DECODE_VARIANT, twice each: the second call finds the
+def kernel_variants(f, q, causal=True, block_table=None, chunk=None):
+    """{variant: output} of the kernel under each decode_variant kernel option, twice each: the second call finds the
     counters the first left."""
-    if chunk is not None:
-        monkeypatch.setenv("ATTN_QAT_DECODE_CHUNK", str(chunk))
     outs = {}
-    for variant in DECODE_VARIANTS:
-        monkeypatch.setenv("ATTN_QAT_DECODE_VARIANT", str(variant))
-        first = kernel(f, q, causal, block_table)
-        again = kernel(f, q, causal, block_table)
-        assert torch.equal(bits(first), bits(again)), f"variant {variant}: a second call differs"
-        outs[variant] = first
-    monkeypatch.delenv("ATTN_QAT_DECODE_VARIANT")
+    with attn_qat.ops.kernel_options(decode_chunk=chunk if chunk is not None else "auto"):
+        for variant in DECODE_VARIANTS:
+            with attn_qat.ops.kernel_options(decode_variant=variant):
+                first = kernel(f, q, causal, block_table)
+                again = kernel(f, q, causal, block_table)
+            assert torch.equal(bits(first), bits(again)), f"variant {variant}: a second call differs"
+            outs[variant] = first
     return outs
 
 
@@ -595,12 +593,12 @@ MERGE_CASES = {
 @requires_cuda
 @pytest.mark.parametrize("case", MERGE_CASES)
 @pytest.mark.parametrize("chunk", [None, 64], ids=["planned_chunks", "chunks_of_64"])
-def test_kernel_variants_are_bit_identical(case, chunk, monkeypatch):
+def test_kernel_variants_are_bit_identical(case, chunk):
     # Chunks of 64 keys give up to 79 chunks a sequence: more than a warp's lanes and than a merge batch.
     f, heads_q, tq = MERGE_CASES[case]()
     q = f.query(heads_q, tq)
     for causal in (True, False):
-        outs = kernel_variants(f, q, monkeypatch, causal, chunk=chunk)
+        outs = kernel_variants(f, q, causal, chunk=chunk)
         for variant, out in outs.items():
             assert torch.equal(bits(out), bits(outs[0])), f"variant {variant} differs from the combine kernel"
         assert forward_error(outs[0], f.reference(q, causal))[0] <= FWD_TOL
@@ -609,19 +607,19 @@ def test_kernel_variants_are_bit_identical(case, chunk, monkeypatch):
 
 
 @requires_cuda
-def test_kernel_variants_agree_on_a_block_table_outside_the_pool(monkeypatch):
+def test_kernel_variants_agree_on_a_block_table_outside_the_pool():
     # The NaN rows of a sequence that meets a bad page, in a chunk that is not its last; the calls after it find
     # the counters at 0 again and give the good output.
     f = fill(2, 2, 64, [(700, [700, 500])], device="cuda", page_size=16)
     q = f.query(4, 1)
-    good = kernel_variants(f, q, monkeypatch, chunk=64)
+    good = kernel_variants(f, q, chunk=64)
     table = f.cache.block_table.clone()
     table[1, 3] = f.cache.num_pages
-    bad = kernel_variants(f, q, monkeypatch, block_table=table, chunk=64)
+    bad = kernel_variants(f, q, block_table=table, chunk=64)
     for variant in DECODE_VARIANTS:
         assert bad[variant][1].isnan().all() and torch.equal(bad[variant][0], good[0][0])
         assert torch.equal(bits(bad[variant]), bits(bad[0]))
-    assert torch.equal(bits(kernel_variants(f, q, monkeypatch, chunk=64)[3]), bits(good[0]))
+    assert torch.equal(bits(kernel_variants(f, q, chunk=64)[3]), bits(good[0]))
 
 
 @requires_cuda

@@ -132,14 +132,17 @@ const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p);
 const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream);
 const char *aq_dequantize_cuda(const aq_dequantize_params *p, void *stream);
 
-/* The CUDA kernels' options, one set per process (README, "Kernel options"): read from ATTN_QAT_SM90 and
-   ATTN_QAT_TAIL_SPLIT when the library loads (binding/kernel_options.cpp), set at run time by
-   attn_qat.ops.kernel_options; a call is planned with the set in force when it starts. */
+/* The CUDA kernels' options, one set per process (README, "Kernel options"): read from ATTN_QAT_SM90,
+   ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT and ATTN_QAT_DECODE_CHUNK when the library loads
+   (binding/kernel_options.cpp), set at run time by attn_qat.ops.kernel_options; a call is planned with the set in
+   force when it starts. */
 typedef enum { AQ_TAIL_SPLIT_AUTO = 0, AQ_TAIL_SPLIT_OFF = 1, AQ_TAIL_SPLIT_FORCED = 2 } aq_tail_split_mode;
 typedef struct {
     int sm90;                       /* 0: the mma.sync kernels, even where the Hopper ones could run */
     aq_tail_split_mode tail_split;  /* AUTO: the plan splits a short last wave; OFF: never; FORCED (tests): */
     int64_t forced_tail, forced_splits; /* the last forced_tail items in forced_splits parts, at most one a unit */
+    int decode_variant;             /* the decode kernel's FLAGS (decode_cuda.cu), or -1 for the default */
+    int64_t decode_chunk;           /* keys a decode CTA takes (a multiple of 64 up to 4096), or 0: planned */
 } aq_kernel_options;
 
 aq_kernel_options aq_get_kernel_options(void);
@@ -204,7 +207,7 @@ typedef struct {
 } aq_decode_params;
 
 /* Checks the sizes, picks chunk and num_splits for the current device and sets *workspace_floats. */
-const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace_floats);
+const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, const aq_kernel_options *o, int64_t *workspace_floats);
 const char *aq_kv_cache_decode_cuda(const aq_decode_params *p, void *stream);
 
 #ifdef __cplusplus

@@ -9,9 +9,10 @@
 namespace {
 
 // ATTN_QAT_SM90: "0" keeps the Hopper kernels out. ATTN_QAT_TAIL_SPLIT: unset or empty, the plan decides; "T,S"
-// forces the last T items into S parts; anything else never splits.
+// forces the last T items into S parts; anything else never splits. ATTN_QAT_DECODE_VARIANT (0-3) and
+// ATTN_QAT_DECODE_CHUNK (keys): the decode kernel's variant and chunk for A/B runs; other values keep the defaults.
 aq_kernel_options from_environment() {
-    aq_kernel_options o = {1, AQ_TAIL_SPLIT_AUTO, 0, 0};
+    aq_kernel_options o = {1, AQ_TAIL_SPLIT_AUTO, 0, 0, -1, 0};
     const char *sm90 = std::getenv("ATTN_QAT_SM90");
     o.sm90 = !(sm90 != nullptr && sm90[0] == '0');
     const char *split = std::getenv("ATTN_QAT_TAIL_SPLIT");
@@ -19,6 +20,12 @@ aq_kernel_options from_environment() {
     if (split != nullptr && split[0] != '\0')
         o.tail_split = std::sscanf(split, "%ld,%ld", &tail, &splits) == 2 ? AQ_TAIL_SPLIT_FORCED : AQ_TAIL_SPLIT_OFF;
     if (o.tail_split == AQ_TAIL_SPLIT_FORCED) o.forced_tail = tail, o.forced_splits = splits;
+    const char *variant = std::getenv("ATTN_QAT_DECODE_VARIANT");
+    int v = -1;
+    if (variant != nullptr && std::sscanf(variant, "%d", &v) == 1 && v >= 0 && v <= 3) o.decode_variant = v;
+    const char *chunk = std::getenv("ATTN_QAT_DECODE_CHUNK");
+    long c = 0;
+    if (chunk != nullptr && std::sscanf(chunk, "%ld", &c) == 1 && c > 0 && c % 64 == 0 && c <= 4096) o.decode_chunk = c;
     return o;
 }
 

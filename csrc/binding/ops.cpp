@@ -596,7 +596,8 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
     int64_t workspace_floats = 0;
     {
         torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-        const char *err = aq_kv_cache_decode_plan_cuda(&p, &workspace_floats);
+        const aq_kernel_options options = aq_get_kernel_options();
+        const char *err = aq_kv_cache_decode_plan_cuda(&p, &options, &workspace_floats);
         STD_TORCH_CHECK(err == nullptr, "attn_qat: ", err ? err : "");
     }
     Tensor workspace = torch::stable::new_empty(q, {workspace_floats > 0 ? workspace_floats : 1}, ScalarType::Float);

@@ -1117,16 +1117,7 @@ static int decode_m_tiles(const aq_decode_params *p) {
     return (int)((p->heads_q / p->heads_kv * p->seqlen_q + 15) / 16);
 }
 
-/* An environment override for A/B runs and tests, read per call: an integer in [lo, hi], or `fallback`. */
-static int64_t env_int(const char *name, int64_t lo, int64_t hi, int64_t fallback) {
-    const char *env = getenv(name);
-    if (env == NULL || env[0] == '\0') return fallback;
-    char *end = NULL;
-    const long long v = strtoll(env, &end, 10);
-    return *end == '\0' && v >= lo && v <= hi ? (int64_t)v : fallback;
-}
-
-const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace_floats) {
+const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, const aq_kernel_options *o, int64_t *workspace_floats) {
     if (!aq_attention_dtype_supported(p->dtype)) return "kv_cache_decode: dtype must be bfloat16 or float16";
     if (!aq_head_dim_supported(p->head_dim)) return "kv_cache_decode: head_dim must be " AQ_HEAD_DIMS_TEXT;
     if (p->heads_kv <= 0 || p->heads_q <= 0 || p->heads_q % p->heads_kv != 0)
@@ -1149,8 +1140,9 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     if (err != cudaSuccess) return cudaGetErrorString(err);
     p->programmatic_launch = major >= 9;
-    /* ATTN_QAT_DECODE_VARIANT=0..3 picks kv_decode_kernel's FLAGS, for A/B runs and the tests' bit-for-bit check */
-    p->variant = (int)env_int("ATTN_QAT_DECODE_VARIANT", 0, DEC_VARIANTS - 1, DEC_LAST_CTA_MERGE | DEC_EARLY_START);
+    /* the kernel options' decode_variant picks kv_decode_kernel's FLAGS, for A/B runs and the tests' bit-for-bit check */
+    p->variant = o->decode_variant >= 0 && o->decode_variant < DEC_VARIANTS ? o->decode_variant
+                                                                           : DEC_LAST_CTA_MERGE | DEC_EARLY_START;
     /* The longest chunks (up to DEC_MAX_CHUNK keys) that still give every SM a CTA: a CTA's four warps already
        keep enough loads in flight, and shorter chunks only add pipeline start-up and partial results. Measured on
        the H100 (batch 8, 32 q / 8 kv heads, D = 128, one query token): 4k context 42.6 us with this rule against
@@ -1162,9 +1154,10 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, int64_t *workspace
     int64_t chunk = DEC_MAX_CHUNK;
     while (chunk > DEC_MIN_CHUNK && ctas_per_split * ((p->max_length + chunk - 1) / chunk) < (int64_t)sms)
         chunk /= 2;
-    /* ATTN_QAT_DECODE_CHUNK (a multiple of DEC_MIN_CHUNK up to DEC_MAX_CHUNK) sets the chunk instead, for sweeps */
-    chunk = env_int("ATTN_QAT_DECODE_CHUNK", DEC_MIN_CHUNK, DEC_MAX_CHUNK, chunk);
-    if (chunk % DEC_MIN_CHUNK) return "kv_cache_decode: ATTN_QAT_DECODE_CHUNK must be a multiple of 64";
+    /* the kernel options' decode_chunk (a multiple of DEC_MIN_CHUNK up to DEC_MAX_CHUNK) sets it instead, for sweeps */
+    if (o->decode_chunk > 0) chunk = o->decode_chunk;
+    if (chunk % DEC_MIN_CHUNK || chunk > DEC_MAX_CHUNK)
+        return "kv_cache_decode: decode_chunk must be a multiple of 64 up to 4096";
     p->chunk = chunk;
     p->num_splits = (p->max_length + chunk - 1) / chunk;
     if (p->num_splits * decode_m_tiles(p) > INT32_MAX) return "kv_cache_decode: too many query rows and splits";
