@@ -16,7 +16,9 @@
    or K: with hidden terms the kernels flag any gradient that came out non-finite, and the mma.sync kernels,
    launched behind them, then do the whole backward again (as in attention_fwd_sm90.cu). */
 #include "sm90/attention_sm90.h"
+#include "sm90/epilogue.cuh"
 #include "sm90/hopper.cuh"
+#include "sm90/named_barriers.h"
 
 #define BWD90_THREADS 384 /* producer warpgroup + 2 consumer warpgroups */
 #define BWD90_STAGES 3
@@ -24,9 +26,6 @@
 #define BWD90_Q_STEP 64   /* dK/dV: queries per step */
 #define BWD90_ROWS 128    /* dQ: query rows per CTA */
 #define BWD90_K_STEP 64   /* dQ: keys per step */
-#define PING_PONG_BARRIER 1 /* named barriers 1 and 2: consumer warpgroup c waits on 1 + c for its turn */
-#define DS_BARRIER 3        /* fused dQ: both consumer warpgroups have written their dS^T of the step */
-#define DKDV_EPILOGUE_BARRIER 4 /* both consumer warpgroups are done with K and V: dK and dV are staged there */
 
 /* The fused dQ's fp32 sums (dq_accum): per (batch, query head, 64-query step, half of the head dim) a chunk of
    64 x D/2 floats in the order of a wgmma accumulator, thread t of the warpgroup's fragment float4 n at
@@ -409,16 +408,9 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         store_fragment_rows_f32<D>(dv, part + DkdvTailPart<D>::DV, key0);
         return;
     }
-    if (nonfinite != NULL) {
-        flag_if_nonfinite(dk, nonfinite);
-        flag_if_nonfinite(dv, nonfinite);
-    }
-    /* staged where K and V were, then written by TMA (tma_store_warp_rows says why) */
-    named_barrier_sync(DKDV_EPILOGUE_BARRIER, 256);
-    stage_fragment_rows<D, DT>(dk, ks, BWD90_KEYS, key0);
-    tma_store_warp_rows<D>(&tm_dk, ks, BWD90_KEYS, key0, k0 + key0, hk, b);
-    stage_fragment_rows<D, DT>(dv, vs, BWD90_KEYS, key0);
-    tma_store_warp_rows<D>(&tm_dv, vs, BWD90_KEYS, key0, k0 + key0, hk, b);
+    /* staged where K and V were */
+    store_outputs_tma<D, DT, true>(nonfinite, DKDV_EPILOGUE_BARRIER, 256, {BWD90_KEYS, key0, k0, hk, b}, dk, ks, &tm_dk,
+                                   dv, vs, &tm_dv);
     if (lane == 0) bulk_wait_read<0>(); /* the CTA's shared memory outlives the copies' reads */
 #endif
 }

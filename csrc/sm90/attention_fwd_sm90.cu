@@ -17,14 +17,15 @@
    where this kernel's P V multiplies them by 0: with hidden keys it flags any output that came out non-finite
    (flag_if_nonfinite), and the mma.sync kernel, launched behind it, then does the whole call again. */
 #include "sm90/attention_sm90.h"
+#include "sm90/epilogue.cuh"
 #include "sm90/hopper.cuh"
+#include "sm90/named_barriers.h"
 
 #define SM90_STAGES 2       /* K/V ring slots */
 /* The tail split (tail_split): the quantized kernels' query rows a CTA (fwd_tail_plan checks), and the keys of a
    part's unit, so that the inference kernel's 128-key tiles and the training kernel's 64-key ones split alike. */
 #define FWD_TAIL_BM 128
 #define FWD_TAIL_KEYS 128
-#define FWD_EPILOGUE_BARRIER 1 /* named barrier of the consumer warpgroups before the outputs are staged */
 
 /* Consumer warpgroups (64 query rows each). Three in bf16 mode at D = 128: a third warpgroup's softmax hides
    more of the others' waits (H200, against two persistent warpgroups: Wan 1.3B 12.4 -> 11.9 ms, 16k 8.2 ->
@@ -486,23 +487,15 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
         const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
         finish_forward_rows<D, WITH_O_PRIME>(o, o2, m, l, seen, QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f,
                                              p.frame_m + stat0, p.row_sum + stat0, q0 + row0, nq);
-        if (nonfinite != NULL) {
-            flag_if_nonfinite(o, nonfinite);
-            if constexpr (WITH_O_PRIME) flag_if_nonfinite(o2, nonfinite);
-        }
         if constexpr (QUANTIZE_P) {
             /* O staged where Q was and O' where the K ring was, once every consumer warp is done with its
-               products (a warpgroup's S reads its 64 rows of Q and all of a K slot), then written by TMA */
-            named_barrier_sync(FWD_EPILOGUE_BARRIER, 128 * NWG);
-            stage_fragment_rows<D, DT>(o, qs, SM90_BM, row0);
-            tma_store_warp_rows<D>(&tm_o, qs, SM90_BM, row0, q0 + row0, h, b);
-            if constexpr (WITH_O_PRIME) {
-                stage_fragment_rows<D, DT>(o2, ks, SM90_BM, row0);
-                tma_store_warp_rows<D>(&tm_o2, ks, SM90_BM, row0, q0 + row0, h, b);
-            }
+               products (a warpgroup's S reads its 64 rows of Q and all of a K slot) */
+            store_outputs_tma<D, DT, WITH_O_PRIME>(nonfinite, FWD_EPILOGUE_BARRIER, 128 * NWG, {SM90_BM, row0, q0, h, b},
+                                                   o, qs, &tm_o, o2, ks, &tm_o2);
             if (lane == 0) bulk_wait_read<0>(); /* the CTA's shared memory outlives the copies' reads */
             return n_tiles;
         }
+        if (nonfinite != NULL) flag_if_nonfinite(o, nonfinite); /* bf16 mode: no O' */
         const int valid = nq - q0 - row0;
         uint16_t *og0 = (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + (q0 + row0) * p.o_stride[2];
         store_fragment_rows<D, DT>(o, og0, p.o_stride[2], valid);
