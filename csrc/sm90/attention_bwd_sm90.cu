@@ -21,7 +21,9 @@
 #include "attention/nonfinite.cuh"
 #include "attention/scheduler.cuh"
 #include "attention/tile_io.cuh"
+#include "sm90/epilogue.cuh"
 #include "sm90/hopper.cuh"
+#include "sm90/named_barriers.h"
 #include "sm90/tensor_map.h"
 
 #define BWD90_THREADS 384 /* producer warpgroup + 2 consumer warpgroups */
@@ -30,9 +32,6 @@
 #define BWD90_Q_STEP 64   /* dK/dV: queries per step */
 #define BWD90_ROWS 128    /* dQ: query rows per CTA */
 #define BWD90_K_STEP 64   /* dQ: keys per step */
-#define PING_PONG_BARRIER 1 /* named barriers 1 and 2: consumer warpgroup c waits on 1 + c for its turn */
-#define DS_BARRIER 3        /* fused dQ: both consumer warpgroups have written their dS^T of the step */
-#define DKDV_EPILOGUE_BARRIER 4 /* both consumer warpgroups are done with K and V: dK and dV are staged there */
 
 /* The fused dQ's fp32 sums (dq_accum): per (batch, query head, 64-query step, half of the head dim) a chunk of
    64 x D/2 floats in the order of a wgmma accumulator, thread t of the warpgroup's fragment float4 n at
@@ -173,6 +172,287 @@ AQ_D bool packed_keys_need_mask(const aq_attention_bwd_params &p, int q0, int j0
     return p.mask != NULL || j0 < lo || j0 + 64 > hi;
 }
 
+/* The dK/dV CTA's work item: keys k0 .. k0 + 127 of KV head hk, batch b, and the query steps that see them: from
+   query q_first of head h_first, n_steps steps of 64 queries (next_query_step), [q_begin, q_end) of each head. */
+struct dkdv_item {
+    int nq, nk, group, k0, hk, b, q_begin, q_end, h_first, q_first, n_steps;
+};
+
+/* What every role of the dK/dV kernel reads besides its item: the parameters and tensor maps, the shared-memory
+   tiles and barriers, and this thread's place. Built once, before the roles split. */
+template <int D_, aq_dtype DT_, bool QUANTIZE_DV_, bool FUSED_DQ_, bool TAIL_>
+struct Dkdv90State {
+    static constexpr int D = D_, BQ = BWD90_Q_STEP;
+    static constexpr aq_dtype DT = DT_;
+    static constexpr bool QUANTIZE_DV = QUANTIZE_DV_, FUSED_DQ = FUSED_DQ_, TAIL = TAIL_;
+    using L = DkdvLayout<D, FUSED_DQ>;
+
+    const aq_attention_bwd_params &p;
+    const tail_split &ts;
+    const CUtensorMap *tm_q, *tm_do, *tm_k, *tm_v, *tm_dk, *tm_dv;
+    int *nonfinite;
+    unsigned char *smem, *ks, *vs, *qs, *dos, *ds_tiles;
+    float *stats;
+    uint64_t *kv_full, *step_full, *step_empty, *dq_full, *dq_empty;
+    int warpgroup, warp, lane;
+
+    AQ_D Dkdv90State(unsigned char *smem, const aq_attention_bwd_params &p, const tail_split &ts,
+                     const CUtensorMap *tm_q, const CUtensorMap *tm_do, const CUtensorMap *tm_k,
+                     const CUtensorMap *tm_v, const CUtensorMap *tm_dk, const CUtensorMap *tm_dv, int *nonfinite)
+        : p(p), ts(ts), tm_q(tm_q), tm_do(tm_do), tm_k(tm_k), tm_v(tm_v), tm_dk(tm_dk), tm_dv(tm_dv),
+          nonfinite(nonfinite), smem(smem), ks(smem + L::K_OFFSET), vs(smem + L::V_OFFSET), qs(smem + L::Q_OFFSET),
+          dos(smem + L::DO_OFFSET), ds_tiles(smem + L::DS_OFFSET), stats((float *)(smem + L::STATS_OFFSET)) {
+        uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
+        kv_full = bars, step_full = bars + 1, step_empty = step_full + L::STAGES;
+        dq_full = step_empty + L::STAGES, dq_empty = dq_full + 2;
+        warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    }
+
+    /* by thread 0, before the CTA's __syncthreads */
+    AQ_D void init_barriers() const {
+        mbar_init(kv_full, 1);
+        for (int s = 0; s < L::STAGES; s++) {
+            mbar_init(&step_full[s], 32); /* the producer warp's lanes, after writing the statistics */
+            mbar_init(&step_empty[s], 256); /* every consumer thread, once done with the slot */
+        }
+        for (int c = 0; c < 2; c++) {
+            mbar_init(&dq_full[c], 128); /* every thread of consumer warpgroup c, after staging its dQ */
+            mbar_init(&dq_empty[c], 1);  /* the dQ warp, once the bulk reduction has read the staging */
+        }
+        mbar_init_fence();
+    }
+};
+
+/* The fused kernel's dQ warp, one thread: adds each step's dQ partials, which the consumer warpgroups stage, into
+   dq_accum with the bulk copy engine. Apart from the producer, whose TMA it would otherwise wait behind. */
+template <class Bwd>
+AQ_D void dkdv90_dq_warp(const Bwd &bwd, const dkdv_item &it) {
+    using L = typename Bwd::L;
+    const aq_attention_bwd_params &p = bwd.p;
+    for (int step = 0, h = it.h_first, q0 = it.q_first; step < it.n_steps;
+         step++, next_query_step(&h, &q0, it.q_begin, it.q_end)) {
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            mbar_wait(&bwd.dq_full[c], step & 1);
+            bulk_reduce_add_f32(p.dq_accum + dq_accum_chunk(it.b, h, p.heads_q, it.nq, q0 / Bwd::BQ, c, Bwd::D),
+                                bwd.smem + L::DQ_OFFSET + c * L::DQ_CHUNK_BYTES, L::DQ_CHUNK_BYTES);
+            bulk_commit();
+            bulk_wait_read<0>();
+            mbar_arrive(&bwd.dq_empty[c]);
+        }
+    }
+    bulk_wait_all<0>();
+}
+
+/* The producer warp: K and V once, then per query step Q and dO (TMA, lane 0) and the step's row statistics (a
+   query a lane, staged through m, inv_l and delta) into the ring, as the consumers free its slots. */
+template <class Bwd>
+AQ_D void dkdv90_producer(const Bwd &bwd, const dkdv_item &it, float (&m)[Bwd::BQ / 32], float (&inv_l)[Bwd::BQ / 32],
+                          float (&delta)[Bwd::BQ / 32]) {
+    constexpr int D = Bwd::D, BQ = Bwd::BQ;
+    using L = typename Bwd::L;
+    const aq_attention_bwd_params &p = bwd.p;
+    const int lane = bwd.lane, k0 = it.k0, b = it.b;
+    if (lane == 0) {
+        mbar_arrive_expect_tx(bwd.kv_full, 2 * L::KV_BYTES);
+        tma_load_rows<D>(bwd.ks, bwd.tm_k, bwd.kv_full, BWD90_KEYS, k0, it.hk, b);
+        tma_load_rows<D>(bwd.vs, bwd.tm_v, bwd.kv_full, BWD90_KEYS, k0, it.hk, b);
+    }
+    for (int step = 0, h = it.h_first, q0 = it.q_first; step < it.n_steps;
+         step++, next_query_step(&h, &q0, it.q_begin, it.q_end)) {
+        const int s = step % L::STAGES;
+        /* the statistics first, into registers: their global-load latency then overlaps the wait for the
+           slot instead of delaying the step's TMA (consumers waited on it: 6-9% of their stall samples) */
+        const int64_t stat0 = ((int64_t)b * p.heads_q + h) * it.nq;
+        bool dead = false;
+#pragma unroll
+        for (int k = 0; k < BQ / 32; k++)
+            dead |= load_row_stats(&p, stat0, q0 + lane + 32 * k, &m[k], &inv_l[k], &delta[k]);
+        dead = __any_sync(AQ_FULL_MASK, dead);
+        mbar_wait(&bwd.step_empty[s], ((step / L::STAGES) & 1) ^ 1);
+        if (lane == 0) {
+            mbar_expect_tx(&bwd.step_full[s], 2 * L::STEP_BYTES);
+            tma_load_rows<D>(bwd.qs + s * L::STEP_BYTES, bwd.tm_q, &bwd.step_full[s], BQ, q0, h, b);
+            tma_load_rows<D>(bwd.dos + s * L::STEP_BYTES, bwd.tm_do, &bwd.step_full[s], BQ, q0, h, b);
+        }
+        float *st = bwd.stats + s * L::STATS_FLOATS;
+#pragma unroll
+        for (int k = 0; k < BQ / 32; k++) {
+            const int slot = dkdv_stat_slot(lane + 32 * k);
+            st[slot] = m[k], st[BQ + slot] = inv_l[k], st[2 * BQ + slot] = delta[k];
+        }
+        if (lane == 0) st[3 * BQ] = dead ? 1.0f : 0.0f;
+        if (p.q_span != NULL && lane < 2)
+            st[3 * BQ + 1 + lane] = dead || packed_keys_need_mask(p, q0, k0 + 64 * lane) ? 1.0f : 0.0f;
+        mbar_arrive(&bwd.step_full[s]); /* releases the statistics; the phase ends when the TMA bytes are in too */
+    }
+}
+
+/* A consumer warp: warpgroup c owns keys k0 + 64c .. +63, its warp w keys k0 + 64c + 16w .. +15. mainloop() runs
+   the query steps into dk and dv, epilogue() writes them. The register arrays are the kernel's (it says why). */
+template <class Bwd>
+struct Dkdv90Consumer {
+    static constexpr int D = Bwd::D, BQ = Bwd::BQ;
+    static constexpr aq_dtype DT = Bwd::DT;
+    static constexpr bool QUANTIZE_DV = Bwd::QUANTIZE_DV, FUSED_DQ = Bwd::FUSED_DQ;
+    using L = typename Bwd::L;
+    /* Ping-pong (unquantized only): the two consumer warpgroups take turns at the P part, so that one runs its
+       FP32 work while the other's products keep the tensor cores busy. Measured on the H100 at the Wan 14B shape:
+       bf16 mode dK/dV 74.4 -> 71.1 ms; with the P^F column quant, whose P part is three times as long, the turns
+       cost more than they gain (102.9 -> 119.0 ms). */
+    static constexpr bool ping_pong = !QUANTIZE_DV && !FUSED_DQ;
+
+    const Bwd &bwd;
+    const dkdv_item &it;
+    const int c, key0;
+    float4 *const scales;                    /* the warp's exchange of block scales (dkdv_step_p_quantized) */
+    float (&dk)[D / 8][4], (&dv)[D / 8][4];  /* the accumulators */
+    float (&st)[BQ / 8][4], (&dpt)[BQ / 8][4]; /* a step's S^T and dP^T */
+    float4 (&m4)[BQ / 16];                   /* its row frames */
+    uint32_t (&pa)[BQ / 16][4], (&dsa)[BQ / 16][4]; /* P^T and dS^T as A operands */
+    float4 (&delta4)[BQ / 16];               /* its rows' delta */
+    float (&dq)[D / 16][4];                  /* fused: the step's dQ partial */
+
+    AQ_D Dkdv90Consumer(const Bwd &bwd, const dkdv_item &it, float (&dk)[D / 8][4], float (&dv)[D / 8][4],
+                        float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4], float4 (&m4)[BQ / 16],
+                        uint32_t (&pa)[BQ / 16][4], uint32_t (&dsa)[BQ / 16][4], float4 (&delta4)[BQ / 16],
+                        float (&dq)[D / 16][4])
+        : bwd(bwd), it(it), c(bwd.warpgroup - 1), key0(64 * c + 16 * (bwd.warp % 4)),
+          scales((float4 *)(bwd.smem + L::SCALES_OFFSET) + 32 * (bwd.warp - 4)), dk(dk), dv(dv), st(st), dpt(dpt),
+          m4(m4), pa(pa), dsa(dsa), delta4(delta4), dq(dq) {
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.0f;
+    }
+
+    /* The fused dQ of the step's 64 queries, columns c D/2 .. +D/2, = dS (both warpgroups' keys) K: dS^T goes to
+       shared memory (stmatrix), and the products read it and K as MN-major operands; the result is staged for
+       the dQ warp (dkdv90_dq_warp). */
+    AQ_D void fused_dq(int step) {
+        unsigned char *ds_tile = bwd.ds_tiles + (step & 1) * L::DS_TILE_BYTES;
+        store_ds_transposed<BQ>(ds_tile, dsa, key0);
+        fence_proxy_async_shared();
+        named_barrier_sync(DS_BARRIER, 256);
+        constexpr int DH = D / 2;
+        const unsigned char *k_half = bwd.ks + (c * DH / SM90_PANEL) * BWD90_KEYS * 128 + (c * DH % SM90_PANEL) * 2;
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < BWD90_KEYS / 16; kb++)
+            wgmma_ss<DH, DT, 1, 1>(dq, mn_major_desc(ds_tile, BWD90_KEYS, kb), mn_major_desc(k_half, BWD90_KEYS, kb),
+                                   kb > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(dq);
+        /* staged for the dQ warp's bulk reduction (per-thread red.global.add of the same data from here cost
+           ~18 ms of the Wan 14B backward's 125: v10 in performance.md) */
+        mbar_wait(&bwd.dq_empty[c], (step & 1) ^ 1);
+        float4 *stage = (float4 *)(bwd.smem + L::DQ_OFFSET + c * L::DQ_CHUNK_BYTES) +
+                        ((int)threadIdx.x - 128 * bwd.warpgroup);
+#pragma unroll
+        for (int n = 0; n < DH / 8; n++) stage[128 * n] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+        fence_proxy_async_shared();
+        mbar_arrive(&bwd.dq_full[c]);
+    }
+
+    /* The CTA's query steps: S^T, dP^T, the elementwise steps, dV += P^T dO and dK += dS^T Q (and the fused dQ). */
+    AQ_D void mainloop() {
+        const aq_attention_bwd_params &p = bwd.p;
+        /* read here, not from it.nq: that form moved a conversion in the kernel's SASS */
+        const int nq = (int)p.seqlen_q, k0 = it.k0;
+        if (ping_pong && c == 1) named_barrier_arrive(PING_PONG_BARRIER, 256); /* warpgroup 0 takes the first turn */
+        mbar_wait(bwd.kv_full, 0);
+        for (int step = 0, h = it.h_first, q0 = it.q_first; step < it.n_steps;
+             step++, next_query_step(&h, &q0, it.q_begin, it.q_end)) {
+            const int s = step % L::STAGES;
+            const logit_map lm = make_logit_map(p.mask, p.mask_stride, it.b, h, nq, it.nk, p.causal, p.causal_offset,
+                                                p.softmax_scale, p.q_span, p.k_span);
+            const unsigned char *qt = bwd.qs + s * L::STEP_BYTES, *dot = bwd.dos + s * L::STEP_BYTES;
+            const float *st_m = bwd.stats + s * L::STATS_FLOATS;
+
+            /* Unquantized: S^T and dP^T as two groups, the P part (exp2) runs while the tensor cores compute dP^T,
+               and the dS part while they compute dV. With the P^F column quant the P part is latency-bound (v9 in
+               performance.md), and dP^T's 32 accumulator registers held across it left the compiler too few to
+               interleave its element chains (256 bytes of spills): dP^T is issued after it, just before dV, and the
+               dS part waits for it. Measured on the H200: 1.5-3.5% faster at every benchmark shape, no spills.
+               (Issuing the next step's S^T behind dK, to keep the tensor cores busy across steps, puts a wgmma in
+               flight across the loop's back edge, and ptxas then serializes every wgmma: C7515.) */
+            constexpr bool dp_after_p = QUANTIZE_DV;
+            mbar_wait(&bwd.step_full[s], (step / L::STAGES) & 1);
+            /* the step's row frames and dead-row flag are read before the products are issued: behind S^T and dP^T,
+               which saturate the shared-memory pipe, these loads waited hundreds of cycles (step_stat). 1/l is read
+               where used: 16 more registers held across the products cost more (spills) than its loads' wait. */
+            dkdv_step_stats<BQ>(m4, st_m);
+            const float dead_rows = st_m[3 * BQ];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++)
+                wgmma_ss<BQ, DT, 0>(st, k_major_desc(bwd.ks, BWD90_KEYS, 64 * c, kk), k_major_desc(qt, BQ, 0, kk),
+                                    kk > 0);
+            wgmma_commit();
+            if constexpr (!dp_after_p) issue_dpt<D, DT>(dpt, bwd.vs, dot, c);
+            /* packed sequences: the producer's decision (packed_keys_need_mask) */
+            const bool checked =
+                p.q_span != NULL
+                    ? st_m[3 * BQ + 1 + c] != 0.0f
+                    : tile_needs_mask(&lm, rows_common_keys(&lm, q0, BQ), k0 + 64 * c, 64) || dead_rows != 0.0f;
+            if constexpr (dp_after_p) {
+                wgmma_wait<0>();
+            } else {
+                fence_registers(dpt);
+                wgmma_wait<1>();
+            }
+            fence_registers(st);
+
+            if constexpr (ping_pong) named_barrier_sync(PING_PONG_BARRIER + c, 256);
+            const uint32_t live =
+                QUANTIZE_DV ? dkdv_step_p_quantized<DT>(&lm, st, pa, m4, st_m + BQ, q0, k0 + key0, checked, scales)
+                            : dkdv_step_p<BQ, false, DT>(&lm, st, pa, m4, st_m + BQ, q0, k0 + key0, checked);
+            dkdv_step_stats<BQ>(delta4, st_m + 2 * BQ); /* before dV is issued, for the same reason */
+            wgmma_fence();
+            if constexpr (dp_after_p) issue_dpt<D, DT>(dpt, bwd.vs, dot, c);
+#pragma unroll
+            for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dv, pa[kb], mn_major_desc(dot, BQ, kb), 1);
+            wgmma_commit();
+            if constexpr (ping_pong) named_barrier_arrive(PING_PONG_BARRIER + (1 - c), 256);
+            fence_registers(dv);
+            wgmma_wait<1>();
+            fence_registers(dpt);
+
+            dkdv_step_ds<BQ, DT>(st, dpt, dsa, delta4, live, checked);
+            wgmma_fence();
+#pragma unroll
+            for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dk, dsa[kb], mn_major_desc(qt, BQ, kb), 1);
+            wgmma_commit();
+            if constexpr (FUSED_DQ) fused_dq(step);
+            else wgmma_wait<0>();
+            fence_registers(dv);
+            fence_registers(dk);
+            mbar_arrive(&bwd.step_empty[s]); /* each thread releases its own loads of the slot's statistics */
+        }
+        if (ping_pong && c == 0) named_barrier_sync(PING_PONG_BARRIER, 256); /* warpgroup 1's last turn: none pending */
+    }
+
+    /* dK (times the softmax scale) and dV of the warp's keys: a TAIL part's fp32 partial results, or the outputs,
+       staged where K and V were and written by TMA. */
+    AQ_D void epilogue() {
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) dk[n][e] *= bwd.p.softmax_scale;
+        if constexpr (Bwd::TAIL) {
+            float *part = bwd.ts.part + (int64_t)blockIdx.x * DkdvTailPart<D>::FLOATS;
+            store_fragment_rows_f32<D>(dk, part + DkdvTailPart<D>::DK, key0);
+            store_fragment_rows_f32<D>(dv, part + DkdvTailPart<D>::DV, key0);
+            return;
+        }
+        store_outputs_tma<D, DT, true>(bwd.nonfinite, DKDV_EPILOGUE_BARRIER, 256,
+                                       {BWD90_KEYS, key0, it.k0, it.hk, it.b}, dk, bwd.ks, bwd.tm_dk, dv, bwd.vs,
+                                       bwd.tm_dv);
+        if (bwd.lane == 0) bulk_wait_read<0>(); /* the CTA's shared memory outlives the copies' reads */
+    }
+};
+
 /* grid ceil(Nk / 128) Hkv B (work_item_at), 384 threads, or TAIL: a CTA per part of the split last wave's items
    (tail_split, not causal), over query steps [u0, u1) of the item's group heads x ceil(Nq / 64) steps, writing its
    dK and dV to a DkdvTailPart for attention_bwd_dkdv_merge_kernel (the main kernel then skips those items).
@@ -186,28 +466,17 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
                                    const __grid_constant__ CUtensorMap tm_dk, const __grid_constant__ CUtensorMap tm_dv,
                                    const aq_attention_bwd_params p, int *nonfinite, const tail_split ts) {
 #if AQ_SM90_ENABLED
-    using L = DkdvLayout<D, FUSED_DQ>;
-    /* Ping-pong (unquantized only): the two consumer warpgroups take turns at the P part, so that one runs its
-       FP32 work while the other's products keep the tensor cores busy. Measured on the H100 at the Wan 14B shape:
-       bf16 mode dK/dV 74.4 -> 71.1 ms; with the P^F column quant, whose P part is three times as long, the turns
-       cost more than they gain (102.9 -> 119.0 ms). */
-    constexpr bool ping_pong = !QUANTIZE_DV && !FUSED_DQ;
-    constexpr int BQ = BWD90_Q_STEP;
+    using Bwd = Dkdv90State<D, DT, QUANTIZE_DV, FUSED_DQ, TAIL>;
+    constexpr int BQ = Bwd::BQ;
     if (!TAIL && ts.splits > 1 && (int)blockIdx.x >= ts.main_items) return; /* a tail item: the TAIL kernel's */
     extern __shared__ unsigned char smem_raw[];
-    unsigned char *smem = align1024(smem_raw);
-    unsigned char *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET, *qs = smem + L::Q_OFFSET,
-                  *dos = smem + L::DO_OFFSET, *ds_tiles = smem + L::DS_OFFSET;
-    float *stats = (float *)(smem + L::STATS_OFFSET);
-    uint64_t *bars = (uint64_t *)(smem + L::BAR_OFFSET);
-    uint64_t *kv_full = bars, *step_full = bars + 1, *step_empty = step_full + L::STAGES;
-    uint64_t *dq_full = step_empty + L::STAGES, *dq_empty = dq_full + 2;
+    const Bwd bwd(align1024(smem_raw), p, ts, &tm_q, &tm_do, &tm_k, &tm_v, &tm_dk, &tm_dv, nonfinite);
 
-    const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    /* The work item. Here rather than in a function: there its conversion of seqlen_q moved in the SASS. */
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
     const work_item wi = work_item_at(TAIL ? ts.main_items + (int)blockIdx.x / ts.splits : (int)blockIdx.x,
-                                      (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv, (int)p.batch, p.causal, false,
-                                      p.sm_count);
+                                      (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv, (int)p.batch, p.causal,
+                                      false, p.sm_count);
     const int k0 = wi.tile * BWD90_KEYS, hk = wi.h, b = wi.b;
     /* the query steps [q_begin, q_end) holding a query that sees a key of the tile (the same for every head: masks
        do not move them) */
@@ -224,208 +493,34 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         if (u1 > u0) h_first += u0 / steps_per_head, q_first = q_begin + u0 % steps_per_head * BQ;
         n_steps = u1 - u0;
     }
+    const dkdv_item it{nq, nk, group, k0, hk, b, q_begin, q_end, h_first, q_first, n_steps};
 
-    if (threadIdx.x == 0) {
-        mbar_init(kv_full, 1);
-        for (int s = 0; s < L::STAGES; s++) {
-            mbar_init(&step_full[s], 32); /* the producer warp's lanes, after writing the statistics */
-            mbar_init(&step_empty[s], 256); /* every consumer thread, once done with the slot */
-        }
-        for (int c = 0; c < 2; c++) {
-            mbar_init(&dq_full[c], 128); /* every thread of consumer warpgroup c, after staging its dQ */
-            mbar_init(&dq_empty[c], 1);  /* the dQ warp, once the bulk reduction has read the staging */
-        }
-        mbar_init_fence();
-    }
+    if (threadIdx.x == 0) bwd.init_barriers();
     __syncthreads();
 
-    if (warpgroup == 0) { /* producer */
+    /* The roles' register arrays are declared here, in this order, rather than in the functions that use them:
+       an inlined function's arrays come out numbered otherwise, and ptxas then allocates differently. */
+    if (bwd.warpgroup == 0) {
         setmaxnreg_dec<24>();
-        if (FUSED_DQ && warp == 1) { /* the dQ warp: adds each step's staged partials into dq_accum */
-            if (lane == 0) {
-                for (int step = 0, h = h_first, q0 = q_first; step < n_steps;
-                     step++, next_query_step(&h, &q0, q_begin, q_end)) {
-#pragma unroll
-                    for (int c = 0; c < 2; c++) {
-                        mbar_wait(&dq_full[c], step & 1);
-                        bulk_reduce_add_f32(p.dq_accum + dq_accum_chunk(b, h, p.heads_q, nq, q0 / BQ, c, D),
-                                            smem + L::DQ_OFFSET + c * L::DQ_CHUNK_BYTES, L::DQ_CHUNK_BYTES);
-                        bulk_commit();
-                        bulk_wait_read<0>();
-                        mbar_arrive(&dq_empty[c]);
-                    }
-                }
-                bulk_wait_all<0>();
-            }
+        if (FUSED_DQ && bwd.warp == 1) {
+            if (bwd.lane == 0) dkdv90_dq_warp(bwd, it);
             return;
         }
-        if (warp != 0) return;
-        if (lane == 0) {
-            mbar_arrive_expect_tx(kv_full, 2 * L::KV_BYTES);
-            tma_load_rows<D>(ks, &tm_k, kv_full, BWD90_KEYS, k0, hk, b);
-            tma_load_rows<D>(vs, &tm_v, kv_full, BWD90_KEYS, k0, hk, b);
-        }
-        for (int step = 0, h = h_first, q0 = q_first; step < n_steps; step++, next_query_step(&h, &q0, q_begin, q_end)) {
-            const int s = step % L::STAGES;
-            /* the statistics first, into registers: their global-load latency then overlaps the wait for the
-               slot instead of delaying the step's TMA (consumers waited on it: 6-9% of their stall samples) */
-            const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
-            float m[BQ / 32], inv_l[BQ / 32], delta[BQ / 32];
-            bool dead = false;
-#pragma unroll
-            for (int k = 0; k < BQ / 32; k++)
-                dead |= load_row_stats(&p, stat0, q0 + lane + 32 * k, &m[k], &inv_l[k], &delta[k]);
-            dead = __any_sync(AQ_FULL_MASK, dead);
-            mbar_wait(&step_empty[s], ((step / L::STAGES) & 1) ^ 1);
-            if (lane == 0) {
-                mbar_expect_tx(&step_full[s], 2 * L::STEP_BYTES);
-                tma_load_rows<D>(qs + s * L::STEP_BYTES, &tm_q, &step_full[s], BQ, q0, h, b);
-                tma_load_rows<D>(dos + s * L::STEP_BYTES, &tm_do, &step_full[s], BQ, q0, h, b);
-            }
-            float *st = stats + s * L::STATS_FLOATS;
-#pragma unroll
-            for (int k = 0; k < BQ / 32; k++) {
-                const int slot = dkdv_stat_slot(lane + 32 * k);
-                st[slot] = m[k], st[BQ + slot] = inv_l[k], st[2 * BQ + slot] = delta[k];
-            }
-            if (lane == 0) st[3 * BQ] = dead ? 1.0f : 0.0f;
-            if (p.q_span != NULL && lane < 2)
-                st[3 * BQ + 1 + lane] = dead || packed_keys_need_mask(p, q0, k0 + 64 * lane) ? 1.0f : 0.0f;
-            mbar_arrive(&step_full[s]); /* releases the statistics; the phase ends when the TMA bytes are in too */
-        }
+        if (bwd.warp != 0) return;
+        float m[BQ / 32], inv_l[BQ / 32], delta[BQ / 32];
+        dkdv90_producer(bwd, it, m, inv_l, delta);
         return;
     }
-
-    /* consumers: warpgroup c owns keys k0 + 64c .. +63, its warp w keys k0 + 64c + 16w .. +15 */
     setmaxnreg_inc<240>();
-    const int c = warpgroup - 1, key0 = 64 * c + 16 * (warp % 4);
-    float4 *scales = (float4 *)(smem + L::SCALES_OFFSET) + 32 * (warp - 4);
     float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.0f;
-
-    if (ping_pong && c == 1) named_barrier_arrive(PING_PONG_BARRIER, 256); /* warpgroup 0 takes the first turn */
-    mbar_wait(kv_full, 0);
-    for (int step = 0, h = h_first, q0 = q_first; step < n_steps; step++, next_query_step(&h, &q0, q_begin, q_end)) {
-        const int s = step % L::STAGES;
-        const logit_map lm = make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset,
-                                            p.softmax_scale, p.q_span, p.k_span);
-        const unsigned char *qt = qs + s * L::STEP_BYTES, *dot = dos + s * L::STEP_BYTES;
-        const float *st_m = stats + s * L::STATS_FLOATS;
-
-        /* Unquantized: S^T and dP^T as two groups, the P part (exp2) runs while the tensor cores compute dP^T,
-           and the dS part while they compute dV. With the P^F column quant the P part is latency-bound (v9 in
-           performance.md), and dP^T's 32 accumulator registers held across it left the compiler too few to
-           interleave its element chains (256 bytes of spills): dP^T is issued after it, just before dV, and the
-           dS part waits for it. Measured on the H200: 1.5-3.5% faster at every benchmark shape, no spills.
-           (Issuing the next step's S^T behind dK, to keep the tensor cores busy across steps, puts a wgmma in
-           flight across the loop's back edge, and ptxas then serializes every wgmma: C7515.) */
-        constexpr bool dp_after_p = QUANTIZE_DV;
-        float st[BQ / 8][4], dpt[BQ / 8][4];
-        mbar_wait(&step_full[s], (step / L::STAGES) & 1);
-        /* the step's row frames and dead-row flag are read before the products are issued: behind S^T and dP^T,
-           which saturate the shared-memory pipe, these loads waited hundreds of cycles (step_stat). 1/l is read
-           where used: 16 more registers held across the products cost more (spills) than its loads' wait. */
-        float4 m4[BQ / 16];
-        dkdv_step_stats<BQ>(m4, st_m);
-        const float dead_rows = st_m[3 * BQ];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-            wgmma_ss<BQ, DT, 0>(st, k_major_desc(ks, BWD90_KEYS, 64 * c, kk), k_major_desc(qt, BQ, 0, kk), kk > 0);
-        wgmma_commit();
-        if constexpr (!dp_after_p) issue_dpt<D, DT>(dpt, vs, dot, c);
-        /* packed sequences: the producer's decision (packed_keys_need_mask) */
-        const bool checked = p.q_span != NULL ? st_m[3 * BQ + 1 + c] != 0.0f
-                                              : tile_needs_mask(&lm, rows_common_keys(&lm, q0, BQ), k0 + 64 * c, 64) ||
-                                                    dead_rows != 0.0f;
-        if constexpr (dp_after_p) {
-            wgmma_wait<0>();
-        } else {
-            fence_registers(dpt);
-            wgmma_wait<1>();
-        }
-        fence_registers(st);
-
-        uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
-        if constexpr (ping_pong) named_barrier_sync(PING_PONG_BARRIER + c, 256);
-        const uint32_t live = QUANTIZE_DV ? dkdv_step_p_quantized<DT>(&lm, st, pa, m4, st_m + BQ, q0, k0 + key0, checked, scales)
-                                          : dkdv_step_p<BQ, false, DT>(&lm, st, pa, m4, st_m + BQ, q0, k0 + key0, checked);
-        float4 delta4[BQ / 16]; /* before dV is issued, for the same reason */
-        dkdv_step_stats<BQ>(delta4, st_m + 2 * BQ);
-        wgmma_fence();
-        if constexpr (dp_after_p) issue_dpt<D, DT>(dpt, vs, dot, c);
-#pragma unroll
-        for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dv, pa[kb], mn_major_desc(dot, BQ, kb), 1);
-        wgmma_commit();
-        if constexpr (ping_pong) named_barrier_arrive(PING_PONG_BARRIER + (1 - c), 256);
-        fence_registers(dv);
-        wgmma_wait<1>();
-        fence_registers(dpt);
-
-        dkdv_step_ds<BQ, DT>(st, dpt, dsa, delta4, live, checked);
-        wgmma_fence();
-#pragma unroll
-        for (int kb = 0; kb < BQ / 16; kb++) wgmma_rs<D, DT, 1>(dk, dsa[kb], mn_major_desc(qt, BQ, kb), 1);
-        wgmma_commit();
-        if constexpr (FUSED_DQ) {
-            /* dQ of the step's 64 queries, columns c D/2 .. +D/2, = dS (both warpgroups' keys) K: dS^T goes to
-               shared memory (stmatrix), and the products read it and K as MN-major operands */
-            unsigned char *ds_tile = ds_tiles + (step & 1) * L::DS_TILE_BYTES;
-            store_ds_transposed<BQ>(ds_tile, dsa, key0);
-            fence_proxy_async_shared();
-            named_barrier_sync(DS_BARRIER, 256);
-            constexpr int DH = D / 2;
-            const unsigned char *k_half = ks + (c * DH / SM90_PANEL) * BWD90_KEYS * 128 + (c * DH % SM90_PANEL) * 2;
-            float dq[DH / 8][4];
-            wgmma_fence();
-#pragma unroll
-            for (int kb = 0; kb < BWD90_KEYS / 16; kb++)
-                wgmma_ss<DH, DT, 1, 1>(dq, mn_major_desc(ds_tile, BWD90_KEYS, kb), mn_major_desc(k_half, BWD90_KEYS, kb),
-                                       kb > 0);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_registers(dq);
-            /* staged for the dQ warp's bulk reduction (per-thread red.global.add of the same data from here cost
-               ~18 ms of the Wan 14B backward's 125: v10 in performance.md) */
-            mbar_wait(&dq_empty[c], (step & 1) ^ 1);
-            float4 *stage = (float4 *)(smem + L::DQ_OFFSET + c * L::DQ_CHUNK_BYTES) + ((int)threadIdx.x - 128 * warpgroup);
-#pragma unroll
-            for (int n = 0; n < DH / 8; n++) stage[128 * n] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
-            fence_proxy_async_shared();
-            mbar_arrive(&dq_full[c]);
-        } else {
-            wgmma_wait<0>();
-        }
-        fence_registers(dv);
-        fence_registers(dk);
-        mbar_arrive(&step_empty[s]); /* each thread releases its own loads of the slot's statistics */
-    }
-    if (ping_pong && c == 0) named_barrier_sync(PING_PONG_BARRIER, 256); /* warpgroup 1's last turn: none pending */
-
-#pragma unroll
-    for (int n = 0; n < D / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dk[n][e] *= p.softmax_scale;
-    if constexpr (TAIL) {
-        float *part = ts.part + (int64_t)blockIdx.x * DkdvTailPart<D>::FLOATS;
-        store_fragment_rows_f32<D>(dk, part + DkdvTailPart<D>::DK, key0);
-        store_fragment_rows_f32<D>(dv, part + DkdvTailPart<D>::DV, key0);
-        return;
-    }
-    if (nonfinite != NULL) {
-        flag_if_nonfinite(dk, nonfinite);
-        flag_if_nonfinite(dv, nonfinite);
-    }
-    /* staged where K and V were, then written by TMA (tma_store_warp_rows says why) */
-    named_barrier_sync(DKDV_EPILOGUE_BARRIER, 256);
-    stage_fragment_rows<D, DT>(dk, ks, BWD90_KEYS, key0);
-    tma_store_warp_rows<D>(&tm_dk, ks, BWD90_KEYS, key0, k0 + key0, hk, b);
-    stage_fragment_rows<D, DT>(dv, vs, BWD90_KEYS, key0);
-    tma_store_warp_rows<D>(&tm_dv, vs, BWD90_KEYS, key0, k0 + key0, hk, b);
-    if (lane == 0) bulk_wait_read<0>(); /* the CTA's shared memory outlives the copies' reads */
+    float st[BQ / 8][4], dpt[BQ / 8][4];
+    float4 m4[BQ / 16];
+    uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
+    float4 delta4[BQ / 16];
+    float dq[D / 16][4];
+    Dkdv90Consumer<Bwd> consumer(bwd, it, dk, dv, st, dpt, m4, pa, dsa, delta4, dq);
+    consumer.mainloop();
+    consumer.epilogue();
 #endif
 }
 

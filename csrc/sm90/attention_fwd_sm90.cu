@@ -25,7 +25,9 @@
 #include "attention/scheduler.cuh"
 #include "attention/softmax.cuh"
 #include "attention/tile_io.cuh"
+#include "sm90/epilogue.cuh"
 #include "sm90/hopper.cuh"
+#include "sm90/named_barriers.h"
 #include "sm90/tensor_map.h"
 
 #define SM90_STAGES 2       /* K/V ring slots */
@@ -34,7 +36,6 @@
    split alike. */
 #define FWD_TAIL_BM 128
 #define FWD_TAIL_KEYS 128
-#define FWD_EPILOGUE_BARRIER 1 /* named barrier of the consumer warpgroups before the outputs are staged */
 
 /* Consumer warpgroups (64 query rows each). Three in bf16 mode at D = 128: a third warpgroup's softmax hides
    more of the others' waits (H200, against two persistent warpgroups: Wan 1.3B 12.4 -> 11.9 ms, 16k 8.2 ->
@@ -157,6 +158,383 @@ __global__ void __launch_bounds__(128)
     }
 }
 
+/* A work item: query rows q0 .. q0 + BM - 1 of head h, batch b, and the key tiles kt0 .. kt0 + n_tiles - 1 it
+   reads (a TAIL part's share of them). */
+struct fwd_tile {
+    int q0, h, b, n_tiles, kt0;
+    logit_map lm;
+};
+
+/* What every role of the forward kernel reads: the parameters and tensor maps, the shared-memory tiles and
+   barriers, this thread's place, and the map from work items to query tiles. The kernel fills it in, before the
+   roles split: computed in a constructor, the same values came out in another order and the SASS changed. */
+template <int D_, aq_dtype DT_, bool QUANTIZE_P_, bool WITH_O_PRIME_, int NWG_, bool PERSISTENT_, bool TAIL_>
+struct Fwd90State {
+    static constexpr int D = D_, NWG = NWG_, BN = sm90_keys_per_tile(D_, WITH_O_PRIME_, NWG_), BM = 64 * NWG_;
+    static constexpr aq_dtype DT = DT_;
+    static constexpr bool QUANTIZE_P = QUANTIZE_P_, WITH_O_PRIME = WITH_O_PRIME_, PERSISTENT = PERSISTENT_,
+                          TAIL = TAIL_;
+    using L = Sm90Layout<D, BN, BM, QUANTIZE_P>;
+    static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
+    static_assert(!(TAIL && PERSISTENT), "a tail part is one CTA's");
+    static_assert(!WITH_O_PRIME || SM90_STAGES * BN >= BM, "O' is staged in the K ring");
+    static_assert(!(QUANTIZE_P && PERSISTENT), "the outputs are staged in Q's and the K ring's shared memory, which a "
+                                              "persistent CTA's producer refills for its next item");
+
+    const aq_attention_fwd_params &p;
+    const tail_split &ts;
+    const CUtensorMap *tm_q, *tm_k, *tm_v, *tm_o, *tm_o2;
+    int *nonfinite;
+    unsigned char *qs, *ks, *vs;
+    /* a consumer warp's P block scales and spans (quantized kernels; the kernel says more) */
+    uint32_t *warp_scales;
+    const uint32_t *quad_scales;
+    int4 *warp_spans;
+    uint64_t *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
+    int warpgroup, warp, lane;
+    int nq, heads, group, n_qtiles, n_work;
+
+    /* by thread 0, before the CTA's __syncthreads */
+    AQ_D void init_barriers() const {
+        mbar_init(q_full, 1);
+        mbar_init(q_empty, 4 * NWG);
+        for (int s = 0; s < SM90_STAGES; s++) {
+            mbar_init(&k_full[s], 1);
+            mbar_init(&v_full[s], 1);
+            mbar_init(&k_empty[s], 4 * NWG); /* lane 0 of each consumer warp */
+            mbar_init(&v_empty[s], 4 * NWG);
+        }
+        mbar_init_fence();
+    }
+
+    /* Work item t: a query tile of one head, the longest first when causal. Persistent: causal items in
+       descending order over the whole grid (the heads inside), so that the CTAs' static shares stay balanced;
+       else the query tiles of one head next to each other, which then read the same K and V from L2. */
+    AQ_D fwd_tile tile_at(int t) const {
+        fwd_tile w;
+        int qtile;
+        if constexpr (TAIL) { /* the main grid's item main_items + t / splits (query tile fastest, then head, batch) */
+            const int item = ts.main_items + t / ts.splits, hb = item / n_qtiles;
+            qtile = item % n_qtiles, w.h = hb % heads, w.b = hb / heads;
+        } else if constexpr (!PERSISTENT) { /* grid (query tiles, heads, batch), t = blockIdx.x */
+            qtile = p.causal ? (int)gridDim.x - 1 - t : t;
+            w.h = (int)blockIdx.y, w.b = (int)blockIdx.z;
+        } else {
+            int hb;
+            if (p.causal) qtile = n_qtiles - 1 - t / (heads * (int)p.batch), hb = t % (heads * (int)p.batch);
+            else qtile = t % n_qtiles, hb = t / n_qtiles;
+            w.h = hb % heads, w.b = hb / heads;
+        }
+        w.q0 = qtile * BM;
+        w.lm = make_logit_map(p.mask, p.mask_stride, w.b, w.h, nq, p.seqlen_k, p.causal, p.causal_offset,
+                              p.softmax_scale, p.q_span, p.k_span);
+        /* the key tiles holding a key that some row of the item sees */
+        const int2 keys = query_rows_key_range(&w.lm, w.q0, min(w.q0 + BM, nq));
+        const int first = keys.x / BN, end = (keys.y + BN - 1) / BN;
+        w.kt0 = first, w.n_tiles = end - first;
+        if constexpr (TAIL) { /* the item's own keys (every key unless packed) in FWD_TAIL_KEYS units, this part's */
+            constexpr int PER_UNIT = FWD_TAIL_KEYS / BN;
+            const int unit0 = keys.x / FWD_TAIL_KEYS;
+            int u0, u1;
+            tail_split_units(t % ts.splits, ts.splits, (keys.y + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS - unit0, &u0, &u1);
+            w.kt0 = max((unit0 + u0) * PER_UNIT, first);
+            w.n_tiles = max(min((unit0 + u1) * PER_UNIT, end) - w.kt0, 0);
+        }
+        return w;
+    }
+
+    /* fn(t, first K/V slot, item count) for each of the CTA's items; one item (t = blockIdx.x) unless
+       PERSISTENT, which the quantized kernels are not: the loop's state cost them registers and 3-6% */
+    template <class Fn>
+    AQ_D void for_each_item(Fn &&fn) const {
+        if constexpr (PERSISTENT) {
+            unsigned ring = 0;
+            int it = 0;
+            for (int t = (int)blockIdx.x; t < n_work; t += (int)gridDim.x, it++) ring += fn(t, ring, it);
+        } else {
+            fn((int)blockIdx.x, 0u, 0);
+        }
+    }
+};
+
+/* The producer, one thread: each item's Q, then its K and V tiles into the ring as the consumers free its slots.
+   A function of its own: it runs in the producer warpgroup's few registers (setmaxnreg) and shares only the state. */
+template <class Fwd>
+AQ_D void fwd90_producer(const Fwd &fwd) {
+    constexpr int D = Fwd::D, BN = Fwd::BN;
+    using L = typename Fwd::L;
+    tma_prefetch_descriptor(fwd.tm_q);
+    tma_prefetch_descriptor(fwd.tm_k);
+    tma_prefetch_descriptor(fwd.tm_v);
+    if constexpr (Fwd::QUANTIZE_P && !Fwd::TAIL) {
+        tma_prefetch_descriptor(fwd.tm_o);
+        if constexpr (Fwd::WITH_O_PRIME) tma_prefetch_descriptor(fwd.tm_o2);
+    }
+    /* work item t, its K/V slots from ring on, the CTA's it-th item; returns its key tiles */
+    auto produce = [&](int t, unsigned ring, int it) {
+        const fwd_tile w = fwd.tile_at(t);
+        const int hk = w.h / fwd.group;
+        /* the next Q once every consumer warp is done with the last S of the previous item */
+        if (Fwd::PERSISTENT) mbar_wait(fwd.q_empty, (it & 1) ^ 1);
+        mbar_arrive_expect_tx(fwd.q_full, L::Q_BYTES);
+        tma_load_rows<D>(fwd.qs, fwd.tm_q, fwd.q_full, Fwd::BM, w.q0, w.h, w.b);
+        for (int j = 0; j < w.n_tiles; j++, ring++) {
+            const int s = ring % SM90_STAGES;
+            const unsigned phase = ((ring / SM90_STAGES) & 1) ^ 1;
+            /* K and V slots free up separately: K(j) once S(j) is done, V(j) once P(j) V is */
+            mbar_wait(&fwd.k_empty[s], phase);
+            mbar_arrive_expect_tx(&fwd.k_full[s], L::TILE_BYTES);
+            tma_load_rows<D>(fwd.ks + s * L::TILE_BYTES, fwd.tm_k, &fwd.k_full[s], BN, (w.kt0 + j) * BN, hk, w.b);
+            mbar_wait(&fwd.v_empty[s], phase);
+            mbar_arrive_expect_tx(&fwd.v_full[s], L::TILE_BYTES);
+            tma_load_rows<D>(fwd.vs + s * L::TILE_BYTES, fwd.tm_v, &fwd.v_full[s], BN, (w.kt0 + j) * BN, hk, w.b);
+        }
+        return w.n_tiles;
+    };
+    fwd.for_each_item(produce);
+}
+
+/* The consumer warp's mainloop over an item's key tiles (the CTA's it-th item, its first K/V slot ring; queries
+   q0 + row0 .. + 15 of the warp, q0 + wrow .. + 63 of its warpgroup; n_tiles key tiles from key k0): O (and O')
+   in o (o2), the online softmax's row frames m, sums l and seen flags. */
+template <class Fwd>
+AQ_D void fwd90_mainloop(const Fwd &fwd, unsigned ring, int it, const logit_map &lm, int q0, int n_tiles, int k0,
+                         int wrow, int row0, float (&o)[Fwd::D / 8][4], float (&o2)[Fwd::D / 8][4], float (&m)[2],
+                         float (&l)[2], bool (&seen)[2]) {
+    constexpr int D = Fwd::D, BN = Fwd::BN, BM = Fwd::BM;
+    constexpr aq_dtype DT = Fwd::DT;
+    constexpr bool QUANTIZE_P = Fwd::QUANTIZE_P, WITH_O_PRIME = Fwd::WITH_O_PRIME, PERSISTENT = Fwd::PERSISTENT;
+    using L = typename Fwd::L;
+    const int lane = fwd.lane;
+    /* Software pipeline over key tiles: S(j+1) is issued before P(j) V, and the softmax and P fake-quant of
+       tile j+1 run on the FP32 pipe while the tensor cores compute P(j) V. The accumulators are rescaled by the
+       frame step of tile j+1 only once P(j) V has landed in them. */
+    float sc[BN / 8][4];
+    /* P of the tile whose P V is next: P^F (or P̂ in bf16 mode) in a_o, and for O' P̂ in a_hat or a_hat2, by
+       turns, so that P̂(j+1) is packed while P(j) V still reads P̂(j) with no register copy between them (ptxas
+       merges such a copy's registers, then serializes every wgmma: warning C7513) */
+    using hat_regs = uint32_t[WITH_O_PRIME ? BN / 16 : 1][4];
+    uint32_t a_o[BN / 16][4];
+    hat_regs a_hat, a_hat2;
+    auto slot = [&](int j) { return (int)((ring + j) % SM90_STAGES); };
+    auto phase = [&](int j) { return ((ring + j) / SM90_STAGES) & 1; };
+    /* S(j) has landed: its K slot is free, and after the item's last S so is Q */
+    auto scores_done = [&](int j) {
+        fence_registers(sc);
+        if (lane == 0) {
+            mbar_arrive(&fwd.k_empty[slot(j)]);
+            if (PERSISTENT && j == n_tiles - 1) mbar_arrive(fwd.q_empty);
+        }
+    };
+    auto issue_scores = [&](int j) { /* S = Q K^T of tile j into sc, one commit group */
+        const int s = slot(j);
+        mbar_wait(&fwd.k_full[s], phase(j));
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            wgmma_ss<BN, DT, 0>(sc, k_major_desc(fwd.qs, BM, wrow, kk),
+                                k_major_desc(fwd.ks + s * L::TILE_BYTES, BN, 0, kk), kk > 0);
+        wgmma_commit();
+    };
+    /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
+       owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
+       its E2M1 roundings in place (quantize_scores), and sc packed into the A operand of O += P V (pack_p, which
+       scales the roundings into P^F * 2^11, exact in 16 bits). */
+    const int2 common = rows_common_keys(&lm, q0 + wrow, 64); /* the keys every row of the warpgroup sees */
+    auto needs_mask = [&](int j) { return tile_needs_mask(&lm, common, k0 + j * BN, BN); };
+    /* quantized: the lane's block scale (a DT pair, for pack_p) and reciprocal (for quantize_scores) of each
+       block pair (online_softmax_p_scales), stored to fwd.warp_scales */
+    uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1];
+    float p_recips[QUANTIZE_P ? BN / 32 : 1];
+    auto softmax_scores = [&](int j, bool masked, float alpha[2]) {
+        scores_to_logits<BN>(&lm, sc, q0 + row0, k0 + j * BN, masked, seen, fwd.warp_spans);
+        if constexpr (QUANTIZE_P) {
+            online_softmax_p_scales<BN, DT, D == 128>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
+            __syncwarp(); /* the last tile's reads are done */
+#pragma unroll
+            for (int pp = 0; pp < BN / 32; pp++) {
+                fwd.warp_scales[pp * 32 + lane] = __float_as_uint(p_recips[pp]);
+                fwd.warp_scales[(BN / 32 + pp) * 32 + lane] = p_scales[pp];
+            }
+            __syncwarp();
+        } else {
+            online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
+        }
+    };
+    auto pack_scores = [&](uint32_t (&a)[BN / 16][4]) {
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
+    };
+    auto quantize_scores = [&]() { /* P̂ in sc -> the E2M1 roundings of P̂ / s, for pack_p */
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb += 2)
+            p_round_block_pair(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3],
+                               *(const float4 *)&fwd.quad_scales[kb / 2 * 32]);
+    };
+    auto pack_p = [&]() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb += 2) {
+            const uint4 quad_s = *(const uint4 *)&fwd.quad_scales[(BN / 32 + kb / 2) * 32];
+            pack_quantized_p_pair<DT>(a_o[kb], a_o[kb + 1], sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2],
+                                      sc[2 * kb + 3], quad_s);
+        }
+    };
+
+    /* O += P V, O' += P̂ V for tile j: one 16-key block of P (two C fragments = one A fragment) per wgmma */
+    auto issue_pv = [&](int j, hat_regs &a_hat) {
+        const int s = slot(j);
+        const unsigned char *vt = fwd.vs + s * L::TILE_BYTES;
+        mbar_wait(&fwd.v_full[s], phase(j));
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < BN / 16; kb++) {
+            wgmma_rs<D, DT, 1>(o, a_o[kb], mn_major_desc(vt, BN, kb), 1);
+            if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_desc(vt, BN, kb), 1);
+        }
+        wgmma_commit();
+    };
+    auto finish_pv = [&](int j, hat_regs &a_hat) { /* waits for every group; V(j) is then consumed */
+        wgmma_wait<0>();
+        fence_registers(o);
+        /* the A operands stay live up to here, so no other value is given their registers while the wgmma
+           may still read them (else ptxas serializes every wgmma: warning C7513) */
+        fence_registers(a_o);
+        if constexpr (WITH_O_PRIME) fence_registers(o2), fence_registers(a_hat);
+        if (lane == 0) mbar_arrive(&fwd.v_empty[slot(j)]);
+    };
+
+    mbar_wait(fwd.q_full, it & 1);
+    if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(fwd.q_empty);
+    if constexpr (!QUANTIZE_P) {
+        /* Unquantized (bf16 mode): too little FP32 work per tile to hide, and the pipeline's extra waits and
+           register copies cost more than they save (measured: 45.2 against 41.0 ms at the Wan 14B shape). */
+        for (int j = 0; j < n_tiles; j++) {
+            float alpha[2];
+            issue_scores(j);
+            wgmma_wait<0>();
+            scores_done(j);
+            softmax_scores(j, needs_mask(j), alpha);
+            pack_scores(a_o);
+            rescale_rows<D>(o, alpha);
+            issue_pv(j, a_hat);
+            finish_pv(j, a_hat);
+        }
+    } else {
+        /* P(j) V is in flight while S(j+1) lands and becomes P^F(j+1)'s roundings in sc; only the packing into
+           the A registers waits for P(j) V to finish reading them. */
+        if (n_tiles > 0) {
+            float alpha[2]; /* the accumulators are still 0: nothing to rescale */
+            issue_scores(0);
+            wgmma_wait<0>();
+            scores_done(0);
+            softmax_scores(0, needs_mask(0), alpha);
+            if constexpr (WITH_O_PRIME) pack_scores(a_hat);
+            quantize_scores();
+            pack_p();
+        }
+        /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1)'s roundings in sc and P̂(j+1) in
+           next_hat */
+        auto step = [&](int j, hat_regs &hat, hat_regs &next_hat) {
+            issue_scores(j + 1);
+            issue_pv(j, hat);
+            float alpha[2];
+            wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
+            scores_done(j + 1);
+            auto elementwise = [&](bool masked) {
+                softmax_scores(j + 1, masked, alpha);
+                if constexpr (WITH_O_PRIME) pack_scores(next_hat);
+                quantize_scores();
+            };
+            const bool masked = needs_mask(j + 1);
+            /* The whole elementwise part inside both arms of the mask test: ptxas puts the wait for P(j) V at
+               the top of the basic block after the arms, so a softmax there would run after it and overlap
+               nothing (seen in the SASS). With O' at D = 128 this held too many registers (700 bytes of spills)
+               until the P scale work was shared and the exp took the scale (140 bytes now, and faster than
+               waiting first: 76.5 -> 69.7 ms at the Wan 14B shape). */
+            if (masked) elementwise(true);
+            else elementwise(false);
+            finish_pv(j, hat);
+            rescale_rows<D>(o, alpha);
+            if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
+            pack_p();
+        };
+        int j = 0; /* P̂(j) is in a_hat for even j, in a_hat2 for odd j */
+        for (; j + 2 < n_tiles; j += 2) {
+            step(j, a_hat, a_hat2);
+            step(j + 1, a_hat2, a_hat);
+        }
+        if (j + 1 < n_tiles) step(j++, a_hat, a_hat2);
+        if (n_tiles > 0 && (n_tiles - 1) % 2) {
+            issue_pv(n_tiles - 1, a_hat2);
+            finish_pv(n_tiles - 1, a_hat2);
+        } else if (n_tiles > 0) {
+            issue_pv(n_tiles - 1, a_hat);
+            finish_pv(n_tiles - 1, a_hat);
+        }
+    }
+}
+
+/* The item's outputs from the consumer warp's rows: a TAIL part's partial results, or O (and O') normalized and
+   the rows' statistics, through TMA from shared memory (quantized) or straight from the registers (bf16 mode). */
+template <class Fwd>
+AQ_D void fwd90_epilogue(const Fwd &fwd, const fwd_tile &w, int row0, float (&o)[Fwd::D / 8][4],
+                         float (&o2)[Fwd::D / 8][4], const float (&m)[2], const float (&l)[2], const bool (&seen)[2]) {
+    constexpr int D = Fwd::D, BM = Fwd::BM;
+    constexpr aq_dtype DT = Fwd::DT;
+    constexpr bool QUANTIZE_P = Fwd::QUANTIZE_P, WITH_O_PRIME = Fwd::WITH_O_PRIME;
+    const aq_attention_fwd_params &p = fwd.p;
+    const int nq = fwd.nq, q0 = w.q0, h = w.h, b = w.b;
+    if constexpr (Fwd::TAIL) {
+        store_fwd_tail_part<D, BM, WITH_O_PRIME>(o, o2, m, l, seen, fwd.ts.part, (int)blockIdx.x, row0);
+        return;
+    }
+    const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
+    finish_forward_rows<D, WITH_O_PRIME>(o, o2, m, l, seen, QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f,
+                                         p.frame_m + stat0, p.row_sum + stat0, q0 + row0, nq);
+    if constexpr (QUANTIZE_P) {
+        /* O staged where Q was and O' where the K ring was, once every consumer warp is done with its
+           products (a warpgroup's S reads its 64 rows of Q and all of a K slot) */
+        store_outputs_tma<D, DT, WITH_O_PRIME>(fwd.nonfinite, FWD_EPILOGUE_BARRIER, 128 * Fwd::NWG,
+                                               {BM, row0, q0, h, b}, o, fwd.qs, fwd.tm_o, o2, fwd.ks, fwd.tm_o2);
+        if (fwd.lane == 0) bulk_wait_read<0>(); /* the CTA's shared memory outlives the copies' reads */
+        return;
+    }
+    if (fwd.nonfinite != NULL) flag_if_nonfinite(o, fwd.nonfinite); /* bf16 mode: no O' */
+    const int valid = nq - q0 - row0;
+    uint16_t *og0 = (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + (q0 + row0) * p.o_stride[2];
+    store_fragment_rows<D, DT>(o, og0, p.o_stride[2], valid);
+    if (p.o_prime) {
+        uint16_t *og = (uint16_t *)p.o_prime + b * p.o_prime_stride[0] + h * p.o_prime_stride[1] +
+                       (q0 + row0) * p.o_prime_stride[2];
+        store_fragment_rows<D, DT>(WITH_O_PRIME ? o2 : o, og, p.o_prime_stride[2], valid);
+    }
+}
+
+/* The consumer warps: per item, its accumulators, the mainloop over its key tiles and the epilogue. Warpgroup c
+   owns CTA rows 64c .. 64c+63, its warp w rows 64c + 16w .. +15. */
+template <class Fwd>
+AQ_D void fwd90_consumer(const Fwd &fwd) {
+    constexpr int D = Fwd::D;
+    const int c = fwd.warpgroup - 1, wrow = 64 * c, row0 = wrow + 16 * (fwd.warp % 4);
+    auto consume = [&](int t, unsigned ring, int it) { /* as fwd90_producer's produce */
+        const fwd_tile w = fwd.tile_at(t);
+        const int q0 = w.q0, n_tiles = w.n_tiles, k0 = w.kt0 * Fwd::BN;
+        const logit_map lm = w.lm;
+        store_warp_row_spans(&lm, q0 + row0, fwd.warp_spans); /* after the last item's reads: the warp's own */
+        float o[D / 8][4], o2[D / 8][4]; /* o2: O', unused (and optimised away) without WITH_O_PRIME */
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[n][e] = o2[n][e] = 0.0f;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        bool seen[2] = {false, false};
+        fwd90_mainloop(fwd, ring, it, lm, q0, n_tiles, k0, wrow, row0, o, o2, m, l, seen);
+        fwd90_epilogue(fwd, w, row0, o, o2, m, l, seen);
+        return n_tiles;
+    };
+    fwd.for_each_item(consume);
+}
+
 /* A CTA per work item (a query tile of one head), or PERSISTENT: a CTA an SM, each taking every gridDim.x-th
    item, so that the producer loads the next item's Q while the consumers store the last one's outputs and the
    K/V ring runs on across items (bf16 mode: Wan cross-attention 1.00 -> 0.78 ms, D = 64 at 4k 1.59 -> 1.43).
@@ -174,17 +552,11 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
                               const __grid_constant__ CUtensorMap tm_o2, const aq_attention_fwd_params p,
                               int *nonfinite, const tail_split ts) {
 #if AQ_SM90_ENABLED
-    static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
-    static_assert(!(TAIL && PERSISTENT), "a tail part is one CTA's");
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG;
     using L = Sm90Layout<D, BN, SM90_BM, QUANTIZE_P>;
-    static_assert(!WITH_O_PRIME || SM90_STAGES * BN >= SM90_BM, "O' is staged in the K ring");
-    static_assert(!(QUANTIZE_P && PERSISTENT), "the outputs are staged in Q's and the K ring's shared memory, which a "
-                                              "persistent CTA's producer refills for its next item");
     if (!PERSISTENT && !TAIL && ts.splits > 1 &&
         blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= ts.main_items)
         return; /* a tail item: the TAIL kernel's */
-
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = align1024(smem_raw);
     unsigned char *qs = smem, *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET;
@@ -202,328 +574,23 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     int4 *warp_spans = (int4 *)(smem + L::SPANS_OFFSET) + max((int)threadIdx.x / 32 - 4, 0) * 8;
     uint64_t *q_full = bars, *q_empty = bars + 1, *k_full = bars + 2, *v_full = k_full + SM90_STAGES,
              *k_empty = v_full + SM90_STAGES, *v_empty = k_empty + SM90_STAGES;
-
     const int warpgroup = warpgroup_index(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int nq = (int)p.seqlen_q, heads = (int)p.heads_q, group = (int)(p.heads_q / p.heads_kv);
     const int n_qtiles = (nq + SM90_BM - 1) / SM90_BM, n_work = n_qtiles * heads * (int)p.batch;
-    /* Work item t: a query tile of one head, the longest first when causal. Persistent: causal items in
-       descending order over the whole grid (the heads inside), so that the CTAs' static shares stay balanced;
-       else the query tiles of one head next to each other, which then read the same K and V from L2. */
-    struct fwd_tile {
-        int q0, h, b, n_tiles, kt0; /* key tiles kt0 .. kt0 + n_tiles - 1 */
-        logit_map lm;
-    };
-    auto tile_at = [&](int t) {
-        fwd_tile w;
-        int qtile;
-        if constexpr (TAIL) { /* the main grid's item main_items + t / splits (query tile fastest, then head, batch) */
-            const int item = ts.main_items + t / ts.splits, hb = item / n_qtiles;
-            qtile = item % n_qtiles, w.h = hb % heads, w.b = hb / heads;
-        } else if constexpr (!PERSISTENT) { /* grid (query tiles, heads, batch), t = blockIdx.x */
-            qtile = p.causal ? (int)gridDim.x - 1 - t : t;
-            w.h = (int)blockIdx.y, w.b = (int)blockIdx.z;
-        } else {
-            int hb;
-            if (p.causal) qtile = n_qtiles - 1 - t / (heads * (int)p.batch), hb = t % (heads * (int)p.batch);
-            else qtile = t % n_qtiles, hb = t / n_qtiles;
-            w.h = hb % heads, w.b = hb / heads;
-        }
-        w.q0 = qtile * SM90_BM;
-        w.lm = make_logit_map(p.mask, p.mask_stride, w.b, w.h, nq, p.seqlen_k, p.causal, p.causal_offset,
-                              p.softmax_scale, p.q_span, p.k_span);
-        /* the key tiles holding a key that some row of the item sees */
-        const int2 keys = query_rows_key_range(&w.lm, w.q0, min(w.q0 + SM90_BM, nq));
-        const int first = keys.x / BN, end = (keys.y + BN - 1) / BN;
-        w.kt0 = first, w.n_tiles = end - first;
-        if constexpr (TAIL) { /* the item's own keys (every key unless packed) in FWD_TAIL_KEYS units, this part's */
-            constexpr int PER_UNIT = FWD_TAIL_KEYS / BN;
-            const int unit0 = keys.x / FWD_TAIL_KEYS;
-            int u0, u1;
-            tail_split_units(t % ts.splits, ts.splits, (keys.y + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS - unit0, &u0, &u1);
-            w.kt0 = max((unit0 + u0) * PER_UNIT, first);
-            w.n_tiles = max(min((unit0 + u1) * PER_UNIT, end) - w.kt0, 0);
-        }
-        return w;
-    };
-    /* fn(t, first K/V slot, item count) for each of the CTA's items; one item (t = blockIdx.x) unless
-       PERSISTENT, which the quantized kernels are not: the loop's state cost them registers and 3-6% */
-    auto for_each_item = [&](auto &&fn) {
-        if constexpr (PERSISTENT) {
-            unsigned ring = 0;
-            int it = 0;
-            for (int t = (int)blockIdx.x; t < n_work; t += (int)gridDim.x, it++) ring += fn(t, ring, it);
-        } else {
-            fn((int)blockIdx.x, 0u, 0);
-        }
-    };
-
-    if (threadIdx.x == 0) {
-        mbar_init(q_full, 1);
-        mbar_init(q_empty, 4 * NWG);
-        for (int s = 0; s < SM90_STAGES; s++) {
-            mbar_init(&k_full[s], 1);
-            mbar_init(&v_full[s], 1);
-            mbar_init(&k_empty[s], 4 * NWG); /* lane 0 of each consumer warp */
-            mbar_init(&v_empty[s], 4 * NWG);
-        }
-        mbar_init_fence();
-    }
+    const Fwd90State<D, DT, QUANTIZE_P, WITH_O_PRIME, NWG, PERSISTENT, TAIL> fwd{
+        p, ts, &tm_q, &tm_k, &tm_v, &tm_o, &tm_o2, nonfinite,
+        qs, ks, vs, warp_scales, quad_scales, warp_spans, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+        warpgroup, warp, lane, nq, heads, group, n_qtiles, n_work};
+    if (threadIdx.x == 0) fwd.init_barriers();
     __syncthreads();
 
-    if (warpgroup == 0) { /* producer */
+    if (warpgroup == 0) {
         setmaxnreg_dec<24>();
-        if (warp == 0 && lane == 0) {
-            tma_prefetch_descriptor(&tm_q);
-            tma_prefetch_descriptor(&tm_k);
-            tma_prefetch_descriptor(&tm_v);
-            if constexpr (QUANTIZE_P && !TAIL) {
-                tma_prefetch_descriptor(&tm_o);
-                if constexpr (WITH_O_PRIME) tma_prefetch_descriptor(&tm_o2);
-            }
-            /* work item t, its K/V slots from ring on, the CTA's it-th item; returns its key tiles */
-            auto produce = [&](int t, unsigned ring, int it) {
-                const fwd_tile w = tile_at(t);
-                const int hk = w.h / group;
-                /* the next Q once every consumer warp is done with the last S of the previous item */
-                if (PERSISTENT) mbar_wait(q_empty, (it & 1) ^ 1);
-                mbar_arrive_expect_tx(q_full, L::Q_BYTES);
-                tma_load_rows<D>(qs, &tm_q, q_full, SM90_BM, w.q0, w.h, w.b);
-                for (int j = 0; j < w.n_tiles; j++, ring++) {
-                    const int s = ring % SM90_STAGES;
-                    const unsigned phase = ((ring / SM90_STAGES) & 1) ^ 1;
-                    /* K and V slots free up separately: K(j) once S(j) is done, V(j) once P(j) V is */
-                    mbar_wait(&k_empty[s], phase);
-                    mbar_arrive_expect_tx(&k_full[s], L::TILE_BYTES);
-                    tma_load_rows<D>(ks + s * L::TILE_BYTES, &tm_k, &k_full[s], BN, (w.kt0 + j) * BN, hk, w.b);
-                    mbar_wait(&v_empty[s], phase);
-                    mbar_arrive_expect_tx(&v_full[s], L::TILE_BYTES);
-                    tma_load_rows<D>(vs + s * L::TILE_BYTES, &tm_v, &v_full[s], BN, (w.kt0 + j) * BN, hk, w.b);
-                }
-                return w.n_tiles;
-            };
-            for_each_item(produce);
-        }
+        if (warp == 0 && lane == 0) fwd90_producer(fwd);
         return;
     }
-
-    /* consumers: warpgroup c owns CTA rows 64c .. 64c+63, its warp w rows 64c + 16w .. +15 */
     setmaxnreg_inc<NWG == 3 ? 160 : 240>(); /* 128 x 24 + 128 NWG x this <= 64K registers */
-    const int c = warpgroup - 1, wrow = 64 * c, row0 = wrow + 16 * (warp % 4);
-    auto consume = [&](int t, unsigned ring, int it) { /* as produce */
-        const fwd_tile w = tile_at(t);
-        const int q0 = w.q0, h = w.h, b = w.b, n_tiles = w.n_tiles, k0 = w.kt0 * BN;
-        const logit_map lm = w.lm;
-        store_warp_row_spans(&lm, q0 + row0, warp_spans); /* after the last item's reads: the warp's own */
-        float o[D / 8][4], o2[D / 8][4]; /* o2: O', unused (and optimised away) without WITH_O_PRIME */
-#pragma unroll
-        for (int n = 0; n < D / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) o[n][e] = o2[n][e] = 0.0f;
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-        bool seen[2] = {false, false};
-
-        /* Software pipeline over key tiles: S(j+1) is issued before P(j) V, and the softmax and P fake-quant of
-           tile j+1 run on the FP32 pipe while the tensor cores compute P(j) V. The accumulators are rescaled by the
-           frame step of tile j+1 only once P(j) V has landed in them. */
-        float sc[BN / 8][4];
-        /* P of the tile whose P V is next: P^F (or P̂ in bf16 mode) in a_o, and for O' P̂ in a_hat or a_hat2, by
-           turns, so that P̂(j+1) is packed while P(j) V still reads P̂(j) with no register copy between them (ptxas
-           merges such a copy's registers, then serializes every wgmma: warning C7513) */
-        using hat_regs = uint32_t[WITH_O_PRIME ? BN / 16 : 1][4];
-        uint32_t a_o[BN / 16][4];
-        hat_regs a_hat, a_hat2;
-        auto slot = [&](int j) { return (int)((ring + j) % SM90_STAGES); };
-        auto phase = [&](int j) { return ((ring + j) / SM90_STAGES) & 1; };
-        /* S(j) has landed: its K slot is free, and after the item's last S so is Q */
-        auto scores_done = [&](int j) {
-            fence_registers(sc);
-            if (lane == 0) {
-                mbar_arrive(&k_empty[slot(j)]);
-                if (PERSISTENT && j == n_tiles - 1) mbar_arrive(q_empty);
-            }
-        };
-        auto issue_scores = [&](int j) { /* S = Q K^T of tile j into sc, one commit group */
-            const int s = slot(j);
-            mbar_wait(&k_full[s], phase(j));
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                wgmma_ss<BN, DT, 0>(sc, k_major_desc(qs, SM90_BM, wrow, kk),
-                                    k_major_desc(ks + s * L::TILE_BYTES, BN, 0, kk), kk > 0);
-            wgmma_commit();
-        };
-        /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
-           owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
-           its E2M1 roundings in place (quantize_scores), and sc packed into the A operand of O += P V (pack_p, which
-           scales the roundings into P^F * 2^11, exact in 16 bits). */
-        const int2 common = rows_common_keys(&lm, q0 + wrow, 64); /* the keys every row of the warpgroup sees */
-        auto needs_mask = [&](int j) { return tile_needs_mask(&lm, common, k0 + j * BN, BN); };
-        /* quantized: the lane's block scale (a DT pair, for pack_p) and reciprocal (for quantize_scores) of each
-           block pair (online_softmax_p_scales), stored to warp_scales */
-        uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1];
-        float p_recips[QUANTIZE_P ? BN / 32 : 1];
-        auto softmax_scores = [&](int j, bool masked, float alpha[2]) {
-            scores_to_logits<BN>(&lm, sc, q0 + row0, k0 + j * BN, masked, seen, warp_spans);
-            if constexpr (QUANTIZE_P) {
-                online_softmax_p_scales<BN, DT, D == 128>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
-                __syncwarp(); /* the last tile's reads are done */
-#pragma unroll
-                for (int pp = 0; pp < BN / 32; pp++) {
-                    warp_scales[pp * 32 + lane] = __float_as_uint(p_recips[pp]);
-                    warp_scales[(BN / 32 + pp) * 32 + lane] = p_scales[pp];
-                }
-                __syncwarp();
-            } else {
-                online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
-            }
-        };
-        auto pack_scores = [&](uint32_t (&a)[BN / 16][4]) {
-#pragma unroll
-            for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
-        };
-        auto quantize_scores = [&]() { /* P̂ in sc -> the E2M1 roundings of P̂ / s, for pack_p */
-#pragma unroll
-            for (int kb = 0; kb < BN / 16; kb += 2)
-                p_round_block_pair(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3],
-                                   *(const float4 *)&quad_scales[kb / 2 * 32]);
-        };
-        auto pack_p = [&]() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
-#pragma unroll
-            for (int kb = 0; kb < BN / 16; kb += 2) {
-                const uint4 quad_s = *(const uint4 *)&quad_scales[(BN / 32 + kb / 2) * 32];
-                pack_quantized_p_pair<DT>(a_o[kb], a_o[kb + 1], sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2],
-                                          sc[2 * kb + 3], quad_s);
-            }
-        };
-
-        /* O += P V, O' += P̂ V for tile j: one 16-key block of P (two C fragments = one A fragment) per wgmma */
-        auto issue_pv = [&](int j, hat_regs &a_hat) {
-            const int s = slot(j);
-            const unsigned char *vt = vs + s * L::TILE_BYTES;
-            mbar_wait(&v_full[s], phase(j));
-            wgmma_fence();
-#pragma unroll
-            for (int kb = 0; kb < BN / 16; kb++) {
-                wgmma_rs<D, DT, 1>(o, a_o[kb], mn_major_desc(vt, BN, kb), 1);
-                if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_desc(vt, BN, kb), 1);
-            }
-            wgmma_commit();
-        };
-        auto finish_pv = [&](int j, hat_regs &a_hat) { /* waits for every group; V(j) is then consumed */
-            wgmma_wait<0>();
-            fence_registers(o);
-            /* the A operands stay live up to here, so no other value is given their registers while the wgmma
-               may still read them (else ptxas serializes every wgmma: warning C7513) */
-            fence_registers(a_o);
-            if constexpr (WITH_O_PRIME) fence_registers(o2), fence_registers(a_hat);
-            if (lane == 0) mbar_arrive(&v_empty[slot(j)]);
-        };
-
-        mbar_wait(q_full, it & 1);
-        if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(q_empty);
-        if constexpr (!QUANTIZE_P) {
-            /* Unquantized (bf16 mode): too little FP32 work per tile to hide, and the pipeline's extra waits and
-               register copies cost more than they save (measured: 45.2 against 41.0 ms at the Wan 14B shape). */
-            for (int j = 0; j < n_tiles; j++) {
-                float alpha[2];
-                issue_scores(j);
-                wgmma_wait<0>();
-                scores_done(j);
-                softmax_scores(j, needs_mask(j), alpha);
-                pack_scores(a_o);
-                rescale_rows<D>(o, alpha);
-                issue_pv(j, a_hat);
-                finish_pv(j, a_hat);
-            }
-        } else {
-            /* P(j) V is in flight while S(j+1) lands and becomes P^F(j+1)'s roundings in sc; only the packing into
-               the A registers waits for P(j) V to finish reading them. */
-            if (n_tiles > 0) {
-                float alpha[2]; /* the accumulators are still 0: nothing to rescale */
-                issue_scores(0);
-                wgmma_wait<0>();
-                scores_done(0);
-                softmax_scores(0, needs_mask(0), alpha);
-                if constexpr (WITH_O_PRIME) pack_scores(a_hat);
-                quantize_scores();
-                pack_p();
-            }
-            /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1)'s roundings in sc and P̂(j+1) in
-               next_hat */
-            auto step = [&](int j, hat_regs &hat, hat_regs &next_hat) {
-                issue_scores(j + 1);
-                issue_pv(j, hat);
-                float alpha[2];
-                wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
-                scores_done(j + 1);
-                auto elementwise = [&](bool masked) {
-                    softmax_scores(j + 1, masked, alpha);
-                    if constexpr (WITH_O_PRIME) pack_scores(next_hat);
-                    quantize_scores();
-                };
-                const bool masked = needs_mask(j + 1);
-                /* The whole elementwise part inside both arms of the mask test: ptxas puts the wait for P(j) V at
-                   the top of the basic block after the arms, so a softmax there would run after it and overlap
-                   nothing (seen in the SASS). With O' at D = 128 this held too many registers (700 bytes of spills)
-                   until the P scale work was shared and the exp took the scale (140 bytes now, and faster than
-                   waiting first: 76.5 -> 69.7 ms at the Wan 14B shape). */
-                if (masked) elementwise(true);
-                else elementwise(false);
-                finish_pv(j, hat);
-                rescale_rows<D>(o, alpha);
-                if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
-                pack_p();
-            };
-            int j = 0; /* P̂(j) is in a_hat for even j, in a_hat2 for odd j */
-            for (; j + 2 < n_tiles; j += 2) {
-                step(j, a_hat, a_hat2);
-                step(j + 1, a_hat2, a_hat);
-            }
-            if (j + 1 < n_tiles) step(j++, a_hat, a_hat2);
-            if (n_tiles > 0 && (n_tiles - 1) % 2) {
-                issue_pv(n_tiles - 1, a_hat2);
-                finish_pv(n_tiles - 1, a_hat2);
-            } else if (n_tiles > 0) {
-                issue_pv(n_tiles - 1, a_hat);
-                finish_pv(n_tiles - 1, a_hat);
-            }
-        }
-
-        if constexpr (TAIL) {
-            store_fwd_tail_part<D, SM90_BM, WITH_O_PRIME>(o, o2, m, l, seen, ts.part, (int)blockIdx.x, row0);
-            return n_tiles;
-        }
-        const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
-        finish_forward_rows<D, WITH_O_PRIME>(o, o2, m, l, seen, QUANTIZE_P ? AQ_P_HEADROOM_INV : 1.0f,
-                                             p.frame_m + stat0, p.row_sum + stat0, q0 + row0, nq);
-        if (nonfinite != NULL) {
-            flag_if_nonfinite(o, nonfinite);
-            if constexpr (WITH_O_PRIME) flag_if_nonfinite(o2, nonfinite);
-        }
-        if constexpr (QUANTIZE_P) {
-            /* O staged where Q was and O' where the K ring was, once every consumer warp is done with its
-               products (a warpgroup's S reads its 64 rows of Q and all of a K slot), then written by TMA */
-            named_barrier_sync(FWD_EPILOGUE_BARRIER, 128 * NWG);
-            stage_fragment_rows<D, DT>(o, qs, SM90_BM, row0);
-            tma_store_warp_rows<D>(&tm_o, qs, SM90_BM, row0, q0 + row0, h, b);
-            if constexpr (WITH_O_PRIME) {
-                stage_fragment_rows<D, DT>(o2, ks, SM90_BM, row0);
-                tma_store_warp_rows<D>(&tm_o2, ks, SM90_BM, row0, q0 + row0, h, b);
-            }
-            if (lane == 0) bulk_wait_read<0>(); /* the CTA's shared memory outlives the copies' reads */
-            return n_tiles;
-        }
-        const int valid = nq - q0 - row0;
-        uint16_t *og0 = (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + (q0 + row0) * p.o_stride[2];
-        store_fragment_rows<D, DT>(o, og0, p.o_stride[2], valid);
-        if (p.o_prime) {
-            uint16_t *og = (uint16_t *)p.o_prime + b * p.o_prime_stride[0] + h * p.o_prime_stride[1] +
-                           (q0 + row0) * p.o_prime_stride[2];
-            store_fragment_rows<D, DT>(WITH_O_PRIME ? o2 : o, og, p.o_prime_stride[2], valid);
-        }
-        return n_tiles;
-    };
-    for_each_item(consume);
+    fwd90_consumer(fwd);
 #endif
 }
 
