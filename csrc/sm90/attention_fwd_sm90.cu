@@ -478,7 +478,8 @@ struct Fwd90Mainloop {
 
 /* The consumer warp's mainloop over an item's key tiles (the CTA's it-th item, its first K/V slot ring; queries
    q0 + row0 .. + 15 of the warp, q0 + wrow .. + 63 of its warpgroup; n_tiles key tiles from key k0): O (and O')
-   in o (o2), the online softmax's row frames m, sums l and seen flags. */
+   in o (o2), the online softmax's row frames m, sums l and seen flags. q0, n_tiles and k0 come as the consumer
+   computed them: taking its fwd_tile instead and reading them here changed the SASS. */
 template <class Fwd>
 AQ_D void fwd90_mainloop(const Fwd &fwd, unsigned ring, int it, const logit_map &lm, int q0, int n_tiles, int k0,
                          int wrow, int row0, float (&o)[Fwd::D / 8][4], float (&o2)[Fwd::D / 8][4], float (&m)[2],
