@@ -294,39 +294,45 @@ AQ_D void fwd90_producer(const Fwd &fwd) {
     fwd.for_each_item(produce);
 }
 
-/* The consumer warp's mainloop over an item's key tiles (the CTA's it-th item, its first K/V slot ring; queries
-   q0 + row0 .. + 15 of the warp, q0 + wrow .. + 63 of its warpgroup; n_tiles key tiles from key k0): O (and O')
-   in o (o2), the online softmax's row frames m, sums l and seen flags. */
+/* The stages of fwd90_mainloop's software pipeline over key tiles, as named force-inlined members (they were its
+   lambdas). Every member is a reference to a local of fwd90_mainloop, as the lambdas' captures were: members that
+   held the arrays or values themselves changed the SASS. */
 template <class Fwd>
-AQ_D void fwd90_mainloop(const Fwd &fwd, unsigned ring, int it, const logit_map &lm, int q0, int n_tiles, int k0,
-                         int wrow, int row0, float (&o)[Fwd::D / 8][4], float (&o2)[Fwd::D / 8][4], float (&m)[2],
-                         float (&l)[2], bool (&seen)[2]) {
-    constexpr int D = Fwd::D, BN = Fwd::BN, BM = Fwd::BM;
-    constexpr aq_dtype DT = Fwd::DT;
-    constexpr bool QUANTIZE_P = Fwd::QUANTIZE_P, WITH_O_PRIME = Fwd::WITH_O_PRIME, PERSISTENT = Fwd::PERSISTENT;
+struct Fwd90Mainloop {
+    static constexpr int D = Fwd::D, BN = Fwd::BN, BM = Fwd::BM;
+    static constexpr aq_dtype DT = Fwd::DT;
+    static constexpr bool QUANTIZE_P = Fwd::QUANTIZE_P, WITH_O_PRIME = Fwd::WITH_O_PRIME,
+                          PERSISTENT = Fwd::PERSISTENT;
     using L = typename Fwd::L;
-    const int lane = fwd.lane;
-    /* Software pipeline over key tiles: S(j+1) is issued before P(j) V, and the softmax and P fake-quant of
-       tile j+1 run on the FP32 pipe while the tensor cores compute P(j) V. The accumulators are rescaled by the
-       frame step of tile j+1 only once P(j) V has landed in them. */
-    float sc[BN / 8][4];
-    /* P of the tile whose P V is next: P^F (or P̂ in bf16 mode) in a_o, and for O' P̂ in a_hat or a_hat2, by
-       turns, so that P̂(j+1) is packed while P(j) V still reads P̂(j) with no register copy between them (ptxas
-       merges such a copy's registers, then serializes every wgmma: warning C7513) */
     using hat_regs = uint32_t[WITH_O_PRIME ? BN / 16 : 1][4];
-    uint32_t a_o[BN / 16][4];
-    hat_regs a_hat, a_hat2;
-    auto slot = [&](int j) { return (int)((ring + j) % SM90_STAGES); };
-    auto phase = [&](int j) { return ((ring + j) / SM90_STAGES) & 1; };
+
+    const Fwd &fwd;
+    const unsigned &ring;
+    const logit_map &lm;
+    const int &q0, &n_tiles, &k0, &wrow, &row0, &lane;
+    float (&o)[D / 8][4];
+    float (&o2)[D / 8][4];
+    float (&m)[2];
+    float (&l)[2];
+    bool (&seen)[2];
+    float (&sc)[BN / 8][4];
+    uint32_t (&a_o)[BN / 16][4];
+    hat_regs &a_hat, &a_hat2;
+    const int2 &common;
+    uint32_t (&p_scales)[QUANTIZE_P ? BN / 32 : 1];
+    float (&p_recips)[QUANTIZE_P ? BN / 32 : 1];
+
+    AQ_D int slot(int j) const { return (int)((ring + j) % SM90_STAGES); }
+    AQ_D int phase(int j) const { return ((ring + j) / SM90_STAGES) & 1; }
     /* S(j) has landed: its K slot is free, and after the item's last S so is Q */
-    auto scores_done = [&](int j) {
+    AQ_D void scores_done(int j) {
         fence_registers(sc);
         if (lane == 0) {
             mbar_arrive(&fwd.k_empty[slot(j)]);
             if (PERSISTENT && j == n_tiles - 1) mbar_arrive(fwd.q_empty);
         }
-    };
-    auto issue_scores = [&](int j) { /* S = Q K^T of tile j into sc, one commit group */
+    }
+    AQ_D void issue_scores(int j) { /* S = Q K^T of tile j into sc, one commit group */
         const int s = slot(j);
         mbar_wait(&fwd.k_full[s], phase(j));
         wgmma_fence();
@@ -335,18 +341,9 @@ AQ_D void fwd90_mainloop(const Fwd &fwd, unsigned ring, int it, const logit_map 
             wgmma_ss<BN, DT, 0>(sc, k_major_desc(fwd.qs, BM, wrow, kk),
                                 k_major_desc(fwd.ks + s * L::TILE_BYTES, BN, 0, kk), kk > 0);
         wgmma_commit();
-    };
-    /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
-       owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
-       its E2M1 roundings in place (quantize_scores), and sc packed into the A operand of O += P V (pack_p, which
-       scales the roundings into P^F * 2^11, exact in 16 bits). */
-    const int2 common = rows_common_keys(&lm, q0 + wrow, 64); /* the keys every row of the warpgroup sees */
-    auto needs_mask = [&](int j) { return tile_needs_mask(&lm, common, k0 + j * BN, BN); };
-    /* quantized: the lane's block scale (a DT pair, for pack_p) and reciprocal (for quantize_scores) of each
-       block pair (online_softmax_p_scales), stored to fwd.warp_scales */
-    uint32_t p_scales[QUANTIZE_P ? BN / 32 : 1];
-    float p_recips[QUANTIZE_P ? BN / 32 : 1];
-    auto softmax_scores = [&](int j, bool masked, float alpha[2]) {
+    }
+    AQ_D bool needs_mask(int j) const { return tile_needs_mask(&lm, common, k0 + j * BN, BN); }
+    AQ_D void softmax_scores(int j, bool masked, float alpha[2]) {
         scores_to_logits<BN>(&lm, sc, q0 + row0, k0 + j * BN, masked, seen, fwd.warp_spans);
         if constexpr (QUANTIZE_P) {
             online_softmax_p_scales<BN, DT, D == 128>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
@@ -360,28 +357,28 @@ AQ_D void fwd90_mainloop(const Fwd &fwd, unsigned ring, int it, const logit_map 
         } else {
             online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
         }
-    };
-    auto pack_scores = [&](uint32_t (&a)[BN / 16][4]) {
+    }
+    AQ_D void pack_scores(uint32_t (&a)[BN / 16][4]) {
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
-    };
-    auto quantize_scores = [&]() { /* P̂ in sc -> the E2M1 roundings of P̂ / s, for pack_p */
+    }
+    AQ_D void quantize_scores() { /* P̂ in sc -> the E2M1 roundings of P̂ / s, for pack_p */
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb += 2)
             p_round_block_pair(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3],
                                *(const float4 *)&fwd.quad_scales[kb / 2 * 32]);
-    };
-    auto pack_p = [&]() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
+    }
+    AQ_D void pack_p() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb += 2) {
             const uint4 quad_s = *(const uint4 *)&fwd.quad_scales[(BN / 32 + kb / 2) * 32];
             pack_quantized_p_pair<DT>(a_o[kb], a_o[kb + 1], sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2],
                                       sc[2 * kb + 3], quad_s);
         }
-    };
+    }
 
     /* O += P V, O' += P̂ V for tile j: one 16-key block of P (two C fragments = one A fragment) per wgmma */
-    auto issue_pv = [&](int j, hat_regs &a_hat) {
+    AQ_D void issue_pv(int j, hat_regs &hat) {
         const int s = slot(j);
         const unsigned char *vt = fwd.vs + s * L::TILE_BYTES;
         mbar_wait(&fwd.v_full[s], phase(j));
@@ -389,89 +386,128 @@ AQ_D void fwd90_mainloop(const Fwd &fwd, unsigned ring, int it, const logit_map 
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb++) {
             wgmma_rs<D, DT, 1>(o, a_o[kb], mn_major_desc(vt, BN, kb), 1);
-            if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_desc(vt, BN, kb), 1);
+            if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, hat[kb], mn_major_desc(vt, BN, kb), 1);
         }
         wgmma_commit();
-    };
-    auto finish_pv = [&](int j, hat_regs &a_hat) { /* waits for every group; V(j) is then consumed */
+    }
+    AQ_D void finish_pv(int j, hat_regs &hat) { /* waits for every group; V(j) is then consumed */
         wgmma_wait<0>();
         fence_registers(o);
         /* the A operands stay live up to here, so no other value is given their registers while the wgmma
            may still read them (else ptxas serializes every wgmma: warning C7513) */
         fence_registers(a_o);
-        if constexpr (WITH_O_PRIME) fence_registers(o2), fence_registers(a_hat);
+        if constexpr (WITH_O_PRIME) fence_registers(o2), fence_registers(hat);
         if (lane == 0) mbar_arrive(&fwd.v_empty[slot(j)]);
-    };
+    }
 
-    mbar_wait(fwd.q_full, it & 1);
-    if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(fwd.q_empty);
-    if constexpr (!QUANTIZE_P) {
-        /* Unquantized (bf16 mode): too little FP32 work per tile to hide, and the pipeline's extra waits and
-           register copies cost more than they save (measured: 45.2 against 41.0 ms at the Wan 14B shape). */
-        for (int j = 0; j < n_tiles; j++) {
-            float alpha[2];
-            issue_scores(j);
-            wgmma_wait<0>();
-            scores_done(j);
-            softmax_scores(j, needs_mask(j), alpha);
-            pack_scores(a_o);
-            rescale_rows<D>(o, alpha);
-            issue_pv(j, a_hat);
-            finish_pv(j, a_hat);
-        }
-    } else {
-        /* P(j) V is in flight while S(j+1) lands and becomes P^F(j+1)'s roundings in sc; only the packing into
-           the A registers waits for P(j) V to finish reading them. */
-        if (n_tiles > 0) {
-            float alpha[2]; /* the accumulators are still 0: nothing to rescale */
-            issue_scores(0);
-            wgmma_wait<0>();
-            scores_done(0);
-            softmax_scores(0, needs_mask(0), alpha);
-            if constexpr (WITH_O_PRIME) pack_scores(a_hat);
-            quantize_scores();
-            pack_p();
-        }
-        /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1)'s roundings in sc and P̂(j+1) in
-           next_hat */
-        auto step = [&](int j, hat_regs &hat, hat_regs &next_hat) {
-            issue_scores(j + 1);
-            issue_pv(j, hat);
-            float alpha[2];
-            wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
-            scores_done(j + 1);
-            auto elementwise = [&](bool masked) {
-                softmax_scores(j + 1, masked, alpha);
-                if constexpr (WITH_O_PRIME) pack_scores(next_hat);
+    /* the elementwise part of step for tile j + 1: its softmax, P̂(j+1) into next_hat and the roundings in sc */
+    AQ_D void elementwise(int j, bool masked, float alpha[2], hat_regs &next_hat) {
+        softmax_scores(j + 1, masked, alpha);
+        if constexpr (WITH_O_PRIME) pack_scores(next_hat);
+        quantize_scores();
+    }
+    /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1)'s roundings in sc and P̂(j+1) in
+       next_hat */
+    AQ_D void step(int j, hat_regs &hat, hat_regs &next_hat) {
+        issue_scores(j + 1);
+        issue_pv(j, hat);
+        float alpha[2];
+        wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
+        scores_done(j + 1);
+        const bool masked = needs_mask(j + 1);
+        /* The whole elementwise part inside both arms of the mask test: ptxas puts the wait for P(j) V at
+           the top of the basic block after the arms, so a softmax there would run after it and overlap
+           nothing (seen in the SASS). With O' at D = 128 this held too many registers (700 bytes of spills)
+           until the P scale work was shared and the exp took the scale (140 bytes now, and faster than
+           waiting first: 76.5 -> 69.7 ms at the Wan 14B shape). */
+        if (masked) elementwise(j, true, alpha, next_hat);
+        else elementwise(j, false, alpha, next_hat);
+        finish_pv(j, hat);
+        rescale_rows<D>(o, alpha);
+        if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
+        pack_p();
+    }
+
+    /* the whole mainloop of the CTA's it-th item */
+    AQ_D void run(int it) {
+        mbar_wait(fwd.q_full, it & 1);
+        if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(fwd.q_empty);
+        if constexpr (!QUANTIZE_P) {
+            /* Unquantized (bf16 mode): too little FP32 work per tile to hide, and the pipeline's extra waits and
+               register copies cost more than they save (measured: 45.2 against 41.0 ms at the Wan 14B shape). */
+            for (int j = 0; j < n_tiles; j++) {
+                float alpha[2];
+                issue_scores(j);
+                wgmma_wait<0>();
+                scores_done(j);
+                softmax_scores(j, needs_mask(j), alpha);
+                pack_scores(a_o);
+                rescale_rows<D>(o, alpha);
+                issue_pv(j, a_hat);
+                finish_pv(j, a_hat);
+            }
+        } else {
+            /* P(j) V is in flight while S(j+1) lands and becomes P^F(j+1)'s roundings in sc; only the packing
+               into the A registers waits for P(j) V to finish reading them. */
+            if (n_tiles > 0) {
+                float alpha[2]; /* the accumulators are still 0: nothing to rescale */
+                issue_scores(0);
+                wgmma_wait<0>();
+                scores_done(0);
+                softmax_scores(0, needs_mask(0), alpha);
+                if constexpr (WITH_O_PRIME) pack_scores(a_hat);
                 quantize_scores();
-            };
-            const bool masked = needs_mask(j + 1);
-            /* The whole elementwise part inside both arms of the mask test: ptxas puts the wait for P(j) V at
-               the top of the basic block after the arms, so a softmax there would run after it and overlap
-               nothing (seen in the SASS). With O' at D = 128 this held too many registers (700 bytes of spills)
-               until the P scale work was shared and the exp took the scale (140 bytes now, and faster than
-               waiting first: 76.5 -> 69.7 ms at the Wan 14B shape). */
-            if (masked) elementwise(true);
-            else elementwise(false);
-            finish_pv(j, hat);
-            rescale_rows<D>(o, alpha);
-            if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
-            pack_p();
-        };
-        int j = 0; /* P̂(j) is in a_hat for even j, in a_hat2 for odd j */
-        for (; j + 2 < n_tiles; j += 2) {
-            step(j, a_hat, a_hat2);
-            step(j + 1, a_hat2, a_hat);
-        }
-        if (j + 1 < n_tiles) step(j++, a_hat, a_hat2);
-        if (n_tiles > 0 && (n_tiles - 1) % 2) {
-            issue_pv(n_tiles - 1, a_hat2);
-            finish_pv(n_tiles - 1, a_hat2);
-        } else if (n_tiles > 0) {
-            issue_pv(n_tiles - 1, a_hat);
-            finish_pv(n_tiles - 1, a_hat);
+                pack_p();
+            }
+            int j = 0; /* P̂(j) is in a_hat for even j, in a_hat2 for odd j */
+            for (; j + 2 < n_tiles; j += 2) {
+                step(j, a_hat, a_hat2);
+                step(j + 1, a_hat2, a_hat);
+            }
+            if (j + 1 < n_tiles) step(j++, a_hat, a_hat2);
+            if (n_tiles > 0 && (n_tiles - 1) % 2) {
+                issue_pv(n_tiles - 1, a_hat2);
+                finish_pv(n_tiles - 1, a_hat2);
+            } else if (n_tiles > 0) {
+                issue_pv(n_tiles - 1, a_hat);
+                finish_pv(n_tiles - 1, a_hat);
+            }
         }
     }
+};
+
+/* The consumer warp's mainloop over an item's key tiles (the CTA's it-th item, its first K/V slot ring; queries
+   q0 + row0 .. + 15 of the warp, q0 + wrow .. + 63 of its warpgroup; n_tiles key tiles from key k0): O (and O')
+   in o (o2), the online softmax's row frames m, sums l and seen flags. q0, n_tiles and k0 come as the consumer
+   computed them: taking its fwd_tile instead and reading them here changed the SASS. */
+template <class Fwd>
+AQ_D void fwd90_mainloop(const Fwd &fwd, unsigned ring, int it, const logit_map &lm, int q0, int n_tiles, int k0,
+                         int wrow, int row0, float (&o)[Fwd::D / 8][4], float (&o2)[Fwd::D / 8][4], float (&m)[2],
+                         float (&l)[2], bool (&seen)[2]) {
+    using ML = Fwd90Mainloop<Fwd>;
+    constexpr int BN = Fwd::BN;
+    const int lane = fwd.lane;
+    /* Software pipeline over key tiles: S(j+1) is issued before P(j) V, and the softmax and P fake-quant of
+       tile j+1 run on the FP32 pipe while the tensor cores compute P(j) V. The accumulators are rescaled by the
+       frame step of tile j+1 only once P(j) V has landed in them. */
+    float sc[BN / 8][4];
+    /* P of the tile whose P V is next: P^F (or P̂ in bf16 mode) in a_o, and for O' P̂ in a_hat or a_hat2, by
+       turns, so that P̂(j+1) is packed while P(j) V still reads P̂(j) with no register copy between them (ptxas
+       merges such a copy's registers, then serializes every wgmma: warning C7513) */
+    uint32_t a_o[BN / 16][4];
+    typename ML::hat_regs a_hat, a_hat2;
+    /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
+       owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
+       its E2M1 roundings in place (quantize_scores), and sc packed into the A operand of O += P V (pack_p, which
+       scales the roundings into P^F * 2^11, exact in 16 bits). */
+    const int2 common = rows_common_keys(&lm, q0 + wrow, 64); /* the keys every row of the warpgroup sees */
+    /* quantized: the lane's block scale (a DT pair, for pack_p) and reciprocal (for quantize_scores) of each
+       block pair (online_softmax_p_scales), stored to fwd.warp_scales */
+    uint32_t p_scales[Fwd::QUANTIZE_P ? BN / 32 : 1];
+    float p_recips[Fwd::QUANTIZE_P ? BN / 32 : 1];
+    ML{fwd, ring, lm, q0, n_tiles, k0, wrow, row0, lane, o, o2, m, l, seen, sc, a_o, a_hat, a_hat2, common,
+       p_scales, p_recips}
+        .run(it);
 }
 
 /* The item's outputs from the consumer warp's rows: a TAIL part's partial results, or O (and O') normalized and
