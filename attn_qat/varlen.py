@@ -17,7 +17,7 @@ import functools
 import math
 import threading
 import weakref
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -73,7 +73,7 @@ def _check_max_seqlen(name: str, value, fn: str):
     return None
 
 
-def _check_lengths(name: str, cu: List[int], total: int, fn: str) -> None:
+def _check_lengths(name: str, cu: Sequence[int], total: int, fn: str) -> None:
     if cu[0] != 0:
         raise ValueError(f"attn_qat.{fn}: {name} must start at 0, got {cu[0]}")
     for s in range(len(cu) - 1):
@@ -175,24 +175,23 @@ class _HostValues:
 _last_read = threading.local()
 
 
-def _host_values(cu_q: torch.Tensor, cu_k: torch.Tensor, extra: Sequence[Optional[torch.Tensor]]) -> List[List[int]]:
-    """cu_seqlens_q, cu_seqlens_k (and max_seqlen tensors) on the host, in one transfer (one device sync) unless the
-    same unmodified tensors were read last time (_HostValues)."""
+def _host_values(cu_q: torch.Tensor, cu_k: torch.Tensor, extra: Sequence[Optional[torch.Tensor]]) -> tuple:
+    """(cu_seqlens_q, cu_seqlens_k as tuples, then each max_seqlen tensor's value or None) on the host, in one
+    transfer (one device sync) unless the same unmodified tensors were read last time (_HostValues)."""
     tensors = (cu_q, cu_k) + tuple(t for t in extra if t is not None)
     cache = getattr(_last_read, "values", None)
     if cache is None:
         cache = _last_read.values = _HostValues()
     values = cache.get(tensors)
     if values is not None:
-        return [list(v) if isinstance(v, list) else v for v in values]
+        return values
     parts = [cu_q, cu_k] + [t.reshape(1).to(cu_q.device, torch.int32) for t in extra if t is not None]
     flat = torch.cat(parts).cpu().tolist()
     n = cu_q.numel()
-    values = [flat[:n], flat[n:2 * n]]
     rest = iter(flat[2 * n:])
-    values += [next(rest) if t is not None else None for t in extra]
-    cache.put(tensors, values)
-    return [list(v) if isinstance(v, list) else v for v in values]
+    values = (tuple(flat[:n]), tuple(flat[n:2 * n])) + tuple(next(rest) if t is not None else None for t in extra)
+    cache.put(tensors, values)  # tuples: what callers get back from the cache cannot be changed under it
+    return values
 
 
 def attention_varlen(
@@ -258,7 +257,7 @@ def attention_varlen(
                              fn)
 
 
-def _attention_varlen(q4, k4, v4, cu_q: List[int], cu_k: List[int], max_q: int, max_k: int,
+def _attention_varlen(q4, k4, v4, cu_q: Sequence[int], cu_k: Sequence[int], max_q: int, max_k: int,
                       alignment: Optional[str], scale: float, mode: str, along_tokens: bool, return_lse: bool,
                       fn: str):
     """attention_varlen on checked (1, H, N, D) views and host cumulative lengths (the transformers integration

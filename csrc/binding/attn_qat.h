@@ -145,6 +145,15 @@ typedef struct {
     int64_t decode_chunk;           /* keys a decode CTA takes (a multiple of 64 up to 4096), or 0: planned */
 } aq_kernel_options;
 
+/* What the decode options may pick: a variant below AQ_DECODE_VARIANTS (decode_cuda.cu's FLAGS), and chunks of a
+   multiple of AQ_DECODE_CHUNK_STEP keys up to AQ_DECODE_CHUNK_MAX. */
+#define AQ_DECODE_VARIANTS 4
+#define AQ_DECODE_CHUNK_STEP 64
+#define AQ_DECODE_CHUNK_MAX 4096
+static inline int aq_decode_chunk_valid(int64_t keys) {
+    return keys > 0 && keys % AQ_DECODE_CHUNK_STEP == 0 && keys <= AQ_DECODE_CHUNK_MAX;
+}
+
 aq_kernel_options aq_get_kernel_options(void);
 void aq_set_kernel_options(const aq_kernel_options *o);
 

@@ -22,10 +22,11 @@ aq_kernel_options from_environment() {
     if (o.tail_split == AQ_TAIL_SPLIT_FORCED) o.forced_tail = tail, o.forced_splits = splits;
     const char *variant = std::getenv("ATTN_QAT_DECODE_VARIANT");
     int v = -1;
-    if (variant != nullptr && std::sscanf(variant, "%d", &v) == 1 && v >= 0 && v <= 3) o.decode_variant = v;
+    if (variant != nullptr && std::sscanf(variant, "%d", &v) == 1 && v >= 0 && v < AQ_DECODE_VARIANTS)
+        o.decode_variant = v;
     const char *chunk = std::getenv("ATTN_QAT_DECODE_CHUNK");
     long c = 0;
-    if (chunk != nullptr && std::sscanf(chunk, "%ld", &c) == 1 && c > 0 && c % 64 == 0 && c <= 4096) o.decode_chunk = c;
+    if (chunk != nullptr && std::sscanf(chunk, "%ld", &c) == 1 && aq_decode_chunk_valid(c)) o.decode_chunk = c;
     return o;
 }
 

@@ -32,7 +32,7 @@ static PyObject *set_kernel_options(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "attn_qat._C.set_kernel_options: bad tail_split mode");
         return NULL;
     }
-    if (variant < -1 || variant > 3 || chunk < 0 || chunk > 4096 || chunk % 64 != 0) {
+    if (variant < -1 || variant >= AQ_DECODE_VARIANTS || (chunk != 0 && !aq_decode_chunk_valid(chunk))) {
         PyErr_SetString(PyExc_ValueError, "attn_qat._C.set_kernel_options: bad decode variant or chunk");
         return NULL;
     }

@@ -73,7 +73,7 @@
 #define DEC_STAGES 4                          /* units in a warp's ring: a step's one or two, the rest in flight */
 #define DEC_UNIT 16                           /* keys per unit: one V block, one P block */
 #define DEC_MIN_CHUNK (DEC_WARPS * DEC_UNIT)  /* chunks are multiples of this, at most DEC_MAX_CHUNK */
-#define DEC_MAX_CHUNK 4096
+#define DEC_MAX_CHUNK AQ_DECODE_CHUNK_MAX
 #define DEC_FRAME 16384.0f                    /* K^F and V^F are dequantized times 1 / DEC_FRAME (file comment) */
 
 /* One unit in shared memory: the bytes of its global rows, in order (attn_qat.h has V's unit layout). V's 8 pair rows
@@ -522,7 +522,8 @@ AQ_D void load_unit(unsigned char *st, const page_pools &pools, uint32_t slot, i
      (merge_chunks) instead of decode_combine_kernel, and the CTA of a one-chunk sequence writes O itself.
    - DEC_EARLY_START: the sequence's length, the chunk's block-table entries and the raw Q are loaded side by side,
      so the first copies wait for one global load rather than two in a row. */
-enum { DEC_LAST_CTA_MERGE = 1, DEC_EARLY_START = 2, DEC_VARIANTS = 4 };
+enum { DEC_LAST_CTA_MERGE = 1, DEC_EARLY_START = 2, DEC_VARIANTS = AQ_DECODE_VARIANTS };
+static_assert(DEC_MIN_CHUNK == AQ_DECODE_CHUNK_STEP, "the options' chunk step is a step's keys");
 
 #define DEC_COMBINE_THREADS 256 /* decode_combine_kernel's CTA: DEC_COMBINE_THREADS / D chains a channel (merge_term) */
 #ifndef DEC_MERGE_BATCH /* chunk results a thread of merge_chunks loads at once (16 spills at D = 128) */
@@ -1156,8 +1157,7 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, const aq_kernel_op
         chunk /= 2;
     /* the kernel options' decode_chunk (a multiple of DEC_MIN_CHUNK up to DEC_MAX_CHUNK) sets it instead, for sweeps */
     if (o->decode_chunk > 0) chunk = o->decode_chunk;
-    if (chunk % DEC_MIN_CHUNK || chunk > DEC_MAX_CHUNK)
-        return "kv_cache_decode: decode_chunk must be a multiple of 64 up to 4096";
+    if (!aq_decode_chunk_valid(chunk)) return "kv_cache_decode: decode_chunk must be a multiple of 64 up to 4096";
     p->chunk = chunk;
     p->num_splits = (p->max_length + chunk - 1) / chunk;
     if (p->num_splits * decode_m_tiles(p) > INT32_MAX) return "kv_cache_decode: too many query rows and splits";
