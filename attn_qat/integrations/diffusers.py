@@ -55,7 +55,9 @@ class WanAttnQATProcessor:
         state = module_state(attn) or self._state
         if not state.active:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
-        calls = _processor_calls.__dict__.setdefault("stack", [])
+        calls = getattr(_processor_calls, "stack", None)  # not __dict__.setdefault: torch < 2.12 cannot trace it
+        if calls is None:
+            calls = _processor_calls.stack = []
         call = _ProcessorCall(state)
         calls.append(call)
         try:
