@@ -89,7 +89,7 @@ def _e2m1_magnitude_code(y: Tensor) -> Tensor:
     NaN gives code 0; callers that can see NaN handle it themselves.
     """
     magnitude = y.double().abs()
-    code = torch.zeros(y.shape, dtype=torch.long)
+    code = torch.zeros(y.shape, dtype=torch.long, device=y.device)
     # Walk up the grid: |y| passes the midpoint between codes c and c + 1 when it is above it, or
     # exactly on it if c + 1 is the even code. Beyond the last midpoint everything stays at code 7 (6).
     for c in range(len(_E2M1_MAGNITUDES) - 1):
@@ -107,7 +107,7 @@ def e2m1_round(y: Tensor) -> Tensor:
     NaN stays NaN (E2M1 has no NaN; the block rule never feeds it one).
     """
     y32 = y.float()
-    grid = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32)
+    grid = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32, device=y32.device)
     magnitude = grid[_e2m1_magnitude_code(y32)]
     rounded = torch.copysign(magnitude, y32)
     return torch.where(torch.isnan(y32), y32, rounded)
@@ -140,7 +140,7 @@ def quantize_blocks(
         )
     num_blocks = -(-n // BLOCK)
     # Zero padding leaves amax of the partial block unchanged; the padded codes are dropped below.
-    padding = torch.zeros(*x32.shape[:-1], num_blocks * BLOCK - n, dtype=torch.float32)
+    padding = torch.zeros(*x32.shape[:-1], num_blocks * BLOCK - n, dtype=torch.float32, device=x32.device)
     blocks = torch.cat([x32, padding], dim=-1).reshape(*x32.shape[:-1], num_blocks, BLOCK)
 
     amax = blocks.abs().amax(dim=-1)  # NaN propagates through amax
@@ -166,7 +166,7 @@ def fake_quantize(x: Tensor, block_axis: int = -1, *, partial_last_block: bool =
     codes, scales = quantize_blocks(x, block_axis, partial_last_block=partial_last_block)
     codes = codes.movedim(block_axis, -1).long()
     n = codes.shape[-1]
-    magnitudes = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float64)[codes & 7]
+    magnitudes = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float64, device=codes.device)[codes & 7]
     values = torch.where(codes >= 8, -magnitudes, magnitudes)
     element_scales = scales.movedim(block_axis, -1).double().repeat_interleave(BLOCK, dim=-1)[..., :n]
     return (values * element_scales).movedim(-1, block_axis)

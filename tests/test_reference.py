@@ -405,6 +405,16 @@ def test_quantize_blocks_from_bf16_and_float64_inputs():
         assert_bitwise(scales, expected_scales)
 
 
+def test_block_rule_stays_on_the_inputs_device():
+    """The quantizers make no tensor on the default device: a CUDA input (here the meta device, which fails the
+    same way) used to meet a CPU padding, grid or code tensor."""
+    x = torch.randn(3, 40, device="meta")
+    codes, scales = ref.quantize_blocks(x, partial_last_block=True)
+    assert codes.device.type == scales.device.type == "meta"
+    assert ref.fake_quantize(x, partial_last_block=True).device.type == "meta"
+    assert ref.e2m1_round(x).device.type == "meta"
+
+
 def test_zero_blocks_and_negative_zero():
     x = torch.zeros(3, 16)
     x[1, :] = 5.8 * 2.0**-10  # amax / 6 < 2^-10: the scale flushes to zero
