@@ -180,12 +180,11 @@ struct dkdv_item {
 
 /* What every role of the dK/dV kernel reads besides its item: the parameters and tensor maps, the shared-memory
    tiles and barriers, and this thread's place. Built once, before the roles split. */
-template <int D_, aq_dtype DT_, bool QUANTIZE_DV_, bool FUSED_DQ_, bool TAIL_, bool PACKED_>
+template <int D_, aq_dtype DT_, bool QUANTIZE_DV_, bool FUSED_DQ_, bool TAIL_>
 struct Dkdv90State {
     static constexpr int D = D_, BQ = BWD90_Q_STEP;
     static constexpr aq_dtype DT = DT_;
     static constexpr bool QUANTIZE_DV = QUANTIZE_DV_, FUSED_DQ = FUSED_DQ_, TAIL = TAIL_;
-    static constexpr bool PACKED = PACKED_; /* span tables (attention_varlen): the producer decides masking */
     using L = DkdvLayout<D, FUSED_DQ>;
 
     const aq_attention_bwd_params &p;
@@ -283,7 +282,7 @@ AQ_D void dkdv90_producer(const Bwd &bwd, const dkdv_item &it, float (&m)[Bwd::B
             st[slot] = m[k], st[BQ + slot] = inv_l[k], st[2 * BQ + slot] = delta[k];
         }
         if (lane == 0) st[3 * BQ] = dead ? 1.0f : 0.0f;
-        if (Bwd::PACKED && lane < 2)
+        if (p.q_span != NULL && lane < 2)
             st[3 * BQ + 1 + lane] = dead || packed_keys_need_mask(p, q0, k0 + 64 * lane) ? 1.0f : 0.0f;
         mbar_arrive(&bwd.step_full[s]); /* releases the statistics; the phase ends when the TMA bytes are in too */
     }
@@ -394,7 +393,7 @@ struct Dkdv90Consumer {
             if constexpr (!dp_after_p) issue_dpt<D, DT>(dpt, bwd.vs, dot, c);
             /* packed sequences: the producer's decision (packed_keys_need_mask) */
             const bool checked =
-                Bwd::PACKED
+                p.q_span != NULL
                     ? st_m[3 * BQ + 1 + c] != 0.0f
                     : tile_needs_mask(&lm, rows_common_keys(&lm, q0, BQ), k0 + 64 * c, 64) || dead_rows != 0.0f;
             if constexpr (dp_after_p) {
@@ -460,14 +459,14 @@ struct Dkdv90Consumer {
    Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v (B, Hkv, Nk, D) with boxes of 128 rows; dk, dv
    (the outputs, written through TMA) with boxes of 16 rows. nonfinite: NULL, or a device flag set when dK or dV came
    out Inf or NaN (flag_if_nonfinite; a TAIL part's merge checks its rows). */
-template <int D, aq_dtype DT, bool QUANTIZE_DV, bool FUSED_DQ, bool TAIL, bool PACKED>
+template <int D, aq_dtype DT, bool QUANTIZE_DV, bool FUSED_DQ, bool TAIL>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                                    const __grid_constant__ CUtensorMap tm_dk, const __grid_constant__ CUtensorMap tm_dv,
                                    const aq_attention_bwd_params p, int *nonfinite, const tail_split ts) {
 #if AQ_SM90_ENABLED
-    using Bwd = Dkdv90State<D, DT, QUANTIZE_DV, FUSED_DQ, TAIL, PACKED>;
+    using Bwd = Dkdv90State<D, DT, QUANTIZE_DV, FUSED_DQ, TAIL>;
     constexpr int BQ = Bwd::BQ;
     if (!TAIL && ts.splits > 1 && (int)blockIdx.x >= ts.main_items) return; /* a tail item: the TAIL kernel's */
     extern __shared__ unsigned char smem_raw[];
@@ -729,20 +728,13 @@ typedef void (*dkdv90_kernel)(const CUtensorMap, const CUtensorMap, const CUtens
 typedef void (*dq90_kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
                             const aq_attention_bwd_params, int *);
 
-/* Packed sequences get their own kernels, so that the dense ones carry no run-time test of it in the consumers' step */
-template <int D, aq_dtype DT, bool TAIL, bool PACKED>
+template <int D, aq_dtype DT, bool TAIL>
 static dkdv90_kernel dkdv_sm90_kernel(bool quantize_p_for_dv, bool fused_dq) {
     if (fused_dq)
-        return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, true, TAIL, PACKED>
-                                 : attention_bwd_dkdv_sm90_kernel<D, DT, false, true, TAIL, PACKED>;
-    return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, false, TAIL, PACKED>
-                             : attention_bwd_dkdv_sm90_kernel<D, DT, false, false, TAIL, PACKED>;
-}
-
-template <int D, aq_dtype DT, bool TAIL>
-static dkdv90_kernel dkdv_sm90_kernel(const aq_attention_bwd_params *p, bool fused_dq) {
-    return p->q_span != NULL ? dkdv_sm90_kernel<D, DT, TAIL, true>(p->quantize_p_for_dv, fused_dq)
-                             : dkdv_sm90_kernel<D, DT, TAIL, false>(p->quantize_p_for_dv, fused_dq);
+        return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, true, TAIL>
+                                 : attention_bwd_dkdv_sm90_kernel<D, DT, false, true, TAIL>;
+    return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, false, TAIL>
+                             : attention_bwd_dkdv_sm90_kernel<D, DT, false, false, TAIL>;
 }
 
 /* The dK/dV kernel's tail split (attention/dispatch.cu plans it): items of 128 keys, not causal (those items differ
@@ -762,8 +754,8 @@ template <int D, aq_dtype DT>
 static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, const aq_attention_plan *plan,
                                    cudaStream_t stream, bool *taken, const int **fallback_flag) {
     const bool fused_dq = p->dq_accum != NULL;
-    const dkdv90_kernel dkdv = dkdv_sm90_kernel<D, DT, false>(p, fused_dq);
-    const dkdv90_kernel dkdv_tail = dkdv_sm90_kernel<D, DT, true>(p, fused_dq);
+    const dkdv90_kernel dkdv = dkdv_sm90_kernel<D, DT, false>(p->quantize_p_for_dv, fused_dq);
+    const dkdv90_kernel dkdv_tail = dkdv_sm90_kernel<D, DT, true>(p->quantize_p_for_dv, fused_dq);
     const dq90_kernel dq = attention_bwd_dq_sm90_kernel<D, DT>;
     const int dkdv_smem = fused_dq ? DkdvLayout<D, true>::ALLOC : DkdvLayout<D, false>::ALLOC;
     if (!fragment_store_ok(p->dq, p->dq_stride) || !fragment_store_ok(p->dk, p->dk_stride) ||
