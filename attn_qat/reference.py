@@ -189,18 +189,18 @@ def _matmul_visible(a: Tensor, visible: Tensor, b: Tensor) -> Tensor:
     return torch.where(poisoned, torch.nan, out)
 
 
-def _visibility(attn_mask, causal, batch, heads, n_q, n_k) -> tuple[Tensor, Tensor | None]:
+def _visibility(attn_mask, causal, batch, heads, n_q, n_k, device) -> tuple[Tensor, Tensor | None]:
     """Which keys each query sees, shape (B, Hq, Nq, Nk), and the float64 additive mask if any."""
     if causal not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal must be one of {CAUSAL_ALIGNMENTS}, got {causal!r}")
-    i = torch.arange(n_q).unsqueeze(-1)
-    j = torch.arange(n_k)
+    i = torch.arange(n_q, device=device).unsqueeze(-1)
+    j = torch.arange(n_k, device=device)
     if causal == "top_left":
         visible = j <= i
     elif causal == "bottom_right":
         visible = j <= i + (n_k - n_q)
     else:
-        visible = torch.ones(n_q, n_k, dtype=torch.bool)
+        visible = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
     visible = visible.expand(batch, heads, n_q, n_k)
 
     additive = None
@@ -253,7 +253,7 @@ def _forward(q, k, v, attn_mask, causal, scale, quantize, operands_quantized=Fal
     k_op = k_op.repeat_interleave(group, dim=1)
     v_op = v_op.repeat_interleave(group, dim=1)
 
-    visible, additive = _visibility(attn_mask, causal, batch, heads_q, n_q, n_k)
+    visible, additive = _visibility(attn_mask, causal, batch, heads_q, n_q, n_k, q.device)
     scores = (q_op @ k_op.transpose(-1, -2)) * scale
     if additive is not None:
         scores = scores + additive

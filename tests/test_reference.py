@@ -415,6 +415,15 @@ def test_block_rule_stays_on_the_inputs_device():
     assert ref.e2m1_round(x).device.type == "meta"
 
 
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_attention_stays_on_the_inputs_device(causal):
+    """The visibility of keys is made on q's device too, forward and backward (grouped KV heads, N_q != N_k)."""
+    q, k, dout = (torch.randn(1, 4, 20, 64, device="meta"), torch.randn(1, 2, 30, 64, device="meta"),
+                  torch.randn(1, 4, 20, 64, device="meta"))
+    assert all(t.device.type == "meta" for t in ref.attention_forward(q, k, k, causal=causal).values())
+    assert all(t.device.type == "meta" for t in ref.attention_backward(q, k, k, dout, causal=causal))
+
+
 def test_zero_blocks_and_negative_zero():
     x = torch.zeros(3, 16)
     x[1, :] = 5.8 * 2.0**-10  # amax / 6 < 2^-10: the scale flushes to zero
