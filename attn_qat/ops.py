@@ -68,10 +68,12 @@ class kernel_options:
         if tail_split is not None:
             mode, tail, parts = self._tail_split_code(tail_split)
         if decode_variant is not None:
-            variant = self._auto_or_int("decode_variant", decode_variant, -1, lambda v: 0 <= v <= 3, "0, 1, 2 or 3")
+            variant = self._auto_or_int("decode_variant", decode_variant, -1, lambda v: 0 <= v < _C.DECODE_VARIANTS,
+                                        f"an integer from 0 to {_C.DECODE_VARIANTS - 1}")
         if decode_chunk is not None:
-            chunk = self._auto_or_int("decode_chunk", decode_chunk, 0, lambda c: 0 < c <= 4096 and c % 64 == 0,
-                                      "a multiple of 64 up to 4096")
+            step, most = _C.DECODE_CHUNK_STEP, _C.DECODE_CHUNK_MAX
+            chunk = self._auto_or_int("decode_chunk", decode_chunk, 0, lambda c: 0 < c <= most and c % step == 0,
+                                      f"a multiple of {step} up to {most}")
         _C.set_kernel_options(sm90_on, mode, tail, parts, variant, chunk)
         self.sm90 = bool(sm90_on)
         self.tail_split = "auto" if mode == _TAIL_AUTO else 0 if mode == _TAIL_OFF else (tail, parts)

@@ -54,7 +54,11 @@ static struct PyModuleDef attn_qat_module = {
 
 PyMODINIT_FUNC PyInit__C(void) {
     PyObject *m = PyModule_Create(&attn_qat_module);
-    if (m && PyModule_AddIntConstant(m, "with_cuda", AQ_HAS_CUDA_KERNELS) < 0) {
+    /* the decode options' bounds, for attn_qat.ops.kernel_options' checks and messages */
+    if (m && (PyModule_AddIntConstant(m, "with_cuda", AQ_HAS_CUDA_KERNELS) < 0 ||
+              PyModule_AddIntConstant(m, "DECODE_VARIANTS", AQ_DECODE_VARIANTS) < 0 ||
+              PyModule_AddIntConstant(m, "DECODE_CHUNK_STEP", AQ_DECODE_CHUNK_STEP) < 0 ||
+              PyModule_AddIntConstant(m, "DECODE_CHUNK_MAX", AQ_DECODE_CHUNK_MAX) < 0)) {
         Py_DECREF(m);
         return NULL;
     }
