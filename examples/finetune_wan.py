@@ -37,7 +37,7 @@ import torch
 import attn_qat
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from finetune_common import (Bootstrap, add_protocol_args, finish_args, run_experiment,  # noqa: E402
+from finetune_common import (Bootstrap, add_protocol_args, finish_args, qat_config, run_experiment,  # noqa: E402
                              to_bf16_weights, train)
 from train_wan import MODEL_KEYS, PATCH_SIZE, SIZES, VAL_TIMES, VideoSource  # noqa: E402
 
@@ -256,9 +256,8 @@ class WanTask:
 
     # ----------------------------------------------------------------- what training needs
 
-    def qat_config(self, mode):
-        return attn_qat.QATConfig(mode=mode, self_attention=True, cross_attention=self.args.cross_attention,
-                                  strict=True)
+    def qat_config(self, arm):
+        return qat_config(arm, self_attention=True, cross_attention=self.args.cross_attention, strict=True)
 
     def fresh_model(self):
         model = self.build_model()

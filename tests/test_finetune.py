@@ -21,6 +21,9 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o")
 ENTRIES = ("base", "base_ptq", "bf16", "ptq") + ARMS[1:]
+# finetune_lm also runs the arm with numerics.md §9's Q/K transforms, and their PTQ entries
+LM_ARMS = ARMS + ("attn_qat_qk",)
+LM_ENTRIES = ("base", "base_ptq", "base_ptq_qk", "bf16", "ptq", "ptq_qk") + LM_ARMS[1:]
 # A few merges, so the vocabulary is a real byte-level BPE one (each merge's result is a token).
 MERGES = ("Ġ Ġ", "ĠĠ ĠĠ", "e r", "i n", "s e", "l f", "se lf", "r e", "o n", "d e", "Ġ t", "a t", "e n")
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -200,16 +203,16 @@ def run_script(args, timeout=600):
     return result
 
 
-def check_report(out, extra_keys):
+def check_report(out, extra_keys, arms=ARMS, entries=ENTRIES):
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["entries"]) == set(ENTRIES)
+    assert set(summary["entries"]) == set(entries)
     assert summary["environment"]["git_commit"] is None or len(summary["environment"]["git_commit"]) >= 7
     assert summary["missing"] == []
-    for entry in ARMS[1:]:
+    for entry in arms[1:]:
         info = summary["entries"][entry]
         assert math.isfinite(info["loss"]) and "recovered" in info and "gap_to_bf16" in info
         assert info["grad_norm"]["mean_over_seeds"]["nonfinite"] == 0
-    assert "gap_to_base" in summary["entries"]["base_ptq"]
+    assert all("gap_to_base" in summary["entries"][e] for e in entries if e.startswith("base_ptq"))
     for key in extra_keys:
         assert key in summary["extras"]
     # On the CPU, the packed prefill / packed attention and the NVFP4 cache compute what the fake-quant forward does,
@@ -218,9 +221,9 @@ def check_report(out, extra_keys):
         for values in seeds.values():
             assert values["max_abs_item_loss_difference"] == 0.0, entry
     with open(out / "results.csv", newline="") as f:
-        assert [r["entry"] for r in csv.DictReader(f)] == list(ENTRIES)
+        assert [r["entry"] for r in csv.DictReader(f)] == list(entries)
     assert (out / "table.md").read_text().startswith("| entry |")
-    for arm in ARMS:
+    for arm in arms:
         with open(out / "runs" / f"{arm}_seed0.csv", newline="") as f:
             rows = list(csv.DictReader(f))
         assert [int(r["step"]) for r in rows] == [1, 2, 3]
@@ -234,7 +237,8 @@ def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
     out = tmp_path / "lm"
     run_script(["examples/finetune_lm.py", "--preset", "smoke", "--device", "cpu", "--gguf", str(path),
                 "--gguf-sha256", sha256(path), "--out", str(out)])
-    summary = check_report(out, ("greedy_agreement_with_bf16", "fake_quant_vs_real_nvfp4"))
+    summary = check_report(out, ("greedy_agreement_with_bf16", "fake_quant_vs_real_nvfp4"), LM_ARMS, LM_ENTRIES)
+    assert "recovered" in summary["entries"]["ptq_qk"]
     for entry, seeds in summary["extras"]["fake_quant_vs_real_nvfp4"].items():
         for values in seeds.values():
             assert values["cache_token_agreement"] == 1.0 and values["cache_max_logit_difference"] == 0.0, entry

@@ -56,6 +56,12 @@ class QATConfig:
         head_dim in causal or masked calls, where a key a query cannot see must not set a scale of what it
         sees, and along tokens where every query sees every key; "tokens" or "head_dim" forces one
         ("tokens" under a mask lets hidden keys leak; an `NVFP4Cache` needs "auto" or "head_dim").
+    rotate_qk: multiply Q and K by one fixed orthogonal (random-sign Hadamard) matrix along head_dim before
+        quantizing them (numerics.md §9): the scores are unchanged in exact arithmetic, FP4 rounds less.
+    shift_k: subtract a fixed per-(KV head, channel) mean from K before quantizing it (numerics.md §9; softmax
+        cancels it); the means come from `attn_qat.calibrate_k_shift(model, batches)`, run after `prepare`.
+    The two transforms are part of the trained model's numerics: train, evaluate and deploy with the same
+    settings. The transformers integration supports them; the others raise.
     """
 
     mode: str = "attn_qat"
@@ -63,6 +69,8 @@ class QATConfig:
     cross_attention: bool = False
     strict: bool = False
     v_block_axis: str = "auto"
+    rotate_qk: bool = False
+    shift_k: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -73,6 +81,17 @@ class QATConfig:
         if not (self.self_attention or self.cross_attention):
             raise ValueError("attn_qat.QATConfig: self_attention and cross_attention are both False, so nothing "
                              "would be converted")
+
+    @property
+    def transforms_qk(self) -> bool:
+        """Whether Q and K pass through a §9 transform before quantization."""
+        return self.rotate_qk or self.shift_k
+
+    def refuse_qk_transforms(self, where: str) -> None:
+        """Raises for an integration that does not implement the §9 transforms."""
+        if self.transforms_qk:
+            raise NotImplementedError(f"{where}: rotate_qk and shift_k (numerics.md §9) are supported by the "
+                                      "transformers integration only")
 
     @property
     def inference_mode(self) -> str:
@@ -96,6 +115,8 @@ class AttentionState:
     enabled: bool = True
     inference: bool = False
     warned: Set[str] = dataclasses.field(default_factory=set)
+    # While `calibrate_k_shift` runs: [sum of K over batch and tokens (H_kv, D) float64, token count]
+    calibration: Optional[list] = None
 
     @property
     def active(self) -> bool:

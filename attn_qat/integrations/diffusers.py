@@ -48,6 +48,7 @@ class WanAttnQATProcessor:
     def __init__(self, original, config: Optional[QATConfig] = None):
         self.original = original
         self._state = AttentionState(config if config is not None else QATConfig())
+        self._state.config.refuse_qk_transforms("attn_qat.WanAttnQATProcessor")
         self._wan = _wan_processor()
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
@@ -88,6 +89,7 @@ def _wan_attention_class():
 
 def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warned) -> None:
     """Installs `WanAttnQATProcessor` on the selected `WanAttention` modules (see `attn_qat.prepare`)."""
+    config.refuse_qk_transforms("attn_qat.prepare (diffusers)")
     wan_attention = _wan_attention_class()
     converted, found = 0, False
     for name, module in model.named_modules():
@@ -210,6 +212,7 @@ def register_diffusers_backend(config: Optional[QATConfig] = None) -> None:
     global _backend_state
     _register_backend()
     if config is not None:
+        config.refuse_qk_transforms("attn_qat.register_diffusers_backend")
         _backend_state = AttentionState(config)
 
 

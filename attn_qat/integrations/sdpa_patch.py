@@ -49,6 +49,7 @@ class patch_sdpa(TorchFunctionMode, contextlib.ContextDecorator):
         super().__init__()
         config = config if config is not None else QATConfig()
         self.config = dataclasses.replace(config, **overrides) if overrides else config
+        self.config.refuse_qk_transforms("attn_qat.patch_sdpa")
         self._warned = set()
         self._entered = False
 

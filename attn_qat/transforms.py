@@ -1,0 +1,54 @@
+"""Score-preserving transforms of Q and K before FP4 quantization (docs/numerics.md §9).
+
+Both leave every softmax row unchanged in exact arithmetic and move only where FP4 rounds:
+
+- rotation: Q and K both multiplied by one orthogonal matrix R = diag(s) H / sqrt(D) along head_dim (H Sylvester's
+  Hadamard matrix, s fixed random signs), so q·k = (qR)·(kR); it spreads a channel's outliers over all D channels,
+  which shrinks the 16-channel blocks' amax relative to their other values;
+- K shift: a fixed per-(KV head, channel) vector mu subtracted from K, so q·(k − mu) = q·k − q·mu, a constant of the
+  query's row that softmax cancels; mu is calibrated once (`attn_qat.calibrate_k_shift`), never taken from the call's
+  keys, so no key reaches another key's scale and a hidden key stays absent (numerics.md §2).
+"""
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+
+# The seed of the rotation's signs: fixed, so a model trained with the rotation runs the same matrix everywhere.
+ROTATION_SEED = 0
+
+_rotations: Dict[Tuple[int, str], torch.Tensor] = {}
+
+
+def qk_rotation(head_dim: int, device=None) -> torch.Tensor:
+    """The (head_dim, head_dim) float32 orthogonal matrix diag(s) H / sqrt(head_dim) of numerics.md §9 (cached)."""
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"attn_qat: the Q/K rotation needs a power-of-two head_dim, got {head_dim}")
+    device = torch.device("cpu") if device is None else torch.device(device)
+    key = (head_dim, str(device))
+    rotation = _rotations.get(key)
+    if rotation is None:
+        h = torch.ones(1, 1)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(ROTATION_SEED)) * 2 - 1
+        rotation = (signs[:, None] * h / math.sqrt(head_dim)).to(device)
+        _rotations[key] = rotation
+    return rotation
+
+
+def transform_qk(query: torch.Tensor, key: torch.Tensor, rotate: bool = False,
+                 k_shift: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(query', key') = (query R, (key − k_shift) R) along the last axis, computed in float32 (float64 for float64
+    inputs) and returned in the inputs' dtypes (differentiable). `k_shift` broadcasts against `key` (e.g. (H_kv, 1, D) for (B, H_kv, S, D));
+    R is the identity unless `rotate`."""
+    if not rotate and k_shift is None:
+        return query, key
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    q, k = query.to(dtype), key.to(dtype)
+    if k_shift is not None:
+        k = k - k_shift.to(device=k.device, dtype=dtype)
+    if rotate:
+        rotation = qk_rotation(query.shape[-1], query.device)
+        q, k = q @ rotation.to(dtype), k @ rotation.to(dtype)
+    return q.to(query.dtype), k.to(key.dtype)
