@@ -10,7 +10,9 @@ suites, site-packages and the generated codec tables of encodings/; pydoc_data/t
 topics), tokenized with the model's own tokenizer, files joined by <|endoftext|>. The held-out split is a fixed
 list of 66 modules present in CPython 3.10 to 3.13 (HELDOUT_FILES, about 1.7 MB); no held-out file is trained on.
 Training windows are drawn at random from the other files (the seed picks them); the held-out windows are evenly
-spaced over the held-out files and the same for every arm and seed. summary.json records hashes of both file lists
+spaced over the held-out files and the same for every arm and seed. --site-packages-mb N adds N MB of the
+installed packages' Python sources to the training text (never a copy of a held-out file), for runs long enough to
+repeat the standard library. summary.json records hashes of both file lists
 and of the held-out tokens, so runs on different Pythons can be told apart.
 
 The protocol (examples/finetune_common.py): arms bf16, attn_qat, drop_in, high_precision_p, low_precision_o, all
@@ -80,11 +82,11 @@ PRESETS = {
     # per-command time limit, add --max-minutes and run the same command again for what is left.
     "h100": dict(seq_len=1024, batch_size=8, steps=200, warmup_steps=20, lr=1e-4, eval_every=50, curve_windows=32,
                  eval_windows=256, prompts=32, prompt_len=64, new_tokens=32, seeds="0,1,2", max_minutes=None,
-                 max_train_mb=None, max_heldout_mb=None),
+                 max_train_mb=None, max_heldout_mb=None, site_packages_mb=0.0),
     # CPU smoke run (CI): a few steps on a slice of the corpus.
     "smoke": dict(seq_len=64, batch_size=2, steps=3, warmup_steps=1, lr=1e-4, eval_every=2, curve_windows=2,
                   eval_windows=4, prompts=2, prompt_len=8, new_tokens=4, seeds="0", max_minutes=None,
-                  max_train_mb=0.2, max_heldout_mb=0.05),
+                  max_train_mb=0.2, max_heldout_mb=0.05, site_packages_mb=0.0),
 }
 # Training windows whose K channel means make the K shift (numerics.md §9; as dev/fp4_error_budget.py measured it).
 CALIBRATION_WINDOWS = 16
@@ -107,6 +109,10 @@ def build_parser():
     parser.add_argument("--new-tokens", type=int, default=None, help="greedy tokens generated per prompt")
     parser.add_argument("--max-train-mb", type=float, default=None, help="tokenize at most this much training text")
     parser.add_argument("--max-heldout-mb", type=float, default=None, help="tokenize at most this much held-out text")
+    parser.add_argument("--site-packages-mb", type=float, default=None,
+                        help="also train on this much of the installed packages' Python sources (site_package_files; "
+                             "default 0: the standard library only, 1.8M tokens, which 600 steps of 8 x 1024 pass "
+                             "over 2.7 times)")
     return parser
 
 
@@ -205,6 +211,27 @@ def corpus_files(root=None):
                    if not EXCLUDED_DIRS & set(f.relative_to(root).parts[:-1]))
     heldout = set(HELDOUT_FILES)
     return [f for f in files if f not in heldout], [f for f in HELDOUT_FILES if f in set(files)]
+
+
+def site_packages_root():
+    return pathlib.Path(sysconfig.get_paths()["purelib"])
+
+
+def site_package_files(root=None, heldout_root=None):
+    """Relative POSIX paths of the .py files of the installed packages (sysconfig's "purelib"), without test suites
+    and attn_qat, and without any file whose text is a held-out file's (a vendored copy would leak it), in a fixed
+    pseudo-random order (by the SHA-256 of the path), so that any prefix mixes many packages."""
+    root = pathlib.Path(root) if root is not None else site_packages_root()
+    heldout_root = pathlib.Path(heldout_root) if heldout_root is not None else stdlib_root()
+    heldout = {hashlib.sha256((heldout_root / f).read_bytes()).digest() for f in corpus_files(heldout_root)[1]}
+    files = []
+    for f in root.rglob("*.py"):
+        parts = f.relative_to(root).parts
+        if EXCLUDED_DIRS & set(parts[:-1]) or parts[0] == "attn_qat" or not f.is_file():
+            continue
+        if hashlib.sha256(f.read_bytes()).digest() not in heldout:
+            files.append(f.relative_to(root).as_posix())
+    return sorted(files, key=lambda name: hashlib.sha256(name.encode()).hexdigest())
 
 
 def tokenize_files(tokenizer, root, files, max_mb=None):
@@ -342,6 +369,13 @@ class LMTask:
         if missing:
             print(f"warning: this Python lacks held-out files {missing}", flush=True)
         self.train_stream, train_info = tokenize_files(self.tokenizer, root, train_files, args.max_train_mb)
+        if args.site_packages_mb:
+            packages = site_packages_root()
+            extra, extra_info = tokenize_files(self.tokenizer, packages, site_package_files(packages, root),
+                                               args.site_packages_mb)
+            self.train_stream = torch.cat([self.train_stream, extra])
+            train_info = {"files": train_info["files"] + extra_info["files"], "tokens": len(self.train_stream),
+                          "stdlib": train_info, "site_packages": dict(extra_info, root=str(packages))}
         self.heldout_stream, heldout_info = tokenize_files(self.tokenizer, root, heldout_files, args.max_heldout_mb)
         window = args.seq_len + 1
         self.eval_starts = evenly_spaced(len(self.heldout_stream), args.eval_windows, window)
@@ -361,7 +395,8 @@ class LMTask:
         import transformers
         args = self.args
         keys = ("preset", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "eval_every", "eval_windows",
-                "curve_windows", "prompts", "prompt_len", "new_tokens", "max_train_mb", "max_heldout_mb")
+                "curve_windows", "prompts", "prompt_len", "new_tokens", "max_train_mb", "max_heldout_mb",
+                "site_packages_mb")
         config = {k: getattr(args, k) for k in keys}
         config.update(transformers=transformers.__version__, gguf_file=GGUF_NAME, gguf_sha256=args.gguf_sha256,
                       weights="bf16, AdamW on fp32 master weights (betas 0.9, 0.95; no weight decay)",

@@ -183,6 +183,22 @@ def test_corpus_split_is_by_name():
     assert len(lm.HELDOUT_FILES) == len(set(lm.HELDOUT_FILES))
 
 
+def test_site_package_files_leave_out_held_out_copies(tmp_path):
+    """The extra training text never holds a held-out file's text (a vendored copy), tests or attn_qat, and its
+    order is fixed."""
+    lm = load_example("finetune_lm")
+    stdlib = lm.stdlib_root()
+    heldout = lm.corpus_files(stdlib)[1][0]
+    packages = tmp_path / "site"
+    for name, text in [("pkg/a.py", "a = 1\n"), ("pkg/b.py", "b = 2\n"), ("pkg/tests/t.py", "t = 3\n"),
+                       ("attn_qat/x.py", "x = 4\n"), ("vendored/copy.py", (stdlib / heldout).read_text())]:
+        (packages / name).parent.mkdir(parents=True, exist_ok=True)
+        (packages / name).write_text(text)
+    files = lm.site_package_files(packages, stdlib)
+    assert sorted(files) == ["pkg/a.py", "pkg/b.py"]
+    assert files == lm.site_package_files(packages, stdlib)
+
+
 def test_bootstrap_intervals():
     common = load_example("finetune_common")
     torch.manual_seed(0)
