@@ -6,8 +6,8 @@ Both leave every softmax row unchanged in exact arithmetic and move only where F
   Hadamard matrix, s fixed random signs), so q·k = (qR)·(kR); it spreads a channel's outliers over all D channels,
   which shrinks the 16-channel blocks' amax relative to their other values;
 - K shift: a fixed per-(KV head, channel) vector mu subtracted from K, so q·(k − mu) = q·k − q·mu, a constant of the
-  query's row that softmax cancels; mu is calibrated once (`attn_qat.calibrate_k_shift`), never taken from the call's
-  keys, so no key reaches another key's scale and a hidden key stays absent (numerics.md §2).
+  query's row that softmax cancels; mu is calibrated once (`attn_qat.calibrate_k_shift`), never taken from the
+  call's keys, so no key reaches another key's scale and a hidden key stays absent (numerics.md §2).
 """
 import math
 from typing import Dict, Optional, Tuple
@@ -40,15 +40,17 @@ def qk_rotation(head_dim: int, device=None) -> torch.Tensor:
 def transform_qk(query: torch.Tensor, key: torch.Tensor, rotate: bool = False,
                  k_shift: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(query', key') = (query R, (key − k_shift) R) along the last axis, computed in float32 (float64 for float64
-    inputs) and returned in the inputs' dtypes (differentiable). `k_shift` broadcasts against `key` (e.g. (H_kv, 1, D) for (B, H_kv, S, D));
-    R is the identity unless `rotate`."""
+    inputs; autocast off, which would round K − k_shift and R first) and returned in the inputs' dtypes
+    (differentiable). `k_shift` broadcasts against `key` (e.g. (H_kv, 1, D) for (B, H_kv, S, D)); R is the identity
+    unless `rotate`."""
     if not rotate and k_shift is None:
         return query, key
     dtype = torch.promote_types(query.dtype, torch.float32)
-    q, k = query.to(dtype), key.to(dtype)
-    if k_shift is not None:
-        k = k - k_shift.to(device=k.device, dtype=dtype)
-    if rotate:
-        rotation = qk_rotation(query.shape[-1], query.device)
-        q, k = q @ rotation.to(dtype), k @ rotation.to(dtype)
+    with torch.autocast(query.device.type, enabled=False):
+        q, k = query.to(dtype), key.to(dtype)
+        if k_shift is not None:
+            k = k - k_shift.to(device=k.device, dtype=dtype)
+        if rotate:
+            rotation = qk_rotation(query.shape[-1], query.device).to(dtype)
+            q, k = q @ rotation, k @ rotation
     return q.to(query.dtype), k.to(key.dtype)

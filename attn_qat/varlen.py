@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .attention import _EmptyAttention, _check_qkv, lse_from_stats
+from .host_cache import version_of
 from .ops import CAUSAL_NONE, check_softmax_scale, mode_code, ops, positive_scale, v_along_tokens
 
 BLOCK = 16  # numerics.md §1: the tokens of a P or V block
@@ -162,13 +163,13 @@ class _HostValues:
     def get(self, tensors: Tuple[torch.Tensor, ...]):
         alive = tuple(ref() for ref in self.tensors)
         if (len(alive) == len(tensors) and all(a is t for a, t in zip(alive, tensors))
-                and self.versions == tuple(t._version for t in tensors)):
+                and self.versions == tuple(version_of(t) for t in tensors)):
             return self.values
         return None
 
     def put(self, tensors: Tuple[torch.Tensor, ...], values) -> None:
         self.tensors = tuple(weakref.ref(t) for t in tensors)
-        self.versions = tuple(t._version for t in tensors)
+        self.versions = tuple(version_of(t) for t in tensors)
         self.values = values
 
 

@@ -262,6 +262,25 @@ def _documents(device, lengths=(7, 20, 1, 33)):
 
 
 @pytest.mark.parametrize("source", ["position_ids", "flash_kwargs"])
+def test_inference_mode(device, source):
+    """Under torch.inference_mode the tensors a forward passes down (position_ids, cu_seq_lens, masks) have no
+    version counter; the host copies attn_qat keeps of them must not need one."""
+    from transformers import DataCollatorWithFlattening
+
+    model = twin(tiny_qwen3(64, device)).eval()
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=source == "flash_kwargs")
+    batch = {name: t.to(device) if isinstance(t, torch.Tensor) else t
+             for name, t in collator([{"input_ids": d.tolist()} for d in _documents(device)]).items()}
+    one_row = batch["input_ids"][:, :20]
+    with torch.no_grad():
+        expected = model(**batch).logits, model(one_row).logits
+    with torch.inference_mode():
+        for _ in range(2):  # the second pass finds the first one's entries
+            assert torch.equal(model(**batch).logits, expected[0])
+            assert torch.equal(model(one_row).logits, expected[1])
+
+
+@pytest.mark.parametrize("source", ["position_ids", "flash_kwargs"])
 def test_packed_batch_equals_each_document_alone(device, source, monkeypatch):
     """A padding-free batch (documents one after another in one row, positions restarting, as
     DataCollatorWithFlattening makes it) runs each layer as attn_qat.attention_varlen, where transformers'

@@ -16,6 +16,7 @@ from conftest import DEVICES
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
+from attn_qat.integrations import qk_transforms as qk  # noqa: E402
 from attn_qat.integrations import transformers as tf_integration  # noqa: E402
 
 VOCAB = 128
@@ -70,7 +71,7 @@ def test_the_attention_function_quantizes_the_transformed_operands(device):
     """The module's attention is attn_qat's on (qR, (k - mu)R), with the module's calibrated mu."""
     model = prepared(tiny_qwen3(device=device))
     module = model.model.layers[0].self_attn
-    shift = getattr(module, tf_integration.K_SHIFT_BUFFER)
+    shift = getattr(module, qk.K_SHIFT_BUFFER)
     assert shift.shape == (2, 64) and shift.dtype == torch.float32 and bool(shift.isfinite().all())
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 4, 33, 64, generator=g).to(device, torch.bfloat16)
@@ -125,7 +126,7 @@ def test_calibration_buffer_and_checkpoint(device):
         uncalibrated(ids)
     model = prepared(base)
     state = model.state_dict()
-    key = f"model.layers.1.self_attn.{tf_integration.K_SHIFT_BUFFER}"
+    key = f"model.layers.1.self_attn.{qk.K_SHIFT_BUFFER}"
     assert key in state
     fresh = prepared(base, calibrate=False)
     fresh.load_state_dict(state)
@@ -135,25 +136,67 @@ def test_calibration_buffer_and_checkpoint(device):
         attn_qat.calibrate_k_shift(prepared(base, QATConfig(rotate_qk=True)), calibration_batches(device))
 
 
-def test_calibration_is_the_mean_of_the_keys():
+def test_transform_runs_in_float32_under_autocast():
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, 2, 5, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    shift = torch.randn(2, 1, 128, generator=g)
+    plain = transform_qk(q, k, rotate=True, k_shift=shift)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = transform_qk(q, k, rotate=True, k_shift=shift)
+    assert all(torch.equal(a, b) for a, b in zip(plain, under))
+
+
+def test_calibration_under_inference_mode_and_in_place():
+    """Calibrating under torch.inference_mode leaves a usable model; a second calibration writes the means into
+    the same buffer tensor (wrappers such as DDP hold it)."""
+    model = attn_qat.prepare(tiny_qwen3(), BOTH)
+    placeholder = getattr(model.model.layers[0].self_attn, qk.K_SHIFT_BUFFER)
+    with torch.inference_mode():
+        attn_qat.calibrate_k_shift(model, calibration_batches("cpu"))
+    shift = getattr(model.model.layers[0].self_attn, qk.K_SHIFT_BUFFER)
+    assert shift is placeholder and not shift.is_inference() and bool(shift.isfinite().all())
+    ids = torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        first = model(ids).logits
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, first)
+    attn_qat.calibrate_k_shift(model, calibration_batches("cpu", 1))
+    assert getattr(model.model.layers[0].self_attn, qk.K_SHIFT_BUFFER) is placeholder
+
+
+def test_configs_that_cannot_work_are_refused():
+    with pytest.raises(ValueError, match="shift_k needs attn_qat.prepare"):
+        attn_qat.register_transformers(QATConfig(shift_k=True))
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        attn_qat.prepare(tiny_qwen3(head_dim=96), QATConfig(rotate_qk=True))
+
+
+def test_a_module_left_out_is_not_transformed():
+    model = attn_qat.prepare(tiny_qwen3(), BOTH, filter_fn=lambda module, name: "layers.0." in name)
+    attn_qat.calibrate_k_shift(model, calibration_batches("cpu"))
+    left_out = model.model.layers[1].self_attn
+    assert not hasattr(left_out, qk.K_SHIFT_BUFFER)
+    q, k = torch.randn(1, 4, 8, 64), torch.randn(1, 2, 8, 64)
+    out_q, out_k = tf_integration.module_qk_transform(left_out, q, k)
+    assert out_q is q and out_k is k
+
+
+def test_calibration_is_the_mean_of_the_keys(monkeypatch):
     base = tiny_qwen3()
     model = attn_qat.prepare(copy.deepcopy(base), BOTH)
     recorded = {}  # calibration record -> the keys given to its module, in call order
-    original = tf_integration._record_keys
+    original = qk.record_keys
 
-    def spy(calibration, key):
+    def spy(calibration, key, heads_axis):
         recorded.setdefault(id(calibration), []).append(key.double())
-        original(calibration, key)
+        original(calibration, key, heads_axis)
 
-    tf_integration._record_keys = spy
-    try:
-        attn_qat.calibrate_k_shift(model, calibration_batches("cpu", 3))
-    finally:
-        tf_integration._record_keys = original
+    monkeypatch.setattr(qk, "record_keys", spy)
+    attn_qat.calibrate_k_shift(model, calibration_batches("cpu", 3))
     first_layer = next(iter(recorded.values()))  # layer 0 attends first
     assert len(recorded) == 2 and len(first_layer) == 3
     keys = torch.cat([k.transpose(1, 2).reshape(-1, 2, 64) for k in first_layer])
-    shift = getattr(model.model.layers[0].self_attn, tf_integration.K_SHIFT_BUFFER)
+    shift = getattr(model.model.layers[0].self_attn, qk.K_SHIFT_BUFFER)
     assert torch.allclose(shift.double(), keys.mean(0), atol=1e-6)
     assert all(s.calibration is None for s in attn_qat.integrations.attention_states(model).values())
 
@@ -178,8 +221,85 @@ def test_nvfp4_cache_generation_matches_the_fake_quant_recompute(device):
         assert (cached == ids).float().mean() > 0.8
 
 
-def test_integrations_without_the_transforms_refuse_them():
-    with pytest.raises(NotImplementedError, match="transformers integration only"):
+def test_integrations_without_a_module_refuse_them():
+    with pytest.raises(NotImplementedError, match="attn_qat.prepare"):
         attn_qat.patch_sdpa(QATConfig(rotate_qk=True))
-    with pytest.raises(NotImplementedError, match="transformers integration only"):
+    pytest.importorskip("diffusers")
+    with pytest.raises(NotImplementedError, match="attn_qat.prepare"):
         attn_qat.register_diffusers_backend(QATConfig(shift_k=True))
+    with pytest.raises(NotImplementedError, match="attn_qat.prepare"):
+        attn_qat.WanAttnQATProcessor(None, QATConfig(shift_k=True))
+
+
+# ------------------------------------------------------------------------------------------------ Wan (diffusers)
+
+def tiny_wan_and_inputs(device, head_dim=64):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=head_dim, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64).to(device, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    inputs = {"hidden_states": torch.randn(2, 4, 2, 8, 8, generator=g).to(device, torch.bfloat16),
+              "timestep": torch.tensor([100, 700], device=device),
+              "encoder_hidden_states": torch.randn(2, 16, 32, generator=g).to(device, torch.bfloat16)}
+    return model, inputs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wan_self_attention_transforms(device, monkeypatch):
+    """prepare + calibrate_k_shift on a Wan transformer: each self-attention module's shift is the mean of the keys
+    it saw, its calls quantize the transformed operands, bf16 mode stays put and FP4 moves."""
+    base, inputs = tiny_wan_and_inputs(device)
+    model = attn_qat.prepare(copy.deepcopy(base), BOTH)
+    seen = {}
+    record = qk.record_keys
+
+    def spy(calibration, key, heads_axis):
+        seen.setdefault(id(calibration), []).append(key.double())
+        record(calibration, key, heads_axis)
+
+    monkeypatch.setattr(qk, "record_keys", spy)
+    attn_qat.calibrate_k_shift(model, [inputs])
+    monkeypatch.setattr(qk, "record_keys", record)
+    attn1 = model.blocks[0].attn1
+    shift = getattr(attn1, qk.K_SHIFT_BUFFER)
+    assert shift.shape == (2, 64) and len(seen) == 2  # the two blocks' self-attention; cross-attention not selected
+    keys = next(iter(seen.values()))[0]  # (B, S, H, D)
+    assert torch.allclose(shift.double(), keys.mean(dim=(0, 1)), atol=1e-6)
+    assert not hasattr(model.blocks[0].attn2, qk.K_SHIFT_BUFFER)
+
+    got = {}
+    from attn_qat.integrations import diffusers as df_integration
+    run = df_integration.run_sdpa
+
+    def capture(query, key, *args, **kwargs):
+        got.setdefault("qk", (query, key))
+        return run(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(df_integration, "run_sdpa", capture)
+    calls = {}
+    transform = qk.transform_module_qk
+
+    def capture_in(module, query, key, *args, **kwargs):
+        calls.setdefault("in", (query, key))
+        return transform(module, query, key, *args, **kwargs)
+
+    monkeypatch.setattr(qk, "transform_module_qk", capture_in)
+    with torch.no_grad():
+        moved4 = model(**inputs).sample.float()
+    q_in, k_in = calls["in"]
+    q_expected, k_expected = transform_qk(q_in, k_in, rotate=True, k_shift=shift)
+    assert torch.equal(got["qk"][0], q_expected.transpose(1, 2))
+    assert torch.equal(got["qk"][1], k_expected.transpose(1, 2))
+    monkeypatch.setattr(df_integration, "run_sdpa", run)
+    monkeypatch.setattr(qk, "transform_module_qk", transform)
+
+    with torch.no_grad():
+        plain4 = attn_qat.prepare(copy.deepcopy(base))(**inputs).sample.float()
+        plain16 = attn_qat.prepare(copy.deepcopy(base), QATConfig(mode="bf16"))(**inputs).sample.float()
+        moved16_model = attn_qat.prepare(copy.deepcopy(base), QATConfig(mode="bf16", rotate_qk=True, shift_k=True))
+        attn_qat.calibrate_k_shift(moved16_model, [inputs])
+        moved16 = moved16_model(**inputs).sample.float()
+    assert (moved16 - plain16).norm() / plain16.norm() < 1e-2
+    assert not torch.equal(moved4, plain4)

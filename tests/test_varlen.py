@@ -240,6 +240,14 @@ def test_cu_seqlens_read_once_until_changed(device, monkeypatch):
     expected = attn_qat.attention_varlen(q, k, v, cu_seqlens([9, 7], device), cu_seqlens([9, 7], device), 9, 9,
                                          causal=True)
     assert len(reads) == 3 and torch.equal(moved, expected) and not torch.equal(moved, first)
+    with torch.inference_mode():  # inference tensors have no version counter: read every time, never stale
+        cu_inference = cu_seqlens([9, 7], device)
+        for _ in range(2):
+            assert torch.equal(attn_qat.attention_varlen(q, k, v, cu_inference, cu_inference, 9, 9, causal=True),
+                               expected)
+        cu_inference.copy_(cu_seqlens(lens, device))
+        assert torch.equal(attn_qat.attention_varlen(q, k, v, cu_inference, cu_inference, 11, 11, causal=True), first)
+    assert len(reads) == 6
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -61,7 +61,8 @@ class QATConfig:
     shift_k: subtract a fixed per-(KV head, channel) mean from K before quantizing it (numerics.md §9; softmax
         cancels it); the means come from `attn_qat.calibrate_k_shift(model, batches)`, run after `prepare`.
     The two transforms are part of the trained model's numerics: train, evaluate and deploy with the same
-    settings. The transformers integration supports them; the others raise.
+    settings. `prepare` (transformers and Wan models) supports them; `patch_sdpa` and the diffusers backend on its
+    own, which see no module to keep a K shift in, raise.
     """
 
     mode: str = "attn_qat"
@@ -90,8 +91,8 @@ class QATConfig:
     def refuse_qk_transforms(self, where: str) -> None:
         """Raises for an integration that does not implement the §9 transforms."""
         if self.transforms_qk:
-            raise NotImplementedError(f"{where}: rotate_qk and shift_k (numerics.md §9) are supported by the "
-                                      "transformers integration only")
+            raise NotImplementedError(f"{where}: rotate_qk and shift_k (numerics.md §9) need a model prepared with "
+                                      "attn_qat.prepare (transformers or Wan), which keeps each module's K shift")
 
     @property
     def inference_mode(self) -> str:
@@ -115,8 +116,8 @@ class AttentionState:
     enabled: bool = True
     inference: bool = False
     warned: Set[str] = dataclasses.field(default_factory=set)
-    # While `calibrate_k_shift` runs: [sum of K over batch and tokens (H_kv, D) float64, token count]
-    calibration: Optional[list] = None
+    # While `calibrate_k_shift` runs: the module's qk_transforms.KeySums
+    calibration: Optional[object] = None
 
     @property
     def active(self) -> bool:

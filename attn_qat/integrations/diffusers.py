@@ -14,17 +14,19 @@ from typing import Optional
 
 import torch
 
-from .config import DIFFUSERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version, run_sdpa
+from . import qk_transforms
+from .config import (DIFFUSERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version, run_sdpa,
+                     torch_sdpa)
 
 BACKEND = "attn_qat"
 
 
 class _ProcessorCall:
-    """A `WanAttnQATProcessor` call running on this thread: the module's state, for the backend function (diffusers'
-    dispatcher passes a backend only the attention's arguments), and how many attentions it dispatched."""
+    """A `WanAttnQATProcessor` call running on this thread: the module and its state, for the backend function
+    (diffusers' dispatcher passes a backend only the attention's arguments), and how many attentions it dispatched."""
 
-    def __init__(self, state: "AttentionState"):
-        self.state, self.dispatched = state, 0
+    def __init__(self, state: "AttentionState", module: torch.nn.Module):
+        self.state, self.module, self.dispatched = state, module, 0
 
 
 # Per thread: the WanAttnQATProcessor calls running, innermost last.
@@ -48,18 +50,20 @@ class WanAttnQATProcessor:
     def __init__(self, original, config: Optional[QATConfig] = None):
         self.original = original
         self._state = AttentionState(config if config is not None else QATConfig())
-        self._state.config.refuse_qk_transforms("attn_qat.WanAttnQATProcessor")
+        if self._state.config.shift_k:  # its K shift is a buffer of the module, which attn_qat.prepare looks after
+            raise NotImplementedError("attn_qat.WanAttnQATProcessor: shift_k needs attn_qat.prepare(model, config) "
+                                      "(installed by hand, the processor has no module state to calibrate)")
         self._wan = _wan_processor()
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
         state = module_state(attn) or self._state
-        if not state.active:
+        if not state.active and state.calibration is None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         calls = getattr(_processor_calls, "stack", None)  # not __dict__.setdefault: torch < 2.12 cannot trace it
         if calls is None:
             calls = _processor_calls.stack = []
-        call = _ProcessorCall(state)
+        call = _ProcessorCall(state, attn)
         calls.append(call)
         try:
             out = self._wan(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
@@ -89,7 +93,6 @@ def _wan_attention_class():
 
 def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warned) -> None:
     """Installs `WanAttnQATProcessor` on the selected `WanAttention` modules (see `attn_qat.prepare`)."""
-    config.refuse_qk_transforms("attn_qat.prepare (diffusers)")
     wan_attention = _wan_attention_class()
     converted, found = 0, False
     for name, module in model.named_modules():
@@ -105,6 +108,11 @@ def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warn
             raise NotImplementedError(f"attn_qat.prepare: {name} runs with diffusers context parallelism, which the "
                                       "attn_qat processor does not support yet")
         setattr(module, STATE_ATTR, AttentionState(config, selected=selected, warned=warned))
+        head_dim = module.inner_dim // module.heads
+        if selected and config.rotate_qk and head_dim & (head_dim - 1):
+            raise ValueError(f"attn_qat.prepare: rotate_qk needs a power-of-two head_dim; {name} has {head_dim}")
+        if selected and config.shift_k:
+            qk_transforms.k_shift_placeholder(module, module.heads, module.kv_inner_dim // module.heads)
         module.set_processor(WanAttnQATProcessor(processor))
         converted += selected
     if not found:
@@ -136,6 +144,12 @@ def _attn_qat_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
         call = calls[-1]
         call.dispatched += 1
         state, inference, where = call.state, call.state.inference, "attn_qat (diffusers Wan processor)"
+        if state.calibration is not None:  # calibrate_k_shift: record K, attend as PyTorch's SDPA does
+            qk_transforms.record_keys(state.calibration, key, heads_axis=2)
+            return torch_sdpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p,
+                              is_causal, scale, enable_gqa).transpose(1, 2)
+        query, key = qk_transforms.transform_module_qk(call.module, query, key, state.config, heads_axis=2,
+                                                       where=where)
     else:
         state, inference, where = _backend_state, False, "attn_qat (diffusers backend)"
     out = run_sdpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p, is_causal,

@@ -18,13 +18,12 @@ from typing import List, Optional, Tuple
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..transforms import transform_qk
+from ..host_cache import version_of
+from . import qk_transforms
 from .config import (TRANSFORMERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version, run_sdpa,
                      unsupported_reason, warn_once)
 
 IMPLEMENTATION = "attn_qat"
-# The buffer of an attention module that holds its calibrated K shift (numerics.md §9).
-K_SHIFT_BUFFER = "attn_qat_k_shift"
 # The tag an `attn_qat.NVFP4Cache` puts on the keys it returns (kv_cache_transformers.CACHE_LAYER_ATTR; kept
 # here as a string so this module does not import the cache's, which subclasses transformers' Cache).
 CACHE_LAYER_ATTR = "_attn_qat_nvfp4_cache_layer"
@@ -46,6 +45,9 @@ def register_transformers(config: Optional[QATConfig] = None) -> None:
 
     global _default_state
     if config is not None:
+        if config.shift_k:  # the K shift is a buffer that prepare makes and calibrate_k_shift fills, module by module
+            raise ValueError("attn_qat.register_transformers: shift_k needs attn_qat.prepare(model, config) and "
+                             "attn_qat.calibrate_k_shift; a registered default config cannot hold a K shift")
         _default_state = AttentionState(config)
     AttentionInterface.register(IMPLEMENTATION, attn_qat_attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
@@ -74,7 +76,7 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
         return _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, scaling, is_causal, state,
                                    kwargs)
     if state.calibration is not None:  # calibrate_k_shift: record K, attend as the model's own attention does
-        _record_keys(state.calibration, key)
+        qk_transforms.record_keys(state.calibration, key, heads_axis=1)
     if not state.active or state.calibration is not None:
         return _sdpa_attention_forward()(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, is_causal=is_causal, **kwargs)
@@ -122,106 +124,14 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
 
 
 def module_qk_transform(module, query, key, state: Optional[AttentionState] = None):
-    """(query, key) of a (B, H, S, D) / (B, H_kv, S, D) call after the module's Q/K transforms (numerics.md §9:
-    QATConfig rotate_qk and shift_k, the K shift from `attn_qat.calibrate_k_shift`); unchanged without them. Any code
-    that quantizes a prepared module's Q and K itself (a custom attention function) applies this first."""
+    """(query, key) of a (B, H, S, D) / (B, H_kv, S, D) call after the module's Q/K transforms (numerics.md §9);
+    unchanged without them. Code that quantizes a prepared module's Q and K itself (a custom attention function)
+    applies this first."""
     state = state if state is not None else (module_state(module) or _default_state)
-    config = state.config
-    if not config.transforms_qk:
+    if not state.selected:  # left out by prepare: the module keeps the library's attention, untransformed
         return query, key
-    shift = None
-    if config.shift_k:
-        shift = getattr(module, K_SHIFT_BUFFER, None)
-        if shift is None or not _calibrated(shift):
-            raise RuntimeError(f"attn_qat (transformers): {type(module).__name__} runs with QATConfig(shift_k=True) "
-                               "but has no calibrated K shift: call attn_qat.calibrate_k_shift(model, batches) after "
-                               "attn_qat.prepare (a checkpoint saved after calibration holds it as the buffer "
-                               f"'{K_SHIFT_BUFFER}' of each attention module; load it after prepare)")
-        if shift.shape != (key.shape[1], key.shape[3]):
-            raise ValueError(f"attn_qat (transformers): the calibrated K shift of {type(module).__name__} has shape "
-                             f"{tuple(shift.shape)}, but its keys have {key.shape[1]} heads of {key.shape[3]} "
-                             "channels; calibrate again")
-        shift = shift[:, None, :]
-    return transform_qk(query, key, config.rotate_qk, shift)
-
-
-# Whether a K-shift buffer holds calibrated values (no NaN), per buffer and version: read on the host once per
-# calibration or state_dict load, not once a layer and step.
-_calibrated_shifts: "WeakTensorKeyDictionary" = WeakTensorKeyDictionary()
-
-
-def _calibrated(shift: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():
-        return True  # not read while tracing; an uncalibrated (NaN) shift then makes the outputs NaN
-    cached = _calibrated_shifts.get(shift)
-    if cached is None or cached[0] != shift._version:
-        cached = (shift._version, not bool(shift.isnan().any()))
-        _calibrated_shifts[shift] = cached
-    return cached[1]
-
-
-def _k_shift_placeholder(module) -> None:
-    """Gives a module prepared with shift_k its K-shift buffer before calibration, filled with NaN (not calibrated),
-    so that a state_dict saved after `calibrate_k_shift` loads into a freshly prepared model."""
-    if getattr(module, K_SHIFT_BUFFER, None) is not None:
-        return
-    config = module.config
-    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
-    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
-    if not heads or not head_dim:
-        return  # calibrate_k_shift creates it
-    param = next(module.parameters(), None)
-    module.register_buffer(K_SHIFT_BUFFER, torch.full((heads, head_dim), float("nan"),
-                                                      device=param.device if param is not None else None))
-
-
-def _record_keys(calibration: list, key: torch.Tensor) -> None:
-    total = key.detach().double().sum(dim=(0, 2))  # (H_kv, D)
-    calibration[0] = total if calibration[0] is None else calibration[0] + total
-    calibration[1] += key.shape[0] * key.shape[2]
-
-
-@torch.no_grad()
-def calibrate_k_shift(model, batches, run=None):
-    """Measures each prepared attention module's K channel means for QATConfig(shift_k=True) (numerics.md §9) and
-    keeps them as the module's buffer `attn_qat_k_shift` (H_kv, D), float32, saved with the model's state_dict.
-    Returns the model.
-
-    Call it after `attn_qat.prepare(model, QATConfig(shift_k=True, ...))`, with a few batches of the training data
-    (e.g. 16 sequences): `run(model, batch)` runs one (default `model(**batch)` for a dict, else `model(batch)`).
-    Meanwhile the modules record the keys they are given (after RoPE) and attend with transformers' "sdpa", the
-    model's own attention. The shift stays fixed afterwards, in training and inference alike: any fixed shift keeps
-    the scores exact; only FP4's rounding depends on it. Padding tokens in the batches count like any other token.
-    """
-    from .lifecycle import _unwrap_peft
-
-    base, _ = _unwrap_peft(model, None)
-    targets = [(m, s) for m in base.modules() if (s := module_state(m)) is not None and s.selected and
-               s.config.shift_k]
-    if not targets:
-        raise ValueError(f"attn_qat.calibrate_k_shift: {type(base).__name__} has no attention module prepared with "
-                         "QATConfig(shift_k=True); call attn_qat.prepare(model, QATConfig(shift_k=True)) first")
-    run = run if run is not None else (lambda m, b: m(**b) if isinstance(b, dict) else m(b))
-    for _, state in targets:
-        state.calibration = [None, 0]
-    try:
-        for batch in batches:
-            run(model, batch)
-        empty = [type(m).__name__ for m, s in targets if s.calibration[1] == 0]
-        if empty:
-            raise ValueError(f"attn_qat.calibrate_k_shift: {len(empty)} prepared attention module(s) saw no keys; "
-                             "pass at least one batch that runs the whole model")
-        for module, state in targets:
-            total, count = state.calibration
-            shift = (total / count).float()
-            if hasattr(module, K_SHIFT_BUFFER) and K_SHIFT_BUFFER not in module._buffers:
-                raise TypeError(f"attn_qat.calibrate_k_shift: {type(module).__name__} already has an attribute "
-                                f"'{K_SHIFT_BUFFER}' that is not a buffer")
-            module.register_buffer(K_SHIFT_BUFFER, shift, persistent=True)
-    finally:
-        for _, state in targets:
-            state.calibration = None
-    return model
+    return qk_transforms.transform_module_qk(module, query, key, state.config, heads_axis=1,
+                                             where="attn_qat (transformers)")
 
 
 # Host copies of what a packed batch's sequence boundaries were read from (cu_seq_lens, position_ids), and whether a
@@ -237,8 +147,8 @@ def _host_cu_seqlens(t) -> Optional[List[int]]:
     if t.dim() != 1 or t.is_floating_point():
         return None
     cached = _host_lengths.get(t)
-    if cached is None or cached[0] != t._version:
-        cached = (t._version, t.tolist())
+    if cached is None or cached[0] != version_of(t):
+        cached = (version_of(t), t.tolist())
         _host_lengths[t] = cached
     return cached[1]
 
@@ -250,11 +160,11 @@ def _cu_from_position_ids(position_ids: torch.Tensor, length: int) -> Optional[L
     if position_ids.numel() != length or position_ids.is_floating_point():
         return None
     cached = _host_lengths.get(position_ids)
-    if cached is None or cached[0] != position_ids._version:
+    if cached is None or cached[0] != version_of(position_ids):
         positions = position_ids.reshape(-1).tolist()
         first = min(positions)
         starts = [i for i, p in enumerate(positions) if p == first]
-        cached = (position_ids._version, starts + [length] if len(starts) > 1 and starts[0] == 0 else None)
+        cached = (version_of(position_ids), starts + [length] if len(starts) > 1 and starts[0] == 0 else None)
         _host_lengths[position_ids] = cached
     return cached[1]
 
@@ -267,7 +177,7 @@ def _mask_is_packing(mask: torch.Tensor, cu_q: List[int], cu_k: List[int], causa
         return False
     key = (tuple(cu_q), tuple(cu_k), causal)
     cached = _mask_checks.get(mask)
-    if cached is not None and cached[0] == (mask._version, key):
+    if cached is not None and cached[0] == (version_of(mask), key):
         return cached[1]
     device = mask.device
     lens_q = torch.tensor([b - a for a, b in zip(cu_q, cu_q[1:])], device=device)
@@ -286,7 +196,7 @@ def _mask_is_packing(mask: torch.Tensor, cu_q: List[int], cu_k: List[int], causa
         ok = bool((mask[..., i0:i1, :] == expected).all())
         if not ok:
             break
-    _mask_checks[mask] = ((mask._version, key), ok)
+    _mask_checks[mask] = ((version_of(mask), key), ok)
     return ok
 
 
@@ -422,8 +332,15 @@ def prepare_transformers(model, config: QATConfig, filter_fn, warned) -> None:
         selected = (config.cross_attention if cross else config.self_attention) and (
             filter_fn is None or filter_fn(module, name))
         setattr(module, STATE_ATTR, AttentionState(config, selected=selected, warned=warned))
-        if selected and config.shift_k:
-            _k_shift_placeholder(module)
+        if selected and config.transforms_qk:
+            shape = module.config
+            head_dim = getattr(module, "head_dim", None) or getattr(shape, "head_dim", None)
+            if config.rotate_qk and head_dim and head_dim & (head_dim - 1):
+                raise ValueError(f"attn_qat.prepare: rotate_qk needs a power-of-two head_dim; {name} has {head_dim}")
+            if config.shift_k:
+                qk_transforms.k_shift_placeholder(
+                    module, getattr(shape, "num_key_value_heads", None) or getattr(shape, "num_attention_heads", None),
+                    head_dim)
         converted += selected
     if converted == 0:
         raise ValueError(f"attn_qat.prepare: no attention module of {type(model).__name__} was selected (looked for "
