@@ -7,8 +7,7 @@ steps, the same batches in the same order and the same learning-rate schedule; t
     attn_qat, drop_in, high_precision_p, low_precision_o
                       attn_qat in that mode (docs/numerics.md §5), evaluated with FP4 attention
     attn_qat_qk       attn_qat with Q and K rotated and K shifted before quantization (numerics.md §9; the K shift
-                      calibrated on the pretrained model before fine-tuning); tasks whose integration has the
-                      transforms only (finetune_lm.py)
+                      calibrated on the pretrained model before fine-tuning, task.calibrate)
 
 Evaluations without training (post-training quantization, PTQ):
 
@@ -52,15 +51,12 @@ from common import smooth  # noqa: E402
 
 ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o", "attn_qat_qk")
 FP4_ARMS = ARMS[1:]
-# The arms that need the Q/K transforms (numerics.md §9), which the transformers integration has and diffusers' not.
-QK_ARMS = ("attn_qat_qk",)
-PLAIN_ARMS = tuple(a for a in ARMS if a not in QK_ARMS)
 # What each arm sets in its QATConfig (every other arm: mode=arm).
 ARM_SETTINGS = {"attn_qat_qk": dict(mode="attn_qat", rotate_qk=True, shift_k=True)}
 # Entries of a report, in table order. "base" and "base_ptq*" have no seed (stored as seed "base").
 ENTRIES = ("base", "base_ptq", "base_ptq_qk", "bf16", "ptq", "ptq_qk") + FP4_ARMS
 BASE_ENTRIES = ("base", "base_ptq", "base_ptq_qk")
-# Entries evaluated without training, with the Q/K transforms: evaluated with the task's qk arm.
+# Entries evaluated without training, and their twins with the Q/K transforms (the attn_qat_qk arm's numerics).
 QK_PTQ = {"base_ptq": "base_ptq_qk", "ptq": "ptq_qk"}
 DESCRIPTIONS = {
     "base": "pretrained model, bf16 attention",
@@ -88,13 +84,13 @@ def qat_config(arm, **fields):
     return attn_qat.QATConfig(**settings, **fields)
 
 
-def add_protocol_args(parser, presets, out, arms=PLAIN_ARMS):
+def add_protocol_args(parser, presets, out):
     """The options both experiments take; `presets` maps a preset name to the defaults of every option set to
-    None here (finish_args fills them); `arms` are those the task can run (ARMS where it has the Q/K transforms)."""
+    None here (finish_args fills them)."""
     names = ", ".join(presets)
     parser.add_argument("--preset", choices=sorted(presets), default=None,
                         help=f"run size ({names}; default: h100 when a GPU is present, else smoke)")
-    parser.add_argument("--arms", default=",".join(arms), help=f"comma list of {', '.join(arms)}")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     parser.add_argument("--seeds", default=None, help="comma list of seeds (they pick the batches; preset default)")
     parser.add_argument("--steps", type=int, default=None, help="fine-tuning steps per arm")
     parser.add_argument("--batch-size", type=int, default=None)
@@ -109,21 +105,21 @@ def add_protocol_args(parser, presets, out, arms=PLAIN_ARMS):
     parser.add_argument("--overwrite", action="store_true", help="redo runs whose results are in --out")
     parser.add_argument("--report-only", action="store_true",
                         help="only recompute summary.json, results.csv and the plots from the runs in --out")
-    parser.set_defaults(presets=presets, task_arms=arms)
+    parser.set_defaults(presets=presets)
 
 
 def finish_args(parser, args):
-    presets, arms = args.presets, args.task_arms
-    del args.presets, args.task_arms
+    presets = args.presets
+    del args.presets
     if args.preset is None:
         args.preset = "h100" if torch.device(args.device).type == "cuda" else "smoke"
     for key, value in presets[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = set(args.arms) - set(arms)
+    unknown = set(args.arms) - set(ARMS)
     if unknown:
-        parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(arms)}")
+        parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
     args.arms = [a for a in ARMS if a in args.arms]  # bf16 first: the report pairs every arm with it
     try:
         args.seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
@@ -290,12 +286,11 @@ def prepare_arm(task, model, arm):
 
 def evaluate_ptq(task, model, entry, seed):
     """{entry: payload} of `model` (trained in bf16; prepared, converted and disabled) evaluated with FP4 attention,
-    and with the task's Q/K transforms as QK_PTQ[entry] where the task has them."""
+    and as QK_PTQ[entry] with the Q/K transforms (the K shift calibrated on `model`)."""
     attn_qat.enable(model)
     payloads = {entry: task.evaluate(model, fp4=True, entry=entry, seed=seed)}
-    if getattr(task, "qk_transforms", False):
-        attn_qat.convert(prepare_arm(task, model, QK_ARMS[0]))
-        payloads[QK_PTQ[entry]] = task.evaluate(model, fp4=True, entry=QK_PTQ[entry], seed=seed)
+    attn_qat.convert(prepare_arm(task, model, "attn_qat_qk"))
+    payloads[QK_PTQ[entry]] = task.evaluate(model, fp4=True, entry=QK_PTQ[entry], seed=seed)
     return payloads
 
 
@@ -377,8 +372,7 @@ def run_experiment(task, args, log=print):
         deadline = Deadline(args.max_minutes)
         todo = [(seed, arm) for seed in args.seeds for arm in args.arms
                 if args.overwrite or not store.has(arm, seed)]
-        base_entries = BASE_ENTRIES if getattr(task, "qk_transforms", False) else BASE_ENTRIES[:2]
-        need_base = args.overwrite or not all(store.has(e, BASE_SEED) for e in base_entries)
+        need_base = args.overwrite or not all(store.has(e, BASE_SEED) for e in BASE_ENTRIES)
         if todo or need_base:
             task.setup()
             log(f"setup done in {deadline.elapsed():.0f} s")

