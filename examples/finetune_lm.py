@@ -35,6 +35,7 @@ Usage:
     python examples/finetune_lm.py                                   # --preset h100: every arm, 3 seeds (~8 min)
     python examples/finetune_lm.py --seeds 0,1 --out /tmp/ft_lm      # a subset; then --seeds 2 into the same --out
     python examples/finetune_lm.py --report-only --out /tmp/ft_lm    # the report of every run in a folder
+    python examples/finetune_lm.py --preset h100_long --out docs/results/finetune_lm_long   # 600 steps, more text
     python examples/finetune_lm.py --preset smoke --device cpu       # CPU smoke run (a few steps)
 """
 import argparse
@@ -83,6 +84,12 @@ PRESETS = {
     "h100": dict(seq_len=1024, batch_size=8, steps=200, warmup_steps=20, lr=1e-4, eval_every=50, curve_windows=32,
                  eval_windows=256, prompts=32, prompt_len=64, new_tokens=32, seeds="0,1,2", max_minutes=None,
                  max_train_mb=None, max_heldout_mb=None, site_packages_mb=0.0),
+    # The test of the >= 90% goal without repeated data (docs/results.md): 600 steps at 3e-4, which on the standard
+    # library alone pass over it 2.7 times and let the bf16 control overfit; with 40 MB of the installed packages'
+    # sources (~10M tokens) the 4.9M training tokens are all distinct. Estimated ~4.5 min a seed per arm pair.
+    "h100_long": dict(seq_len=1024, batch_size=8, steps=600, warmup_steps=20, lr=3e-4, eval_every=50,
+                      curve_windows=32, eval_windows=256, prompts=32, prompt_len=64, new_tokens=32, seeds="0,1,2",
+                      max_minutes=None, max_train_mb=None, max_heldout_mb=None, site_packages_mb=40.0),
     # CPU smoke run (CI): a few steps on a slice of the corpus.
     "smoke": dict(seq_len=64, batch_size=2, steps=3, warmup_steps=1, lr=1e-4, eval_every=2, curve_windows=2,
                   eval_windows=4, prompts=2, prompt_len=8, new_tokens=4, seeds="0", max_minutes=None,
