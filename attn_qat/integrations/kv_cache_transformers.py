@@ -3,7 +3,7 @@ their keys and values in an `attn_qat.NVFP4KVCache` (4-bit codes and E4M3 scales
 bf16), read by the "attn_qat" attention implementation.
 
     attn_qat.register_transformers()
-    model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16, attn_implementation="attn_qat")
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, attn_implementation="attn_qat")
     cache = attn_qat.NVFP4Cache(model.config, max_cache_len=prompt_len + max_new_tokens)
     out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens)  # < 5.24: past_key_values=
 

@@ -83,8 +83,8 @@ def calibrate_k_shift(model, batches, run=None):
     keeps them as the module's buffer `attn_qat_k_shift` (H_kv, D), float32, saved with the model's state_dict.
     Returns the model.
 
-    Call it after `attn_qat.prepare(model, QATConfig(shift_k=True, ...))`, with a few batches of the training data
-    (e.g. 16 sequences): `run(model, batch)` runs one (default `model(**batch)` for a dict, else `model(batch)`).
+    Call it after `attn_qat.prepare(model, QATConfig(shift_k=True, ...))` (and after any cast of the model's dtype),
+    with a few batches of the training data (about 16 sequences in all): `run(model, batch)` runs one (default `model(**batch)` for a dict, else `model(batch)`).
     Meanwhile the modules record the keys they are given (after RoPE and norms) and attend as the model's own
     attention does (transformers' "sdpa", PyTorch's SDPA in Wan). The shift stays fixed afterwards, in training and
     inference alike: any fixed shift keeps the scores exact; only FP4's rounding depends on it. Padding tokens in the
