@@ -11,8 +11,9 @@
 #
 # lm and wan resume: runs already under /tmp/finetune_* are skipped, so the same command again (with --max-minutes
 # for the call's time limit) finishes what is left. Each leaves a log and a tarball of its results folder in $OUT:
-# unpack it into docs/results/. Wheels carried in .whl/ are installed first (--target /tmp/site). Set
-# ATTN_QAT_COMMIT to the commit the working tree is at: the machine's copy has no .git.
+# unpack it into docs/results/. RUN_NAME names the results folder, log and tarball (default finetune_lm /
+# finetune_wan), so one machine can hold several experiments. Wheels carried in .whl/ are installed first
+# (--target /tmp/site). Set ATTN_QAT_COMMIT to the commit the working tree is at: the machine's copy has no .git.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/attn_qat_out}"
@@ -64,21 +65,23 @@ lm)
         for name in $(printf '%s\n' "${!found[@]}" | sort); do parts+=("${found[$name]}"); done
         bash dev/join_file.sh "/tmp/$GGUF" "$GGUF_SHA256" "${parts[@]}"
     fi
-    (nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true) | tee -a "$OUT/finetune_lm.log"
+    name=${RUN_NAME:-finetune_lm}
+    (nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true) | tee -a "$OUT/$name.log"
     status=0
-    python3 examples/finetune_lm.py --gguf "/tmp/$GGUF" --out /tmp/finetune_lm "$@" 2>&1 |
-        grep --line-buffered -v "Converting and de-quantizing\|Loading weights" | tee -a "$OUT/finetune_lm.log" ||
+    python3 examples/finetune_lm.py --gguf "/tmp/$GGUF" --out "/tmp/$name" "$@" 2>&1 |
+        grep --line-buffered -v "Converting and de-quantizing\|Loading weights" | tee -a "$OUT/$name.log" ||
         status=$?
-    [ -d /tmp/finetune_lm ] && tar czf "$OUT/finetune_lm.tgz" -C /tmp finetune_lm
+    [ -d "/tmp/$name" ] && tar czf "$OUT/$name.tgz" -C /tmp "$name"
     exit $status
     ;;
 wan)
     build
-    (nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true) | tee -a "$OUT/finetune_wan.log"
+    name=${RUN_NAME:-finetune_wan}
+    (nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true) | tee -a "$OUT/$name.log"
     status=0
-    python3 examples/finetune_wan.py --out /tmp/finetune_wan --pretrained /tmp/wan_pretrained.pt "$@" 2>&1 |
-        tee -a "$OUT/finetune_wan.log" || status=$?
-    [ -d /tmp/finetune_wan ] && tar czf "$OUT/finetune_wan.tgz" --exclude=samples -C /tmp finetune_wan
+    python3 examples/finetune_wan.py --out "/tmp/$name" --pretrained /tmp/wan_pretrained.pt "$@" 2>&1 |
+        tee -a "$OUT/$name.log" || status=$?
+    [ -d "/tmp/$name" ] && tar czf "$OUT/$name.tgz" --exclude=samples -C /tmp "$name"
     exit $status
     ;;
 *)
