@@ -137,12 +137,14 @@ class _Plan:
         k_span = torch.stack((first, end), dim=1)
         self.q_span = q_span.to(torch.int32).contiguous().to(device)
         self.k_span = k_span.to(torch.int32).contiguous().to(device)
-        # the padded layout's row of each original key row
-        self.k_rows = None
+        # the padded layout's row of each original key row, and its padding rows
+        self.k_rows = self.pad_rows = None
         if pad:
             seq = torch.repeat_interleave(torch.arange(num), len_k)
-            self.k_rows = (torch.arange(cu_k[-1]) - torch.tensor(cu_k[:-1], dtype=torch.int64)[seq] +
-                           starts_k[seq]).to(device)
+            k_rows = torch.arange(cu_k[-1]) - torch.tensor(cu_k[:-1], dtype=torch.int64)[seq] + starts_k[seq]
+            is_pad = torch.ones(self.total_k, dtype=torch.bool)
+            is_pad[k_rows] = False
+            self.k_rows, self.pad_rows = k_rows.to(device), is_pad.nonzero().squeeze(1).to(device)
 
 
 @torch.compiler.disable  # host-side planning: torch.compile graphs stop here, as at the host read of cu_seqlens
@@ -276,9 +278,11 @@ def _attention_varlen(q4, k4, v4, cu_q: Sequence[int], cu_k: Sequence[int], max_
     plan = _plan(tuple(cu_q), tuple(cu_k), alignment, pad, q4.device)
     if pad:
         def padded(t):  # (1, H, N, D) -> (1, H, N_padded, D), zero rows between the sequences
+            # One pass over the tensor: zeros only in the padding rows, and index_copy_ in place (the out-of-place
+            # index_copy first copies its whole input, and new_zeros writes every row once more).
             rows = t.squeeze(0).transpose(0, 1)
-            out = rows.new_zeros((plan.total_k,) + tuple(rows.shape[1:])).index_copy(0, plan.k_rows, rows)
-            return out.transpose(0, 1).unsqueeze(0)
+            out = rows.new_empty((plan.total_k,) + tuple(rows.shape[1:])).index_fill_(0, plan.pad_rows, 0)
+            return out.index_copy_(0, plan.k_rows, rows).transpose(0, 1).unsqueeze(0)
         k4, v4 = padded(k4), padded(v4)
     need_grad = torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad)
     qs, scale = positive_scale(q4, scale)
