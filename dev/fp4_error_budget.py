@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import attn_qat  # noqa: E402
 import finetune_lm as lm  # noqa: E402
 from attn_qat import reference  # noqa: E402
+from attn_qat.transforms import qk_rotation  # noqa: E402
 
 NAME = "fp4_budget"
 # what the emulation quantizes: set by main() before each evaluation
@@ -63,15 +64,6 @@ def quantized_attention(module, query, key, value, attention_mask, scaling=None,
         w = reference.fake_quantize(wp, -1)[..., :n].float()
     out = torch.matmul(w, v) / l
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
-
-
-def hadamard(d, device):
-    """A d x d orthogonal matrix that spreads every channel over all d: Sylvester's Hadamard with random signs."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(0)) * 2 - 1
-    return (signs[:, None] * h / math.sqrt(d)).to(device)
 
 
 def query_dim(model):
@@ -131,7 +123,7 @@ def main():
     for label, parts in [("K, shifted by its channel means", "k"), ("Q K V P, K shifted", "qkvp")]:
         STATE.update(parts=frozenset(parts), k_shift=shift)
         results[label] = run()
-    STATE.update(rotation=hadamard(query_dim(model), args.device))
+    STATE.update(rotation=qk_rotation(query_dim(model), args.device))
     for label, parts, k_shift in [("Q K, rotated", "qk", None), ("Q K V P, Q K rotated", "qkvp", None),
                                   ("Q K V P, Q K rotated, K shifted", "qkvp", shift)]:
         STATE.update(parts=frozenset(parts), k_shift=k_shift)

@@ -108,11 +108,8 @@ def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warn
             raise NotImplementedError(f"attn_qat.prepare: {name} runs with diffusers context parallelism, which the "
                                       "attn_qat processor does not support yet")
         setattr(module, STATE_ATTR, AttentionState(config, selected=selected, warned=warned))
-        head_dim = module.inner_dim // module.heads
-        if selected and config.rotate_qk and head_dim & (head_dim - 1):
-            raise ValueError(f"attn_qat.prepare: rotate_qk needs a power-of-two head_dim; {name} has {head_dim}")
-        if selected and config.shift_k:
-            qk_transforms.k_shift_placeholder(module, module.heads, module.kv_inner_dim // module.heads)
+        if selected:
+            qk_transforms.prepare_module(module, config, name, module.heads, module.kv_inner_dim // module.heads)
         module.set_processor(WanAttnQATProcessor(processor))
         converted += selected
     if not found:

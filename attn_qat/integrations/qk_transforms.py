@@ -5,28 +5,23 @@ import dataclasses
 from typing import Optional
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..host_cache import version_of
+from ..host_cache import HostCache
 from ..transforms import transform_qk
 from .config import QATConfig, module_state
 
 # The buffer of an attention module that holds its calibrated K shift, (H_kv, D) float32.
 K_SHIFT_BUFFER = "attn_qat_k_shift"
 
-# Whether a K-shift buffer holds calibrated values (no NaN), per buffer and version: read on the host once per
-# calibration or state_dict load, not once a layer and step.
-_calibrated_shifts: "WeakTensorKeyDictionary" = WeakTensorKeyDictionary()
+# Whether a K-shift buffer holds calibrated values (no NaN): read on the host once per calibration or state_dict
+# load, not once a layer and step.
+_calibrated_shifts = HostCache()
 
 
 def _calibrated(shift: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return True  # not read while tracing; an uncalibrated (NaN) shift then makes the outputs NaN
-    cached = _calibrated_shifts.get(shift)
-    if cached is None or cached[0] != version_of(shift):
-        cached = (version_of(shift), not bool(shift.isnan().any()))
-        _calibrated_shifts[shift] = cached
-    return cached[1]
+    return _calibrated_shifts.get(shift, lambda: not bool(shift.isnan().any()))
 
 
 def transform_module_qk(module, query, key, config: QATConfig, heads_axis: int, where: str):
@@ -50,7 +45,18 @@ def transform_module_qk(module, query, key, config: QATConfig, heads_axis: int, 
     return transform_qk(query, key, config.rotate_qk, shift)
 
 
-def k_shift_placeholder(module: torch.nn.Module, heads: Optional[int], head_dim: Optional[int]) -> None:
+def prepare_module(module: torch.nn.Module, config: QATConfig, name: str, heads_kv: Optional[int],
+                   head_dim: Optional[int]) -> None:
+    """What `prepare` does for the transforms on a selected module with `heads_kv` KV heads of `head_dim` channels
+    (None where the integration cannot tell): refuse a rotation the head_dim does not allow, and give a module with
+    a K shift its placeholder buffer."""
+    if config.rotate_qk and head_dim and head_dim & (head_dim - 1):  # qk_rotation's rule, said before training
+        raise ValueError(f"attn_qat.prepare: rotate_qk needs a power-of-two head_dim; {name} has {head_dim}")
+    if config.shift_k:
+        _k_shift_placeholder(module, heads_kv, head_dim)
+
+
+def _k_shift_placeholder(module: torch.nn.Module, heads: Optional[int], head_dim: Optional[int]) -> None:
     """Gives a module prepared with shift_k its K-shift buffer before calibration, filled with NaN (not calibrated),
     so that a state_dict saved after `calibrate_k_shift` loads into a freshly prepared model."""
     if getattr(module, K_SHIFT_BUFFER, None) is not None or not heads or not head_dim:
@@ -84,7 +90,8 @@ def calibrate_k_shift(model, batches, run=None):
     Returns the model.
 
     Call it after `attn_qat.prepare(model, QATConfig(shift_k=True, ...))` (and after any cast of the model's dtype),
-    with a few batches of the training data (about 16 sequences in all): `run(model, batch)` runs one (default `model(**batch)` for a dict, else `model(batch)`).
+    with a few batches of the training data (about 16 sequences in all): `run(model, batch)` runs one (default
+    `model(**batch)` for a dict, else `model(batch)`).
     Meanwhile the modules record the keys they are given (after RoPE and norms) and attend as the model's own
     attention does (transformers' "sdpa", PyTorch's SDPA in Wan). The shift stays fixed afterwards, in training and
     inference alike: any fixed shift keeps the scores exact; only FP4's rounding depends on it. Padding tokens in the

@@ -16,9 +16,8 @@ sequences then start where the position is the row's smallest, as `prepare_fa_kw
 from typing import List, Optional, Tuple
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..host_cache import version_of
+from ..host_cache import HostCache
 from . import qk_transforms
 from .config import (TRANSFORMERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version, run_sdpa,
                      unsupported_reason, warn_once)
@@ -137,8 +136,8 @@ def module_qk_transform(module, query, key, state: Optional[AttentionState] = No
 # Host copies of what a packed batch's sequence boundaries were read from (cu_seq_lens, position_ids), and whether a
 # mask is exactly the packing's: every layer of one forward gets the same tensors, so each is read (a device sync) and
 # checked once, not once a layer.
-_host_lengths: "WeakTensorKeyDictionary" = WeakTensorKeyDictionary()
-_mask_checks: "WeakTensorKeyDictionary" = WeakTensorKeyDictionary()
+_host_lengths = HostCache()
+_mask_checks = HostCache()
 
 
 def _host_cu_seqlens(t) -> Optional[List[int]]:
@@ -146,11 +145,7 @@ def _host_cu_seqlens(t) -> Optional[List[int]]:
         return [int(x) for x in t]
     if t.dim() != 1 or t.is_floating_point():
         return None
-    cached = _host_lengths.get(t)
-    if cached is None or cached[0] != version_of(t):
-        cached = (version_of(t), t.tolist())
-        _host_lengths[t] = cached
-    return cached[1]
+    return _host_lengths.get(t, t.tolist)
 
 
 def _cu_from_position_ids(position_ids: torch.Tensor, length: int) -> Optional[List[int]]:
@@ -159,14 +154,13 @@ def _cu_from_position_ids(position_ids: torch.Tensor, length: int) -> Optional[L
     row of one sequence, or positions of another shape."""
     if position_ids.numel() != length or position_ids.is_floating_point():
         return None
-    cached = _host_lengths.get(position_ids)
-    if cached is None or cached[0] != version_of(position_ids):
+    def starts():
         positions = position_ids.reshape(-1).tolist()
         first = min(positions)
-        starts = [i for i, p in enumerate(positions) if p == first]
-        cached = (version_of(position_ids), starts + [length] if len(starts) > 1 and starts[0] == 0 else None)
-        _host_lengths[position_ids] = cached
-    return cached[1]
+        found = [i for i, p in enumerate(positions) if p == first]
+        return found + [length] if len(found) > 1 and found[0] == 0 else None
+
+    return _host_lengths.get(position_ids, starts)
 
 
 def _mask_is_packing(mask: torch.Tensor, cu_q: List[int], cu_k: List[int], causal: bool) -> bool:
@@ -175,10 +169,11 @@ def _mask_is_packing(mask: torch.Tensor, cu_q: List[int], cu_k: List[int], causa
     style implementation from position_ids that restart. Checked once per mask tensor, in chunks of rows."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2:] != (cu_q[-1], cu_k[-1]):
         return False
-    key = (tuple(cu_q), tuple(cu_k), causal)
-    cached = _mask_checks.get(mask)
-    if cached is not None and cached[0] == (version_of(mask), key):
-        return cached[1]
+    return _mask_checks.get(mask, lambda: _mask_matches(mask, cu_q, cu_k, causal), key=(tuple(cu_q), tuple(cu_k),
+                                                                                          causal))
+
+
+def _mask_matches(mask: torch.Tensor, cu_q: List[int], cu_k: List[int], causal: bool) -> bool:
     device = mask.device
     lens_q = torch.tensor([b - a for a, b in zip(cu_q, cu_q[1:])], device=device)
     lens_k = torch.tensor([b - a for a, b in zip(cu_k, cu_k[1:])], device=device)
@@ -187,17 +182,14 @@ def _mask_is_packing(mask: torch.Tensor, cu_q: List[int], cu_k: List[int], causa
     row_q = torch.arange(cu_q[-1], device=device) - torch.tensor(cu_q[:-1], device=device)[seq_q]
     row_k = torch.arange(cu_k[-1], device=device) - torch.tensor(cu_k[:-1], device=device)[seq_k]
     limit = row_q + (lens_k - lens_q)[seq_q]  # bottom-right: key r of the sequence visible iff r <= limit
-    ok = True
     for i0 in range(0, cu_q[-1], 2048):
         i1 = min(i0 + 2048, cu_q[-1])
         expected = seq_q[i0:i1, None] == seq_k[None, :]
         if causal:
             expected &= row_k[None, :] <= limit[i0:i1, None]
-        ok = bool((mask[..., i0:i1, :] == expected).all())
-        if not ok:
-            break
-    _mask_checks[mask] = ((version_of(mask), key), ok)
-    return ok
+        if not bool((mask[..., i0:i1, :] == expected).all()):
+            return False
+    return True
 
 
 def _packed_sequences(query, key, value, attention_mask, dropout, causal, kwargs) -> Optional[Tuple[List[int],
@@ -332,15 +324,12 @@ def prepare_transformers(model, config: QATConfig, filter_fn, warned) -> None:
         selected = (config.cross_attention if cross else config.self_attention) and (
             filter_fn is None or filter_fn(module, name))
         setattr(module, STATE_ATTR, AttentionState(config, selected=selected, warned=warned))
-        if selected and config.transforms_qk:
+        if selected:
             shape = module.config
-            head_dim = getattr(module, "head_dim", None) or getattr(shape, "head_dim", None)
-            if config.rotate_qk and head_dim and head_dim & (head_dim - 1):
-                raise ValueError(f"attn_qat.prepare: rotate_qk needs a power-of-two head_dim; {name} has {head_dim}")
-            if config.shift_k:
-                qk_transforms.k_shift_placeholder(
-                    module, getattr(shape, "num_key_value_heads", None) or getattr(shape, "num_attention_heads", None),
-                    head_dim)
+            qk_transforms.prepare_module(
+                module, config, name,
+                getattr(shape, "num_key_value_heads", None) or getattr(shape, "num_attention_heads", None),
+                getattr(module, "head_dim", None) or getattr(shape, "head_dim", None))
         converted += selected
     if converted == 0:
         raise ValueError(f"attn_qat.prepare: no attention module of {type(model).__name__} was selected (looked for "
