@@ -125,7 +125,10 @@ def build_parser():
 
 def parse_args(argv=None):
     parser = build_parser()
-    return finish_args(parser, parser.parse_args(argv))
+    args = finish_args(parser, parser.parse_args(argv))
+    if args.site_packages_mb < 0:
+        parser.error(f"--site-packages-mb must be 0 or more, got {args.site_packages_mb}")
+    return args
 
 
 # --------------------------------------------------------------------------------------------- model

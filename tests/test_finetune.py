@@ -183,6 +183,13 @@ def test_corpus_split_is_by_name():
     assert len(lm.HELDOUT_FILES) == len(set(lm.HELDOUT_FILES))
 
 
+def test_site_packages_mb_must_not_be_negative():
+    lm = load_example("finetune_lm")
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--device", "cpu", "--site-packages-mb", "-1"])
+    assert lm.parse_args(["--device", "cpu", "--site-packages-mb", "2"]).site_packages_mb == 2.0
+
+
 def test_site_package_files_leave_out_held_out_copies(tmp_path):
     """The extra training text never holds a held-out file's text (a vendored copy), tests or attn_qat, and its
     order is fixed."""

@@ -165,6 +165,9 @@ def test_calibration_under_inference_mode_and_in_place():
 
 
 def test_configs_that_cannot_work_are_refused():
+    for name in ("rotate_qk", "shift_k"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            QATConfig(**{name: "false"})
     with pytest.raises(ValueError, match="shift_k needs attn_qat.prepare"):
         attn_qat.register_transformers(QATConfig(shift_k=True))
     with pytest.raises(ValueError, match="power-of-two head_dim"):

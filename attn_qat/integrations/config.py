@@ -82,6 +82,9 @@ class QATConfig:
         if not (self.self_attention or self.cross_attention):
             raise ValueError("attn_qat.QATConfig: self_attention and cross_attention are both False, so nothing "
                              "would be converted")
+        for name in ("rotate_qk", "shift_k"):  # a truthy string such as "false" must not switch a numerics on
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"attn_qat.QATConfig: {name} must be True or False; got {getattr(self, name)!r}")
 
     @property
     def transforms_qk(self) -> bool:
