@@ -581,14 +581,29 @@ AQ_D float merge_output(float acc, float lsum, float frame, bool bad_page) {
     return frame == -INFINITY || bad_page ? NAN : acc * AQ_P_HEADROOM_INV * (1.0f / lsum);
 }
 
+/* n / d for 0 <= n < 2^31 and a run-time d >= 1 by a multiplier the host picks (make): a multiply-high and two
+   shifts, where a division by a run-time value first builds a reciprocal (a dozen instructions in a row, in every
+   CTA's start before its first copies). With s = ceil(log2 d) and m = ceil(2^(31+s) / d) < 2^32, m d = 2^(31+s) + e
+   with 0 <= e < d <= 2^s, so m n / 2^(31+s) = n / d + e n / (d 2^(31+s)) with e n < 2^(31+s): below the next
+   multiple of 1/d, so the floors agree. */
+struct DecodeDivisor {
+    uint32_t d, magic, shift;
+    static DecodeDivisor make(uint32_t d) {
+        uint32_t s = 0;
+        while (s < 31 && (1u << s) < d) s++;
+        return {d, (uint32_t)((((uint64_t)1 << (31 + s)) + d - 1) / d), s};
+    }
+    AQ_D uint32_t div(uint32_t n) const { return __umulhi(n << 1, magic) >> shift; }
+};
+
 /* Pool unit of the sequence's unit u from its block-table entry `page`: (page * Hkv + hk) * page_units + the unit's
-   place in its page. A page outside the pool is never read: the CTA reads pool unit 0 instead and sets bad_page, so
-   its results turn NaN (a corrupt block table must not give plausible output). */
-AQ_D uint32_t unit_slot_of(const aq_decode_params &p, int32_t page, uint32_t u, int hk, uint32_t page_units,
+   place in its page, u % page_units = `in_page`. A page outside the pool is never read: the CTA reads pool unit 0
+   instead and sets bad_page, so its results turn NaN (a corrupt block table must not give plausible output). */
+AQ_D uint32_t unit_slot_of(const aq_decode_params &p, int32_t page, uint32_t in_page, int hk, uint32_t page_units,
                             bool &bad_page) {
     const bool ok = page >= 0 && page < p.num_pages;
     bad_page |= !ok;
-    return ok ? ((uint32_t)page * (uint32_t)p.heads_kv + hk) * page_units + u % page_units : 0u;
+    return ok ? ((uint32_t)page * (uint32_t)p.heads_kv + hk) * page_units + in_page : 0u;
 }
 
 /* This warp's units u_begin + warp + DEC_WARPS * i, i < count, through its ring: unit i sits in stage i % DEC_STAGES
@@ -644,12 +659,16 @@ AQ_D void decode_mainloop(float (&o)[D / 16][NB][4], float (&m)[NB][2], float (&
 
         float s[SU][NB][4]; /* S^T: key g + 8 (e >> 1) of unit su, query row 8 nb + 2t + (e & 1) */
         bool present[SU], masked[SU];
+        /* no branch on `present`, so ptxas interleaves the units' MMA chains; an absent unit's stale stage gives
+           scores that the mask below replaces by -inf */
+#pragma unroll
+        for (int su = 0; su < SU; su++)
+            unit_scores<D, NB>(s[su], q_frag, ring + ((i0 + su) % DEC_STAGES) * U::BYTES, g, t);
 #pragma unroll
         for (int su = 0; su < SU; su++) {
             const int i = i0 + su, u = u_begin + warp + DEC_WARPS * i, key0 = u * DEC_UNIT;
             present[su] = i < count; /* the last step of an odd count has one unit */
             masked[su] = !present[su] || key0 + DEC_UNIT > L || (p.causal && key0 + DEC_UNIT - 1 > L - tq_count);
-            if (present[su]) unit_scores<D, NB>(s[su], q_frag, ring + (i % DEC_STAGES) * U::BYTES, g, t);
             if (masked[su])
 #pragma unroll
                 for (int nb = 0; nb < NB; nb++)
@@ -919,7 +938,8 @@ AQ_D void merge_chunks(const aq_decode_params &p, const DecodeTile &tile, RowMer
    or past the sequence's length write nothing. */
 template <int D, aq_dtype DT, int NB, int FLAGS>
 __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3)
-    kv_decode_kernel(const aq_decode_params p, int m_tiles, int group, unsigned *counters) {
+    kv_decode_kernel(const aq_decode_params p, DecodeDivisor m_tiles, DecodeDivisor page_units, int group,
+                     unsigned *counters) {
     using U = UnitLayout<D>;
     constexpr bool LAST_CTA = (FLAGS & DEC_LAST_CTA_MERGE) != 0, EARLY = (FLAGS & DEC_EARLY_START) != 0;
     constexpr int RING = DEC_STAGES * U::BYTES, MERGE = DEC_WARPS * 16 * (D + 2) * (int)sizeof(float);
@@ -934,35 +954,43 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3)
     tile.b = (int)blockIdx.z;
     const int64_t length = p.lengths[tile.b]; /* first: everything below waits for it */
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-    tile.split = (int)(blockIdx.x / (unsigned)m_tiles), tile.mt = (int)(blockIdx.x % (unsigned)m_tiles);
+    tile.split = (int)m_tiles.div(blockIdx.x), tile.mt = (int)(blockIdx.x - (uint32_t)tile.split * m_tiles.d);
     tile.hk = (int)blockIdx.y;
     const int chunk = (int)p.chunk;
     tile.c0 = tile.split * chunk;
-    const int u_begin = tile.c0 / DEC_UNIT;
-    const uint32_t page_units = (uint32_t)(p.page_size / DEC_UNIT); /* unsigned: the divisions by it are shorter */
+    const int u_begin = (int)((uint32_t)tile.c0 / DEC_UNIT);
     const int32_t *table = p.block_table + (int64_t)tile.b * p.pages_per_seq;
     QFragmentBuild<D, DT, NB> qbuild;
 
     /* The CTA's start, three latencies side by side rather than in a row: each warp's first units (their slots read
        from the block table directly), the raw Q blocks, and the block table for the rest of the chunk (into shared
        memory, so the copies of a later step wait for no global load). EARLY also issues the table and Q loads
-       before the length arrives (entries past the length are loaded but not used). */
+       before the length arrives (entries past the length are loaded but not used). A unit's page and its place in
+       the page come from one division (page_units). */
     auto set_rows = [&] {
         tile.tq_count = (int)p.seqlen_q, tile.rows = group * tile.tq_count;
         tile.row_base = ((int64_t)tile.b * p.heads_q + (int64_t)tile.hk * group) * tile.tq_count;
     };
     int32_t first_page[FIRST], chunk_page[TABLE_ITEMS];
+    uint32_t first_in_page[FIRST], chunk_in_page[TABLE_ITEMS];
     if constexpr (EARLY) {
-        set_rows();
         /* units clamped to the table's extent, so the loads need no branch (a clamped entry is never used) */
-        const uint32_t last_unit = (uint32_t)p.pages_per_seq * page_units - 1;
+        const uint32_t last_unit = (uint32_t)p.pages_per_seq * page_units.d - 1;
 #pragma unroll
-        for (int i = 0; i < FIRST; i++)
-            first_page[i] = table[min((uint32_t)(u_begin + warp + DEC_WARPS * i), last_unit) / page_units];
+        for (int i = 0; i < FIRST; i++) {
+            const uint32_t u = min((uint32_t)(u_begin + warp + DEC_WARPS * i), last_unit), pg = page_units.div(u);
+            first_page[i] = table[pg];
+            first_in_page[i] = u - pg * page_units.d;
+        }
+        set_rows();
         qbuild.load((int)threadIdx.x, p.q, 16 * tile.mt, tile.rows, tile.row_base);
 #pragma unroll
-        for (int k = 0; k < TABLE_ITEMS; k++)
-            chunk_page[k] = table[min((uint32_t)(u_begin + threadIdx.x + DEC_THREADS * k), last_unit) / page_units];
+        for (int k = 0; k < TABLE_ITEMS; k++) {
+            const uint32_t u = min((uint32_t)(u_begin + threadIdx.x + DEC_THREADS * k), last_unit);
+            const uint32_t pg = page_units.div(u);
+            chunk_page[k] = table[pg];
+            chunk_in_page[k] = u - pg * page_units.d;
+        }
     }
     tile.L = (int)min(max(length, (int64_t)0), p.max_length);
     if (tile.c0 >= tile.L) { /* CTA-uniform, before any barrier */
@@ -976,19 +1004,26 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3)
     /* decode_combine_kernel may be scheduled once every CTA has started; it waits for this grid to complete */
     if constexpr (!LAST_CTA) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
-    tile.splits = (tile.L + chunk - 1) / chunk;
     const int u_end = (min(tile.c0 + chunk, tile.L) + DEC_UNIT - 1) / DEC_UNIT, n_units = u_end - u_begin;
     const int count = n_units > warp ? (n_units - warp + DEC_WARPS - 1) / DEC_WARPS : 0; /* the warp's units */
     unsigned char *ring = smem + warp * RING;
+    const page_pools pools = {p.k_codes, p.k_scales, p.v_codes, p.v_scales};
 
     bool bad_page = false;
 #pragma unroll
     for (int i = 0; i < FIRST; i++) {
-        const int u = u_begin + warp + DEC_WARPS * i;
+        const uint32_t u = u_begin + warp + DEC_WARPS * i;
         if (i < count) {
-            const int32_t page = EARLY ? first_page[i] : table[(uint32_t)u / page_units];
-            load_unit<D>(ring + i * U::BYTES, {p.k_codes, p.k_scales, p.v_codes, p.v_scales},
-                         unit_slot_of(p, page, u, tile.hk, page_units, bad_page), lane);
+            int32_t page;
+            uint32_t in_page;
+            if constexpr (EARLY) {
+                page = first_page[i], in_page = first_in_page[i];
+            } else {
+                const uint32_t pg = page_units.div(u);
+                page = table[pg], in_page = u - pg * page_units.d;
+            }
+            load_unit<D>(ring + i * U::BYTES, pools, unit_slot_of(p, page, in_page, tile.hk, page_units.d, bad_page),
+                         lane);
         }
         cp_async_commit();
     }
@@ -996,14 +1031,15 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3)
 #pragma unroll
         for (int k = 0; k < TABLE_ITEMS; k++) {
             const int i = (int)threadIdx.x + DEC_THREADS * k;
-            if (i < n_units) unit_slot[i] = unit_slot_of(p, chunk_page[k], u_begin + i, tile.hk, page_units, bad_page);
+            if (i < n_units)
+                unit_slot[i] = unit_slot_of(p, chunk_page[k], chunk_in_page[k], tile.hk, page_units.d, bad_page);
         }
     } else {
         set_rows();
         qbuild.load((int)threadIdx.x, p.q, 16 * tile.mt, tile.rows, tile.row_base);
         for (int i = (int)threadIdx.x; i < n_units; i += DEC_THREADS) {
-            const uint32_t u = u_begin + i;
-            unit_slot[i] = unit_slot_of(p, table[u / page_units], u, tile.hk, page_units, bad_page);
+            const uint32_t u = u_begin + i, pg = page_units.div(u);
+            unit_slot[i] = unit_slot_of(p, table[pg], u - pg * page_units.d, tile.hk, page_units.d, bad_page);
         }
     }
     qbuild.store(q_frag, (int)threadIdx.x);
@@ -1013,6 +1049,7 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3)
     float o[D / 16][NB][4], m[NB][2], l[NB][2];
     decode_mainloop<D, NB>(o, m, l, p, tile, ring, unit_slot, q_frag, u_begin, count);
 
+    tile.splits = (tile.L + chunk - 1) / chunk; /* here, not in the start: only the merge reads it */
     const WarpMerge<D> merged(smem);
     merged.store<NB>(o, m, l);
     const bool one_chunk = LAST_CTA && tile.splits == 1;
@@ -1035,7 +1072,7 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3)
         if (one_chunk) return;
         __shared__ RowMerge row_merge;
         __shared__ int last;
-        unsigned *counter = counters + ((int64_t)tile.b * p.heads_kv + tile.hk) * m_tiles + tile.mt;
+        unsigned *counter = counters + ((int64_t)tile.b * p.heads_kv + tile.hk) * m_tiles.d + tile.mt;
         if (!last_to_arrive(counter, tile.splits, last)) return;
         /* a thread's (row, channel quad) items: up to NB D / 64 (8 NB rows of D / 4 quads over the CTA's threads) */
         constexpr int MAX_ITEMS = NB * D / 64;
@@ -1208,11 +1245,13 @@ template <int D, aq_dtype DT, int NB>
 static void launch_kv_decode(const aq_decode_params *p, dim3 grid, int m_tiles, unsigned *counters,
                              cudaStream_t stream) {
     const int group = (int)(p->heads_q / p->heads_kv); /* here, not a 64-bit division in every CTA's start */
+    const DecodeDivisor tiles = DecodeDivisor::make((uint32_t)m_tiles);
+    const DecodeDivisor units = DecodeDivisor::make((uint32_t)(p->page_size / DEC_UNIT));
     switch (p->variant) {
-    case 0: kv_decode_kernel<D, DT, NB, 0><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles, group, counters); break;
-    case 1: kv_decode_kernel<D, DT, NB, 1><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles, group, counters); break;
-    case 2: kv_decode_kernel<D, DT, NB, 2><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles, group, counters); break;
-    default: kv_decode_kernel<D, DT, NB, 3><<<grid, DEC_THREADS, 0, stream>>>(*p, m_tiles, group, counters); break;
+    case 0: kv_decode_kernel<D, DT, NB, 0><<<grid, DEC_THREADS, 0, stream>>>(*p, tiles, units, group, counters); break;
+    case 1: kv_decode_kernel<D, DT, NB, 1><<<grid, DEC_THREADS, 0, stream>>>(*p, tiles, units, group, counters); break;
+    case 2: kv_decode_kernel<D, DT, NB, 2><<<grid, DEC_THREADS, 0, stream>>>(*p, tiles, units, group, counters); break;
+    default: kv_decode_kernel<D, DT, NB, 3><<<grid, DEC_THREADS, 0, stream>>>(*p, tiles, units, group, counters); break;
     }
 }
 
