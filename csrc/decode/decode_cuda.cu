@@ -526,10 +526,10 @@ enum { DEC_LAST_CTA_MERGE = 1, DEC_EARLY_START = 2, DEC_VARIANTS = AQ_DECODE_VAR
 static_assert(DEC_MIN_CHUNK == AQ_DECODE_CHUNK_STEP, "the options' chunk step is a step's keys");
 
 #define DEC_COMBINE_THREADS 256 /* decode_combine_kernel's CTA: DEC_COMBINE_THREADS / D chains a channel (merge_term) */
-#ifndef DEC_MERGE_BATCH /* chunk results a thread of merge_chunks loads at once (16 spills at D = 128) */
-#define DEC_MERGE_BATCH 12
+#ifndef DEC_MERGE_BATCH /* chunk results a thread of merge_chunks loads at once, a power of two (32 spills at D = 128) */
+#define DEC_MERGE_BATCH 16
 #endif
-#ifndef DEC_MERGE_BATCH_ITEMS /* the same, over a thread's items when it has several (12 spills at D = 128) */
+#ifndef DEC_MERGE_BATCH_ITEMS /* the same, over a thread's items when it has several (16 spills at D = 128) */
 #define DEC_MERGE_BATCH_ITEMS 8
 #endif
 
@@ -795,48 +795,50 @@ AQ_D bool last_to_arrive(unsigned *counter, int n, int &flag) {
     return flag != 0;
 }
 
-/* The shared-memory results of merge_chunks' first pass: each tile row's frame, bad-page mark and row sum. */
+/* The shared-memory results of merge_chunks' first pass: each tile row's frame and bad-page mark. */
 struct RowMerge {
-    float frame[16], lsum[16];
+    float frame[16];
     int bad_page[16];
 };
 
 /* O of the tile's rows from the sequence's n chunk results in the workspace, by the CTA that finished last, with
    decode_combine_kernel's arithmetic (merge_term ...). First a warp a row (the warp's rows' loads issued together)
-   finds the row's frame and bad-page mark and sums the row sum's chains: its lanes hold 32 chunks at a time and
-   shuffles hand them to every lane in order. Then each thread sums the chains of its ITEMS (row, channel quad)
-   items, DEC_MERGE_BATCH chunks' loads in flight at once across them; the first round is issued before the first
-   pass, as those loads need no frame. The workspace is read through L2 (ld.cg): other CTAs wrote it during this
-   launch. A row that sees no key is 0. */
-template <int D, aq_dtype DT, int NB, int ITEMS>
-AQ_D void merge_chunks(const aq_decode_params &p, const DecodeTile &tile, RowMerge &rm) {
+   finds the row's frame and bad-page mark. Then, a window of the chunks at a time, each lane of that warp puts its
+   chunks' factors f = 2^(frame_s - frame) with their row sums into `factors` (shared memory that the rings and the
+   warps' merge are done with, 16 rows x WINDOW chunks), and each thread sums the chains of its ITEMS (row, channel
+   quad) items and of their rows' sums from there: B chunks' loads in flight a round and item, the first round issued
+   before the first pass, as those loads need no frame. (Before, every thread loaded and converted each chunk's frame
+   itself, and a warp summed a row's sum chains by shuffles, one chunk after another, ahead of the items' sums.) The
+   workspace is read through L2 (ld.cg): other CTAs wrote it during this launch. A row that sees no key is 0. */
+template <int D, aq_dtype DT, int NB, int ITEMS, int CAPACITY>
+AQ_D void merge_chunks(const aq_decode_params &p, const DecodeTile &tile, RowMerge &rm, float2 *factors) {
     constexpr int G = merge_chains<D>(), QUADS = D / 4, ROWS_A_WARP = 8 * NB / DEC_WARPS;
     constexpr int TOTAL = ITEMS == 1 ? DEC_MERGE_BATCH : DEC_MERGE_BATCH_ITEMS; /* loads in flight */
     constexpr int B = TOTAL / ITEMS / G * G > G ? TOTAL / ITEMS / G * G : G; /* a round: B chunks of each item */
-    static_assert(32 % G == 0, "chunk s0 + k of a round (or of a warp's 32) is on chain k % G");
+    static_assert(32 % G == 0 && B % G == 0, "chunk s0 + k of a round is on chain k % G");
+    static_assert(32 % B == 0 || B % 32 == 0, "powers of two: a window holds whole rounds and whole warp passes");
+    constexpr int WINDOW = CAPACITY / (B > 32 ? B : 32) * (B > 32 ? B : 32); /* chunks of the factor table */
+    static_assert(WINDOW > 0, "the factor table holds a window");
     const Workspace<D> ws(p);
     const int n = tile.splits, rows = tile.tile_rows(), warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
 
-    float4 part[ITEMS][B]; /* a round: chunks s0 .. s0 + B - 1 of each item, their O quads and frames */
-    float part_frame[ITEMS][B];
+    float4 part[ITEMS][B]; /* a round: chunks s0 .. s0 + B - 1 of each item, their O quads */
     auto load_round = [&](int s0) {
 #pragma unroll
         for (int j = 0; j < ITEMS; j++) {
             const int item = (int)threadIdx.x + DEC_THREADS * j;
             if (item >= rows * QUADS) break;
-            const int64_t row = tile.q_row(16 * tile.mt + item / QUADS);
-            const float *po = ws.o_of(row, 0) + 4 * (item % QUADS), *ml = ws.ml_of(row, 0);
+            const float *po = ws.o_of(tile.q_row(16 * tile.mt + item / QUADS), 0) + 4 * (item % QUADS);
 #pragma unroll
             for (int k = 0; k < B; k++)
-                if (s0 + k < n) {
-                    part[j][k] = __ldcg((const float4 *)(po + (int64_t)(s0 + k) * D));
-                    part_frame[j][k] = __ldcg(ml + 2 * (s0 + k));
-                }
+                if (s0 + k < n) part[j][k] = __ldcg((const float4 *)(po + (int64_t)(s0 + k) * D));
         }
     };
     load_round(0);
 
     float2 first[ROWS_A_WARP]; /* (frame, row sum) of chunk `lane` of the warp's rows */
+    float frame[ROWS_A_WARP];
+    bool skip[ROWS_A_WARP]; /* the row's result is 0 or NaN whatever its sums: no factors needed */
 #pragma unroll
     for (int i = 0; i < ROWS_A_WARP; i++) {
         const int r = warp + DEC_WARPS * i;
@@ -848,62 +850,59 @@ AQ_D void merge_chunks(const aq_decode_params &p, const DecodeTile &tile, RowMer
         const int r = warp + DEC_WARPS * i;
         if (r >= rows) break; /* warp-uniform */
         const float *ml = ws.ml_of(tile.q_row(16 * tile.mt + r), 0);
-        float frame = fmaxf(-INFINITY, first[i].x); /* the max passes over NaN frames, as in the combine kernel */
-        bool bad_page = isnan(first[i].x);          /* a chunk that met a page outside the pool marked its frame NaN */
+        float x = fmaxf(-INFINITY, first[i].x); /* the max passes over NaN frames, as in the combine kernel */
+        bool bad_page = isnan(first[i].x);      /* a chunk that met a page outside the pool marked its frame NaN */
         for (int s = lane + 32; s < n; s += 32) {
-            const float x = __ldcg(ml + 2 * s);
-            frame = fmaxf(frame, x);
-            bad_page |= isnan(x);
+            const float y = __ldcg(ml + 2 * s);
+            x = fmaxf(x, y);
+            bad_page |= isnan(y);
         }
 #pragma unroll
-        for (int o = 16; o > 0; o /= 2) frame = fmaxf(frame, __shfl_xor_sync(AQ_FULL_MASK, frame, o));
+        for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(AQ_FULL_MASK, x, o));
         bad_page = __any_sync(AQ_FULL_MASK, bad_page);
-        float lsum[G];
-#pragma unroll
-        for (int g = 0; g < G; g++) lsum[g] = 0.0f;
-        if (frame != -INFINITY && !bad_page) {
-            for (int s0 = 0; s0 < n; s0 += 32) {
-                const float2 v = s0 == 0          ? first[i]
-                                 : s0 + lane < n ? __ldcg((const float2 *)ml + s0 + lane)
-                                                 : make_float2(-INFINITY, 0.0f);
-                const float f = exp2_frame_step(v.x - frame);
-#pragma unroll 1
-                for (int k0 = 0; k0 < 32 && s0 + k0 < n; k0 += G)
-#pragma unroll
-                    for (int g = 0; g < G; g++) {
-                        const int k = k0 + g;
-                        const float sum_k = __shfl_sync(AQ_FULL_MASK, v.y, k), f_k = __shfl_sync(AQ_FULL_MASK, f, k);
-                        if (s0 + k < n) merge_term(lsum[g], sum_k, f_k);
-                    }
-            }
-        }
-        if (lane == 0) rm.frame[r] = frame, rm.bad_page[r] = bad_page, rm.lsum[r] = merge_chain_sum(lsum);
+        frame[i] = x, skip[i] = x == -INFINITY || bad_page;
+        if (lane == 0) rm.frame[r] = x, rm.bad_page[r] = bad_page;
     }
-    __syncthreads();
 
-    float acc[ITEMS][G][4];
+    float acc[ITEMS][G][4], lsum[ITEMS][G];
 #pragma unroll
     for (int j = 0; j < ITEMS; j++)
 #pragma unroll
-        for (int g = 0; g < G; g++) acc[j][g][0] = acc[j][g][1] = acc[j][g][2] = acc[j][g][3] = 0.0f;
-    for (int s0 = 0; s0 < n; s0 += B) {
-        if (s0 > 0) load_round(s0);
+        for (int g = 0; g < G; g++) acc[j][g][0] = acc[j][g][1] = acc[j][g][2] = acc[j][g][3] = lsum[j][g] = 0.0f;
+    for (int w0 = 0; w0 < n; w0 += WINDOW) {
+        const int w_end = min(n, w0 + WINDOW);
+        if (w0 > 0) __syncthreads(); /* every thread is done with the last window's factors */
 #pragma unroll
-        for (int j = 0; j < ITEMS; j++) {
-            const int item = (int)threadIdx.x + DEC_THREADS * j;
-            if (item >= rows * QUADS) break;
-            const int r = item / QUADS;
-            const float frame = rm.frame[r];
-            if (frame == -INFINITY || rm.bad_page[r]) continue; /* NaN (or 0 where the row sees no key) */
+        for (int i = 0; i < ROWS_A_WARP; i++) {
+            const int r = warp + DEC_WARPS * i;
+            if (r >= rows) break; /* warp-uniform */
+            if (skip[i]) continue;
+            const float *ml = ws.ml_of(tile.q_row(16 * tile.mt + r), 0);
+            for (int s = w0 + lane; s < w_end; s += 32) {
+                const float2 v = s < 32 ? first[i] : __ldcg((const float2 *)ml + s);
+                factors[r * WINDOW + s - w0] = make_float2(exp2_frame_step(v.x - frame[i]), v.y);
+            }
+        }
+        __syncthreads();
+        for (int s0 = w0; s0 < w_end; s0 += B) {
+            if (s0 > 0) load_round(s0);
 #pragma unroll
-            for (int k = 0; k < B; k++)
-                if (s0 + k < n) {
-                    const float f = exp2_frame_step(part_frame[j][k] - frame);
-                    merge_term(acc[j][k % G][0], part[j][k].x, f);
-                    merge_term(acc[j][k % G][1], part[j][k].y, f);
-                    merge_term(acc[j][k % G][2], part[j][k].z, f);
-                    merge_term(acc[j][k % G][3], part[j][k].w, f);
-                }
+            for (int j = 0; j < ITEMS; j++) {
+                const int item = (int)threadIdx.x + DEC_THREADS * j;
+                if (item >= rows * QUADS) break;
+                const int r = item / QUADS;
+                if (rm.frame[r] == -INFINITY || rm.bad_page[r]) continue; /* NaN (or 0 where the row sees no key) */
+#pragma unroll
+                for (int k = 0; k < B; k++)
+                    if (s0 + k < n) {
+                        const float2 f = factors[r * WINDOW + s0 + k - w0]; /* (factor, the chunk's row sum) */
+                        merge_term(acc[j][k % G][0], part[j][k].x, f.x);
+                        merge_term(acc[j][k % G][1], part[j][k].y, f.x);
+                        merge_term(acc[j][k % G][2], part[j][k].z, f.x);
+                        merge_term(acc[j][k % G][3], part[j][k].w, f.x);
+                        merge_term(lsum[j][k % G], f.y, f.x);
+                    }
+            }
         }
     }
 #pragma unroll
@@ -912,14 +911,14 @@ AQ_D void merge_chunks(const aq_decode_params &p, const DecodeTile &tile, RowMer
         if (item >= rows * QUADS) break;
         const int r = item / QUADS, ridx = 16 * tile.mt + r;
         const bool sees = tile.visible(ridx, p.causal) > 0, bad_page = rm.bad_page[r] != 0;
-        const float frame = rm.frame[r], lsum = rm.lsum[r];
+        const float frame_r = rm.frame[r], lsum_r = merge_chain_sum(lsum[j]);
         float out[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             float chain[G];
 #pragma unroll
             for (int g = 0; g < G; g++) chain[g] = acc[j][g][i];
-            out[i] = sees ? merge_output(merge_chain_sum(chain), lsum, frame, bad_page) : 0.0f;
+            out[i] = sees ? merge_output(merge_chain_sum(chain), lsum_r, frame_r, bad_page) : 0.0f;
         }
         *(uint2 *)((uint16_t *)p.out + tile.q_row(ridx) * D + 4 * (item % QUADS)) =
             make_uint2(pack2<DT>(out[0], out[1]), pack2<DT>(out[2], out[3]));
@@ -1077,12 +1076,15 @@ __global__ void __launch_bounds__(DEC_THREADS, NB == 1 ? 4 : 3)
         /* a thread's (row, channel quad) items: up to NB D / 64 (8 NB rows of D / 4 quads over the CTA's threads) */
         constexpr int MAX_ITEMS = NB * D / 64;
         const int items = (tile.tile_rows() * (D / 4) + DEC_THREADS - 1) / DEC_THREADS;
+        /* the merge's factor table in the rings' shared memory, CAPACITY chunks of the tile's rows */
+        constexpr int CAPACITY = (int)(sizeof(smem) / (16 * sizeof(float2)));
+        float2 *factors = (float2 *)smem;
         if (MAX_ITEMS == 1 || items == 1)
-            merge_chunks<D, DT, NB, 1>(p, tile, row_merge);
+            merge_chunks<D, DT, NB, 1, CAPACITY>(p, tile, row_merge, factors);
         else if (MAX_ITEMS == 2 || items == 2)
-            merge_chunks<D, DT, NB, MAX_ITEMS < 2 ? 1 : 2>(p, tile, row_merge);
+            merge_chunks<D, DT, NB, MAX_ITEMS < 2 ? 1 : 2, CAPACITY>(p, tile, row_merge, factors);
         else
-            merge_chunks<D, DT, NB, MAX_ITEMS < 4 ? 1 : 4>(p, tile, row_merge);
+            merge_chunks<D, DT, NB, MAX_ITEMS < 4 ? 1 : 4, CAPACITY>(p, tile, row_merge, factors);
     }
 }
 
