@@ -554,7 +554,7 @@ def test_kernel_block_table_outside_the_pool_gives_nan():
 
 # The chunks' merge: by default the last CTA of a sequence's chunks merges them (csrc/decode/decode_cuda.cu,
 # merge_chunks), with counters that must be 0 at every call; decode_variant=0 keeps the separate combine
-# kernel, whose output the other variants must give bit for bit.
+# kernel, whose output the other variants, and "auto" (the default, variant 3), must give bit for bit.
 DECODE_VARIANTS = (0, 1, 2, 3)
 
 
@@ -564,11 +564,11 @@ def bits(t):
 
 
 def kernel_variants(f, q, causal=True, block_table=None, chunk=None):
-    """{variant: output} of the kernel under each decode_variant kernel option, twice each: the second call finds the
-    counters the first left."""
+    """{variant: output} of the kernel under each decode_variant kernel option and under "auto" (the default), twice
+    each: the second call finds the counters the first left."""
     outs = {}
     with attn_qat.ops.kernel_options(decode_chunk=chunk if chunk is not None else "auto"):
-        for variant in DECODE_VARIANTS:
+        for variant in DECODE_VARIANTS + ("auto",):
             with attn_qat.ops.kernel_options(decode_variant=variant):
                 first = kernel(f, q, causal, block_table)
                 again = kernel(f, q, causal, block_table)
@@ -619,7 +619,113 @@ def test_kernel_variants_agree_on_a_block_table_outside_the_pool():
     for variant in DECODE_VARIANTS:
         assert bad[variant][1].isnan().all() and torch.equal(bad[variant][0], good[0][0])
         assert torch.equal(bits(bad[variant]), bits(bad[0]))
-    assert torch.equal(bits(kernel_variants(f, q, chunk=64)[3]), bits(good[0]))
+    for variant, out in kernel_variants(f, q, chunk=64).items():  # the default ("auto", 3) among them
+        assert torch.equal(bits(out), bits(good[0])), f"variant {variant} after the bad page"
+
+
+# merge_chunks stages the chunks' factors in shared memory a window at a time: 160 chunks at D = 64, 320 at D = 128
+# (its WINDOW: the rings' shared memory over 16 rows, whatever the tile's rows or a thread's items). Chunks of 64
+# keys, the smallest, reach the windows' edges at modest lengths.
+WINDOW = {64: 160, 128: 320}
+CHUNK = 64
+
+
+def chunks(length):
+    return -(-length // CHUNK)
+
+
+def check_variants(f, q, causal=True, ref=None):
+    """kernel_variants with chunks of 64: every variant and the default give variant 0's bits, which meet the float64
+    reference (`ref`, or f.reference(q, causal))."""
+    outs = kernel_variants(f, q, causal, chunk=CHUNK)
+    for variant, out in outs.items():
+        assert torch.equal(bits(out), bits(outs[0])), f"variant {variant} differs from the combine kernel"
+    error, flipped = forward_error(outs[0], f.reference(q, causal) if ref is None else ref)
+    assert error <= FWD_TOL, f"causal={causal}: error {error} ({flipped} rows set aside)"
+    return outs
+
+
+# (head_dim, full chunks, keys after them) of the long sequence: exactly one window, one window and one key (a second
+# window of one chunk of one key), exactly two windows
+WINDOW_EDGES = {"d64_160": (64, 160, 0), "d64_161": (64, 160, 1), "d64_320": (64, 320, 0),
+                "d128_320": (128, 320, 0), "d128_321": (128, 320, 1)}
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", WINDOW_EDGES)
+def test_kernel_merge_window_edges(case):
+    # Beside the long sequence, one of a chunk fewer whose last chunk ends mid-unit (59 keys); 4 query heads over
+    # one KV head and one token: a tile of 4 rows, whose causal and full attention are the same.
+    head_dim, full, extra = WINDOW_EDGES[case]
+    n = full + (extra > 0)
+    lengths = [full * CHUNK + extra, (n - 1) * CHUNK - 5]
+    f = fill(2, 1, head_dim, [(lengths[0], lengths)], device="cuda")
+    assert [chunks(length) for length in f.cache.lengths.tolist()] == [n, n - 1]
+    q = f.query(4, 1)
+    ref = f.reference(q)
+    for causal in (True, False):
+        check_variants(f, q, causal, ref)
+
+
+@requires_cuda
+@pytest.mark.parametrize("heads_q, tq", [(16, 1), (8, 2), (16, 2), (4, 1), (3, 1)],
+                         ids=["16_rows", "16_rows_2_tokens", "two_tiles_of_16", "4_rows", "3_rows"])
+def test_kernel_merge_windows_d128_rows_a_tile(heads_q, tq):
+    # D = 128, one KV head, 322 chunks (two windows) beside 11: tiles of 16 rows (4 items a thread, two n-blocks),
+    # two such tiles merged by their own last CTAs, tiles of 4 or 3 rows (one item, one n-block). Causal only, as
+    # the reference of 16 or 32 rows over 20k keys is most of the test's time (the merge's sums are the same without).
+    f = fill(2, 1, 128, [(20600, [20600, 700])], device="cuda")
+    assert [chunks(length) for length in f.cache.lengths.tolist()] == [322, 11]
+    check_variants(f, f.query(heads_q, tq))
+
+
+# Causal, 3 query tokens: query t sees keys up to L - 3 + t, so rows t = 0, 1 see no key of a last chunk of one key
+# (their frame there is -inf) and row 0 none of a last chunk of two. Lengths (at D = 64; D = 128's window is twice
+# as long): 161 chunks (the last, one key, alone in the second window), 160 (the last, one key, ending the first
+# window), 161 (the last of two keys), and 2 keys (one chunk; query 0 sees no key at all: 0). One KV head; 4 or 2
+# query heads at D = 64 (12 or 6 rows), 2 or 5 at D = 128 (6 or 15 rows).
+CAUSAL_EDGES = {"d64_12_rows": (64, 4), "d64_6_rows": (64, 2), "d128_6_rows": (128, 2), "d128_15_rows": (128, 5)}
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", CAUSAL_EDGES)
+def test_kernel_merge_windows_causal_rows_without_keys_in_a_chunk(case):
+    head_dim, heads_q = CAUSAL_EDGES[case]
+    w, tq = WINDOW[head_dim], 3
+    lengths = [w * CHUNK + 1, (w - 1) * CHUNK + 1, w * CHUNK + 2, 2]
+    assert [chunks(length) for length in lengths] == [w + 1, w, w + 1, 1]
+    blind = [[t for t in range(tq) if length - tq + t < (chunks(length) - 1) * CHUNK] for length in lengths]
+    assert blind == [[0, 1], [0, 1], [0], [0]]  # rows of each sequence that see no key of its last chunk
+    f = fill(4, 1, head_dim, [(max(lengths), lengths)], device="cuda")
+    q = f.query(heads_q, tq)
+    out = check_variants(f, q)[0]
+    assert not out[3, :, 0].any() and out[3, :, 1:].isfinite().all() and out[:3].isfinite().all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("where", ["first_window", "second_window", "last_chunk"])
+def test_kernel_merge_windows_block_table_outside_the_pool(head_dim, where):
+    # 64-token pages, so block-table entry c is chunk c's page. Sequence 1 (two windows) meets a page outside the
+    # pool in chunk 3 (its NaN mark must hold for the items summed in the second window), in the second window, or
+    # in its last, partial chunk: all its rows NaN in every variant; sequence 0 as without the bad page; the calls
+    # after it find the counters at 0 again and give the good output.
+    w = WINDOW[head_dim]
+    lengths = [(w + 20) * CHUNK - 7, (w + 40) * CHUNK - 7]
+    f = fill(2, 1, head_dim, [(lengths[1], lengths)], device="cuda", page_size=CHUNK)
+    q = f.query(4, 1)
+    good = check_variants(f, q)
+    chunk = {"first_window": 3, "second_window": w + 10, "last_chunk": chunks(lengths[1]) - 1}[where]
+    for bad_page in (f.cache.num_pages, -1):
+        table = f.cache.block_table.clone()
+        assert table[1, chunk] >= 0
+        table[1, chunk] = bad_page
+        bad = kernel_variants(f, q, block_table=table, chunk=CHUNK)
+        for variant, out in bad.items():
+            assert out[1].isnan().all() and torch.equal(bits(out[0]), bits(good[0][0])), f"variant {variant}"
+            assert torch.equal(bits(out), bits(bad[0])), f"variant {variant} differs from the combine kernel"
+        for variant, out in kernel_variants(f, q, chunk=CHUNK).items():
+            assert torch.equal(bits(out), bits(good[0])), f"variant {variant} after the bad page"
 
 
 @requires_cuda
