@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On a GPU machine whose copy of the working tree has no .git: builds this tree and, beside it, one copy a patch
+# (git diff BASE BRANCH, made where the branches are) in /tmp/<patch name>, all at once, for same-machine A/B runs
+# of branches that are not merged:
+#   here:   git diff main my-branch -- . ':!docs' > .ab/my-branch.patch      (carry .ab)
+#   there:  bash dev/branch_trees.sh .ab/my-branch.patch ...
+#           (cd /tmp/my-branch && PYTHONPATH=$PWD python3 benchmarks/bench_x.py ...)
+# Each build's log goes to $OUT/build_<name>.log; the exit status is 1 when a patch or a build failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/attn_qat_out}"
+mkdir -p "$OUT"
+repo=$PWD
+jobs=$(($(nproc) / ($# + 1)))
+[ "$jobs" -ge 1 ] || jobs=1
+build() { # DIR NAME
+    (cd "$1" && ATTN_QAT_CUDA=1 MAX_JOBS=$jobs python3 setup.py build_ext --inplace >"$OUT/build_$2.log" 2>&1)
+}
+pids=() names=()
+if ! python3 -c "import attn_qat, sys; sys.exit(0 if attn_qat._C.with_cuda else 1)" 2>/dev/null; then
+    build "$repo" main & pids+=($!) names+=(main)
+fi
+status=0
+for patch in "$@"; do
+    name=$(basename "$patch" .patch)
+    rm -rf "/tmp/$name" && mkdir "/tmp/$name"
+    # the tree without build outputs or carried extras (dot folders at the top)
+    tar cf - --exclude=./build --exclude='./.[a-z]*' --exclude='*.so' . | tar xf - -C "/tmp/$name"
+    if ! (cd "/tmp/$name" && patch -p1 -s --no-backup-if-mismatch <"$repo/$patch"); then
+        echo "$name: the patch does not apply" >&2
+        status=1
+        continue
+    fi
+    build "/tmp/$name" "$name" & pids+=($!) names+=("$name")
+done
+for i in "${!pids[@]}"; do
+    if wait "${pids[$i]}"; then
+        echo "${names[$i]}: built"
+    else
+        echo "${names[$i]}: build failed, see $OUT/build_${names[$i]}.log" >&2
+        status=1
+    fi
+done
+exit $status
