@@ -1,0 +1,278 @@
+"""Other score-preserving transforms of Q and K than numerics.md §9's, ranked by the FP4 loss gap they leave.
+
+dev/fp4_error_budget.py's emulation (fp32 attention, only the chosen operands fake-quantized) on the pretrained
+SmolLM2, with Q and K passed through candidate transforms that keep every score q.k exactly (in exact arithmetic):
+
+- per-channel balancing (SmoothQuant-like): q_c * s_c and k_c / s_c, s_c = (max|k_c| / max|q_c|)^alpha per (layer,
+  KV head, channel), the query heads of a KV group sharing s (q.k = sum_c (q_c s_c)(k_c / s_c));
+- the K shift of numerics.md §9 (softmax cancels q.mu), taken in the balanced frame (mean of k / s = mu / s);
+- an orthogonal R on both (q.k = (qR).(kR)): §9's random-sign Hadamard, other sign seeds, a random orthogonal
+  matrix (QR of a Gaussian), one per (layer, KV head), or a channel permutation (also orthogonal).
+
+Order: balance, shift, rotate. Every candidate runs in one process against "none" and the baseline "rotation + K
+shift" on the same windows; the table gives each gap vs bf16 and each candidate's difference from the baseline,
+both with paired bootstrap 95% intervals. Few windows on a CPU: the numbers rank candidates, nothing more.
+
+    python dev/qk_explore.py --gguf PATH --device cpu --windows 16 --seq-len 512 --calibration 8
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fp4_error_budget as budget  # noqa: E402
+lm = budget.lm
+from attn_qat import reference  # noqa: E402
+from attn_qat.transforms import qk_rotation  # noqa: E402
+
+NAME = "qk_explore"
+# parts: what is fake-quantized; transform: a Transform or None; collect: dict filled by calibration or None
+STATE = {"parts": frozenset(), "transform": None, "collect": None}
+
+
+class Transform:
+    """Per layer: scale (H_kv, D) or None, shift (H_kv, D) in the scaled frame or None, rotation (D, D) or
+    (H_kv, D, D) or None. Q' = (Q * s) R, K' = (K / s - shift) R."""
+
+    def __init__(self, scale=None, shift=None, rotation=None):
+        self.scale, self.shift, self.rotation = scale, shift, rotation
+
+    def __call__(self, layer, q, k):
+        group = q.shape[1] // k.shape[1]
+        if self.scale is not None:
+            s = self.scale[layer].to(q.device)
+            q = q * s.repeat_interleave(group, 0)[None, :, None, :]
+            k = k / s[None, :, None, :]
+        if self.shift is not None:
+            k = k - self.shift[layer].to(k.device)[None, :, None, :]
+        if self.rotation is not None:
+            r = self.rotation(layer) if callable(self.rotation) else self.rotation
+            r = r.to(q.device)
+            if r.dim() == 2:
+                q, k = q @ r, k @ r
+            else:  # one matrix per KV head, shared by its query heads
+                q = torch.einsum("bhnd,hde->bhne", q, r.repeat_interleave(group, 0))
+                k = torch.einsum("bhnd,hde->bhne", k, r)
+        return q, k
+
+
+def quantized_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """fp4_error_budget.quantized_attention with STATE["transform"] applied to Q and K before quantization."""
+    parts, layer = STATE["parts"], module.layer_idx
+    b, hq, n, d = query.shape
+    hkv = key.shape[1]
+    q, k, v = query.float(), key.float(), value.float()
+    if STATE["collect"] is not None:  # calibration: keep K (bf16 values, exact) and the running max |q|
+        c = STATE["collect"].setdefault(layer, {"k": [], "qmax": torch.zeros(hq, d)})
+        c["k"].append(key.detach().to("cpu", torch.bfloat16).transpose(0, 1).reshape(hkv, -1, d))
+        c["qmax"] = torch.maximum(c["qmax"], q.abs().amax(dim=(0, 2)).cpu())
+    if STATE["transform"] is not None:
+        q, k = STATE["transform"](layer, q, k)
+    if "q" in parts:
+        q = reference.fake_quantize(q, -1).float()
+    if "k" in parts:
+        k = reference.fake_quantize(k, -1).float()
+    if "v" in parts:
+        v = reference.fake_quantize(v, -1).float()
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+    t = torch.matmul(q, k.transpose(-1, -2)) * (scale * math.log2(math.e))
+    hidden = torch.ones(n, n, dtype=torch.bool, device=t.device).triu(1)
+    t = t.masked_fill(hidden, -math.inf)
+    frame = torch.ceil(t.amax(-1, keepdim=True))
+    w = torch.exp2(t - (frame - 11.0))  # P̂ * 2^11; hidden keys 0
+    l = w.sum(-1, keepdim=True)
+    if "p" in parts:
+        pad = (-n) % 16
+        wp = F.pad(w, (0, pad)) if pad else w
+        w = reference.fake_quantize(wp, -1)[..., :n].float()
+    out = torch.matmul(w, v) / l
+    return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def calibrate(model, stream, count, args):
+    """Per layer: K (H_kv, count * seq_len, D) as float32 and max |q| per (KV head, channel) over its query heads."""
+    STATE.update(parts=frozenset(), transform=None, collect={})
+    budget.heldout_loss(model, stream, lm.evenly_spaced(len(stream), count, args.seq_len + 1), args.batch,
+                        args.seq_len, args.device)
+    stats = {}
+    for layer, c in STATE["collect"].items():
+        k = torch.cat(c["k"], 1).float()
+        hkv, d = k.shape[0], k.shape[-1]
+        stats[layer] = {"k": k, "qmax": c["qmax"].reshape(hkv, -1, d).amax(1)}
+    STATE["collect"] = None
+    return stats
+
+
+def k_mean(stats):
+    return {layer: s["k"].mean(1) for layer, s in stats.items()}
+
+
+def balance(stats, alpha, shifted=False):
+    """s = (max|k_c| / max|q_c|)^alpha per (layer, KV head, channel); shifted: max|k_c - mu_c| instead."""
+    out = {}
+    for layer, s in stats.items():
+        k = s["k"] - s["k"].mean(1, keepdim=True) if shifted else s["k"]
+        kmax = k.abs().amax(1).clamp_min(1e-6)
+        out[layer] = (kmax / s["qmax"].clamp_min(1e-6)) ** alpha
+    return out
+
+
+def scaled_shift(mu, scale):
+    return {layer: mu[layer] / scale[layer] for layer in mu} if scale is not None else mu
+
+
+def signed_hadamard(d, seed):
+    h = qk_rotation(d)  # diag(s0) H / sqrt(d) with §9's signs s0: undo them, then apply seed's
+    s0 = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    s = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return (s * s0)[:, None].float() * h
+
+
+def random_orthogonal(d, seed):
+    g = torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    qm, r = torch.linalg.qr(g)
+    return (qm * torch.sign(torch.diagonal(r))).float()  # Haar-distributed
+
+
+def sort_permutation(stats):
+    """Per (layer, KV head): the permutation matrix that sorts channels by their balanced magnitude
+    sqrt(max|q_c| s_c * max|k_c| / s_c), so channels of like size share a 16-channel block."""
+    out = {}
+    for layer, s in stats.items():
+        size = s["qmax"] * s["k"].abs().amax(1)  # (H_kv, D); balancing leaves the product unchanged
+        order = size.argsort(dim=-1)
+        eye = torch.eye(size.shape[-1])
+        out[layer] = torch.stack([eye[:, o] for o in order])  # x @ P = x[..., order]
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--calibration", type=int, default=8, help="training windows for mu and the balancing")
+    parser.add_argument("--calibration-more", type=int, default=32, help="windows for the 'more windows' K shift (0: skip it)")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--parts", default="qk,qkvp", help="comma-separated sets of parts; '-' for none (checks "
+                        "that every transform keeps the loss)")
+    parser.add_argument("--alphas", default="0.3,0.5,0.7", help="balancing exponents tried with shift + rotation")
+    parser.add_argument("--alpha-other", type=float, default=0.5,
+                        help="the exponent tried without rotation and with the other rotations")
+    parser.add_argument("--seeds", default="1,2", type=lambda x: [int(v) for v in x.split(",")],
+                        help="sign seeds of the other Hadamard rotations")
+    parser.add_argument("--only", default=None, help="';'-separated labels of the candidates to run, beside 'none' "
+                        "and the baseline (default: all)")
+    parser.add_argument("--out", default=None, help="JSON of the per-window losses and the table")
+    args = parser.parse_args()
+    from transformers import AttentionInterface
+
+    t0 = time.time()
+    AttentionInterface.register(NAME, quantized_attention)
+    model, tokenizer = lm.load_gguf_model(args.gguf, lm.GGUF_SHA256, torch.bfloat16, args.device)
+    model.eval()
+    root = lm.stdlib_root()
+    train_files, heldout_files = lm.corpus_files(root)
+    heldout, _ = lm.tokenize_files(tokenizer, root, heldout_files)
+    train, _ = lm.tokenize_files(tokenizer, root, train_files)
+    starts = lm.evenly_spaced(len(heldout), args.windows, args.seq_len + 1)
+    run = lambda: budget.heldout_loss(model, heldout, starts, args.batch, args.seq_len, args.device)  # noqa: E731
+    print(f"load + tokenize {time.time() - t0:.0f} s", flush=True)
+
+    results = {}
+    t = time.time()
+    results["bf16 (model's own attention)"] = base = run()
+    print(f"one evaluation {time.time() - t:.0f} s", flush=True)
+    model.set_attn_implementation(NAME)
+    stats = calibrate(model, train, args.calibration, args)
+    d = budget.query_dim(model)
+    hkv = stats[0]["k"].shape[0]
+    mu = k_mean(stats)
+    hadamard = qk_rotation(d)
+    alphas = [float(a) for a in args.alphas.split(",")]
+    bal = {a: balance(stats, a) for a in {*alphas, 0.5, args.alpha_other}}
+    bal_shifted = balance(stats, 0.5, shifted=True)
+    per_head_hadamard = {layer: torch.stack([signed_hadamard(d, 1000 + layer * hkv + h) for h in range(hkv)])
+                         for layer in stats}
+    other_rotations = {f"Hadamard, sign seed {seed}": signed_hadamard(d, seed) for seed in args.seeds}
+    other_rotations["random orthogonal (QR)"] = random_orthogonal(d, 0)
+    candidates = {
+        "none": None,
+        "rotation + K shift (baseline)": Transform(shift=mu, rotation=hadamard),
+        "K shift only": Transform(shift=mu),
+        "rotation only": Transform(rotation=hadamard),
+    }
+    for a in alphas:
+        candidates[f"balance a={a} + shift + rotation"] = Transform(bal[a], scaled_shift(mu, bal[a]), hadamard)
+    candidates["balance a=0.5 (shifted-K max) + shift + rotation"] = Transform(
+        bal_shifted, scaled_shift(mu, bal_shifted), hadamard)
+    candidates["balance a=0.5 + shift + sorted channels"] = Transform(
+        bal[0.5], scaled_shift(mu, bal[0.5]), lambda layer, p=sort_permutation(stats): p[layer])
+    a = args.alpha_other
+    candidates[f"balance a={a} + shift (no rotation)"] = Transform(bal[a], scaled_shift(mu, bal[a]))
+    for label, r in other_rotations.items():
+        candidates[f"{label} + shift"] = Transform(shift=mu, rotation=r)
+        candidates[f"balance a={a} + shift + {label}"] = Transform(bal[a], scaled_shift(mu, bal[a]), r)
+    candidates["Hadamard per (layer, KV head) + shift"] = Transform(
+        shift=mu, rotation=lambda layer: per_head_hadamard[layer])
+    if args.calibration_more:
+        more = k_mean(calibrate(model, train, args.calibration_more, args))
+        candidates[f"rotation + K shift from {args.calibration_more} windows"] = Transform(shift=more,
+                                                                                        rotation=hadamard)
+    if args.only:
+        keep = {"none", "rotation + K shift (baseline)", *args.only.split(";")}
+        candidates = {label: t for label, t in candidates.items() if label in keep}
+    print(f"calibration done {time.time() - t0:.0f} s", flush=True)
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    boot = torch.randint(0, len(base), (2000, len(base)), generator=gen)
+
+    def interval(x):
+        means = x[boot].mean(1)
+        lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=means.dtype)).tolist()
+        return float(x.mean()), lo, hi
+
+    for parts in args.parts.split(","):
+        for label, transform in candidates.items():
+            t = time.time()
+            STATE.update(parts=frozenset(parts.strip("-")), transform=transform)
+            results[(label, parts)] = run()
+            print(f"{parts} | {label}: gap {float((results[(label, parts)] - base).mean()):+.4f} "
+                  f"({time.time() - t:.0f} s)", flush=True)
+    STATE.update(parts=frozenset(), transform=None)
+
+    print(f"\nheld-out windows {len(base)} x {args.seq_len} tokens, bf16 loss {base.mean():.4f}; paired bootstrap "
+          f"95% intervals (2000 resamples of windows); total {time.time() - t0:.0f} s")
+    print("| parts | transform | gap vs bf16 [95% CI] | gap % | minus baseline [95% CI] |\n|---|---|---|---|---|")
+    for parts in args.parts.split(","):
+        ref = results[("rotation + K shift (baseline)", parts)]
+        for label in candidates:
+            losses = results[(label, parts)]
+            g, lo, hi = interval(losses - base)
+            dg, dlo, dhi = interval(losses - ref)
+            rows.append({"parts": parts, "transform": label, "gap": g, "ci": [lo, hi], "minus_baseline": dg,
+                         "minus_baseline_ci": [dlo, dhi]})
+            print(f"| {parts} | {label} | {g:+.4f} [{lo:+.4f}, {hi:+.4f}] | {100 * g / base.mean():+.2f}% | "
+                  f"{dg:+.4f} [{dlo:+.4f}, {dhi:+.4f}] |")
+    if args.out:
+        meta = {"commit": os.environ.get("ATTN_QAT_COMMIT"), "date": time.strftime("%Y-%m-%d"), "device": args.device,
+                "torch": torch.__version__, "windows": len(base), "seq_len": args.seq_len,
+                "calibration_windows": args.calibration, "bf16_loss": float(base.mean()),
+                "seconds": time.time() - t0}
+        losses = {f"{k[1]} | {k[0]}" if isinstance(k, tuple) else k: v.tolist() for k, v in results.items()}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows, "losses": losses}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
