@@ -1,13 +1,16 @@
 """Score-preserving transforms of Q and K before FP4 quantization (docs/numerics.md §9).
 
-Both leave every softmax row unchanged in exact arithmetic and move only where FP4 rounds:
+Each leaves every softmax row unchanged in exact arithmetic and moves only where FP4 rounds:
 
 - rotation: Q and K both multiplied by one orthogonal matrix R = diag(s) H / sqrt(D) along head_dim (H Sylvester's
   Hadamard matrix, s fixed random signs), so q·k = (qR)·(kR); it spreads a channel's outliers over all D channels,
   which shrinks the 16-channel blocks' amax relative to their other values;
 - K shift: a fixed per-(KV head, channel) vector mu subtracted from K, so q·(k − mu) = q·k − q·mu, a constant of the
   query's row that softmax cancels; mu is calibrated once (`attn_qat.calibrate_k_shift`), never taken from the
-  call's keys, so no key reaches another key's scale and a hidden key stays absent (numerics.md §2).
+  call's keys, so no key reaches another key's scale and a hidden key stays absent (numerics.md §2);
+- Q/K balance: Q's channel c multiplied by a fixed s_c and K's divided by it, so sum_c (q_c s_c)(k_c / s_c) = q·k;
+  with s_c = (max|k_c| / max|q_c|)^alpha (calibrated like mu) it moves range from the operand with the larger
+  channel to the other, as SmoothQuant does between activations and weights.
 """
 import math
 from typing import Dict, Optional, Tuple
@@ -38,18 +41,23 @@ def qk_rotation(head_dim: int, device=None) -> torch.Tensor:
 
 
 def transform_qk(query: torch.Tensor, key: torch.Tensor, rotate: bool = False,
-                 k_shift: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(query', key') = (query R, (key − k_shift) R) along the last axis, computed in float32 (float64 for float64
-    inputs; autocast off, which would round K − k_shift and R first) and returned in the inputs' dtypes
-    (differentiable). `k_shift` broadcasts against `key` (e.g. (H_kv, 1, D) for (B, H_kv, S, D)); R is the identity
-    unless `rotate`."""
-    if not rotate and k_shift is None:
+                 k_shift: Optional[torch.Tensor] = None,
+                 balance: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(query', key') = ((query * s_q) R, ((key − k_shift) / s_k) R) along the last axis, computed in float32
+    (float64 for float64 inputs; autocast off, which would round K − k_shift and R first) and returned in the inputs'
+    dtypes (differentiable). `k_shift` broadcasts against `key` (e.g. (H_kv, 1, D) for (B, H_kv, S, D)); `balance`
+    is (s_q, s_k), the same per-channel scales laid out to broadcast against `query` (each KV head's repeated for
+    its query heads) and `key`; R is the identity unless `rotate`."""
+    if not rotate and k_shift is None and balance is None:
         return query, key
     dtype = torch.promote_types(query.dtype, torch.float32)
     with torch.autocast(query.device.type, enabled=False):
         q, k = query.to(dtype), key.to(dtype)
         if k_shift is not None:
             k = k - k_shift.to(device=k.device, dtype=dtype)
+        if balance is not None:
+            q = q * balance[0].to(device=q.device, dtype=dtype)
+            k = k / balance[1].to(device=k.device, dtype=dtype)
         if rotate:
             rotation = qk_rotation(query.shape[-1], query.device).to(dtype)
             q, k = q @ rotation, k @ rotation

@@ -78,9 +78,12 @@ RESAMPLES = 10_000
 
 # ------------------------------------------------------------------------------------------ options
 
-def qat_config(arm, **fields):
-    """The QATConfig of an arm ("bf16" evaluates in FP4 as "attn_qat"), with the task's other `fields`."""
+def qat_config(arm, balance_qk=None, **fields):
+    """The QATConfig of an arm ("bf16" evaluates in FP4 as "attn_qat"), with the task's other `fields`;
+    `balance_qk` (--balance-qk) adds the Q/K balance to the transformed arm and its PTQ twins."""
     settings = ARM_SETTINGS.get(arm, dict(mode="attn_qat" if arm == "bf16" else arm))
+    if balance_qk is not None and settings.get("rotate_qk"):
+        settings = dict(settings, balance_qk=balance_qk)
     return attn_qat.QATConfig(**settings, **fields)
 
 
@@ -98,6 +101,9 @@ def add_protocol_args(parser, presets, out):
     parser.add_argument("--warmup-steps", type=int, default=None)
     parser.add_argument("--eval-every", type=int, default=None, help="steps between curve evaluations")
     parser.add_argument("--out", default=out, help="results folder (runs already in it are kept and merged)")
+    parser.add_argument("--balance-qk", type=float, default=None, metavar="ALPHA",
+                        help="attn_qat_qk and its PTQ twins also balance Q and K channels (QATConfig(balance_qk="
+                             "ALPHA), numerics.md §9); use its own --out")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="start no run that would end after this many minutes of the invocation (measured per "
@@ -276,10 +282,11 @@ def finetune(task, arm, seed, args, log):
 
 
 def prepare_arm(task, model, arm):
-    """attn_qat.prepare for `arm`; with the K shift, calibrated on `model` as it is now (task.calibrate)."""
+    """attn_qat.prepare for `arm`; with the K shift or the Q/K balance, calibrated on `model` as it is now
+    (task.calibrate)."""
     config = task.qat_config(arm)
     attn_qat.prepare(model, config)
-    if config.shift_k:
+    if config.calibrated_qk:
         task.calibrate(model)
     return model
 

@@ -405,7 +405,7 @@ class LMTask:
         args = self.args
         keys = ("preset", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "eval_every", "eval_windows",
                 "curve_windows", "prompts", "prompt_len", "new_tokens", "max_train_mb", "max_heldout_mb",
-                "site_packages_mb")
+                "site_packages_mb", "balance_qk")
         config = {k: getattr(args, k) for k in keys}
         config.update(transformers=transformers.__version__, gguf_file=GGUF_NAME, gguf_sha256=args.gguf_sha256,
                       weights="bf16, AdamW on fp32 master weights (betas 0.9, 0.95; no weight decay)",
@@ -422,7 +422,7 @@ class LMTask:
     # ----------------------------------------------------------------- what training needs
 
     def qat_config(self, arm):
-        return qat_config(arm, strict=True)
+        return qat_config(arm, self.args.balance_qk, strict=True)
 
     @torch.no_grad()
     def calibrate(self, model):

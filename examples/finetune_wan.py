@@ -231,7 +231,7 @@ class WanTask:
         import diffusers
         args = self.args
         keys = ("preset", "size", "dims", "steps", "batch_size", "lr", "warmup_steps", "eval_every", "eval_videos",
-                "curve_videos", "sample_videos", "sample_steps", "cross_attention")
+                "curve_videos", "sample_videos", "sample_steps", "cross_attention", "balance_qk")
         config = {k: getattr(args, k) for k in keys}
         config.update(diffusers=diffusers.__version__, tokens_per_video=self.tokens_per_video,
                       val_times=list(args.val_times), pretrain=self.pretrain_config(),
@@ -249,7 +249,8 @@ class WanTask:
     # ----------------------------------------------------------------- what training needs
 
     def qat_config(self, arm):
-        return qat_config(arm, self_attention=True, cross_attention=self.args.cross_attention, strict=True)
+        return qat_config(arm, self.args.balance_qk, self_attention=True, cross_attention=self.args.cross_attention,
+                          strict=True)
 
     @torch.no_grad()
     def calibrate(self, model):

@@ -1,4 +1,5 @@
-"""The score-preserving Q/K transforms (numerics.md §9: QATConfig rotate_qk and shift_k, attn_qat.calibrate_k_shift):
+"""The score-preserving Q/K transforms (numerics.md §9: QATConfig rotate_qk, shift_k and balance_qk,
+attn_qat.calibrate_k_shift):
 exact scores, FP4 computed on the transformed operands, no hidden key reaching a visible output, calibration and
 its buffer, the NVFP4 cache, and clear errors where they are not supported."""
 import copy
@@ -21,6 +22,7 @@ from attn_qat.integrations import transformers as tf_integration  # noqa: E402
 
 VOCAB = 128
 BOTH = QATConfig(rotate_qk=True, shift_k=True, strict=True)
+ALL = QATConfig(rotate_qk=True, shift_k=True, balance_qk=0.5, strict=True)
 
 
 def tiny_qwen3(head_dim=64, device="cpu"):
@@ -38,7 +40,7 @@ def calibration_batches(device, count=2):
 
 def prepared(model, config=BOTH, calibrate=True):
     model = attn_qat.prepare(copy.deepcopy(model), config)
-    if calibrate and config.shift_k:
+    if calibrate and config.calibrated_qk:
         attn_qat.calibrate_k_shift(model, calibration_batches(next(model.parameters()).device))
     return model
 
@@ -168,8 +170,12 @@ def test_configs_that_cannot_work_are_refused():
     for name in ("rotate_qk", "shift_k"):
         with pytest.raises(TypeError, match=f"{name} must be True or False"):
             QATConfig(**{name: "false"})
-    with pytest.raises(ValueError, match="shift_k needs attn_qat.prepare"):
-        attn_qat.register_transformers(QATConfig(shift_k=True))
+    for config in (QATConfig(shift_k=True), QATConfig(balance_qk=0.5)):
+        with pytest.raises(ValueError, match="need attn_qat.prepare"):
+            attn_qat.register_transformers(config)
+    for alpha in (0, -0.5, 1.5, True, "0.5", float("nan")):
+        with pytest.raises(ValueError, match="balance_qk must be None or a number in"):
+            QATConfig(balance_qk=alpha)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         attn_qat.prepare(tiny_qwen3(head_dim=96), QATConfig(rotate_qk=True))
 
@@ -188,13 +194,13 @@ def test_calibration_is_the_mean_of_the_keys(monkeypatch):
     base = tiny_qwen3()
     model = attn_qat.prepare(copy.deepcopy(base), BOTH)
     recorded = {}  # calibration record -> the keys given to its module, in call order
-    original = qk.record_keys
+    original = qk.record_qk
 
-    def spy(calibration, key, heads_axis):
+    def spy(calibration, query, key, heads_axis):
         recorded.setdefault(id(calibration), []).append(key.double())
-        original(calibration, key, heads_axis)
+        original(calibration, query, key, heads_axis)
 
-    monkeypatch.setattr(qk, "record_keys", spy)
+    monkeypatch.setattr(qk, "record_qk", spy)
     attn_qat.calibrate_k_shift(model, calibration_batches("cpu", 3))
     first_layer = next(iter(recorded.values()))  # layer 0 attends first
     assert len(recorded) == 2 and len(first_layer) == 3
@@ -204,11 +210,12 @@ def test_calibration_is_the_mean_of_the_keys(monkeypatch):
     assert all(s.calibration is None for s in attn_qat.integrations.attention_states(model).values())
 
 
+@pytest.mark.parametrize("config", [BOTH, ALL], ids=["rotate_shift", "rotate_shift_balance"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_nvfp4_cache_generation_matches_the_fake_quant_recompute(device):
+def test_nvfp4_cache_generation_matches_the_fake_quant_recompute(device, config):
     """The cache stores the transformed keys and transforms each step's query: greedy decoding through it equals
     recomputing every step with the fake-quant forward (bit-identical on the CPU, where both run one C kernel)."""
-    model = attn_qat.convert(prepared(tiny_qwen3(device=device)))
+    model = attn_qat.convert(prepared(tiny_qwen3(device=device), config))
     prompts = torch.randint(0, VOCAB, (2, 12), device=device)
     cache = attn_qat.NVFP4Cache(model.config, max_cache_len=24)
     with torch.no_grad():
@@ -225,8 +232,9 @@ def test_nvfp4_cache_generation_matches_the_fake_quant_recompute(device):
 
 
 def test_integrations_without_a_module_refuse_them():
-    with pytest.raises(NotImplementedError, match="attn_qat.prepare"):
-        attn_qat.patch_sdpa(QATConfig(rotate_qk=True))
+    for config in (QATConfig(rotate_qk=True), QATConfig(balance_qk=0.5)):
+        with pytest.raises(NotImplementedError, match="attn_qat.prepare"):
+            attn_qat.patch_sdpa(config)
     pytest.importorskip("diffusers")
     with pytest.raises(NotImplementedError, match="attn_qat.prepare"):
         attn_qat.register_diffusers_backend(QATConfig(shift_k=True))
@@ -256,15 +264,15 @@ def test_wan_self_attention_transforms(device, monkeypatch):
     base, inputs = tiny_wan_and_inputs(device)
     model = attn_qat.prepare(copy.deepcopy(base), BOTH)
     seen = {}
-    record = qk.record_keys
+    record = qk.record_qk
 
-    def spy(calibration, key, heads_axis):
+    def spy(calibration, query, key, heads_axis):
         seen.setdefault(id(calibration), []).append(key.double())
-        record(calibration, key, heads_axis)
+        record(calibration, query, key, heads_axis)
 
-    monkeypatch.setattr(qk, "record_keys", spy)
+    monkeypatch.setattr(qk, "record_qk", spy)
     attn_qat.calibrate_k_shift(model, [inputs])
-    monkeypatch.setattr(qk, "record_keys", record)
+    monkeypatch.setattr(qk, "record_qk", record)
     attn1 = model.blocks[0].attn1
     shift = getattr(attn1, qk.K_SHIFT_BUFFER)
     assert shift.shape == (2, 64) and len(seen) == 2  # the two blocks' self-attention; cross-attention not selected
@@ -306,3 +314,95 @@ def test_wan_self_attention_transforms(device, monkeypatch):
         moved16 = moved16_model(**inputs).sample.float()
     assert (moved16 - plain16).norm() / plain16.norm() < 1e-2
     assert not torch.equal(moved4, plain4)
+
+
+# ---- the Q/K balance (QATConfig(balance_qk=alpha))
+
+def test_balance_keeps_the_softmax_exactly():
+    """q_c s_c times k_c / s_c is q_c k_c: with the shift and the rotation too, the float64 output does not move."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 37, 64, generator=g, dtype=torch.float64)  # 4 query heads on 2 KV heads
+    k, v = (torch.randn(2, 2, 37, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    shift = torch.randn(2, 1, 64, generator=g, dtype=torch.float64)
+    s = torch.rand(2, 64, generator=g, dtype=torch.float64) * 8 + 0.01
+    q2, k2 = transform_qk(q, k, rotate=True, k_shift=shift,
+                          balance=(s.repeat_interleave(2, 0)[:, None, :], s[:, None, :]))
+    assert not torch.allclose(q2, q @ qk_rotation(64).double())
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    exact = torch.softmax(q @ kk.transpose(-1, -2), -1) @ vv
+    moved = torch.softmax(q2 @ k2.repeat_interleave(2, 1).transpose(-1, -2), -1) @ vv
+    assert torch.allclose(moved, exact, atol=1e-10, rtol=0)
+
+
+def test_balance_calibration_is_the_ratio_of_the_largest_values(monkeypatch):
+    """s = (max|k| / max|q|)^alpha per (KV head, channel), the query heads of a KV head together, over every
+    calibration call; and the module's call transforms with that s."""
+    model = attn_qat.prepare(tiny_qwen3(), ALL)
+    recorded = {}
+    original = qk.record_qk
+
+    def spy(calibration, query, key, heads_axis):
+        recorded.setdefault(id(calibration), []).append((query.double(), key.double()))
+        original(calibration, query, key, heads_axis)
+
+    monkeypatch.setattr(qk, "record_qk", spy)
+    attn_qat.calibrate_k_shift(model, calibration_batches("cpu", 3))
+    calls = next(iter(recorded.values()))  # layer 0
+    q_max = torch.stack([q.abs().amax(dim=(0, 2)) for q, _ in calls]).amax(0).view(2, 2, 64).amax(1)
+    k_max = torch.stack([k.abs().amax(dim=(0, 2)) for _, k in calls]).amax(0)
+    module = model.model.layers[0].self_attn
+    s = getattr(module, qk.QK_BALANCE_BUFFER)
+    assert s.dtype == torch.float32 and s.shape == (2, 64)
+    assert torch.allclose(s.double(), (k_max / q_max) ** 0.5, rtol=1e-6)
+    assert torch.allclose(getattr(module, qk.K_SHIFT_BUFFER).double(),
+                          torch.cat([k.transpose(1, 2).reshape(-1, 2, 64) for _, k in calls]).mean(0), atol=1e-6)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 33, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2, 33, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    out, _ = tf_integration.attn_qat_attention_forward(module, q, k, v, None, scaling=0.125)
+    shift = getattr(module, qk.K_SHIFT_BUFFER)
+    qt, kt = transform_qk(q, k, rotate=True, k_shift=shift[:, None, :],
+                          balance=(s.repeat_interleave(2, 0)[:, None, :], s[:, None, :]))
+    expected = attn_qat.scaled_dot_product_attention(qt, kt, v, is_causal=True, scale=0.125, enable_gqa=True)
+    assert torch.equal(out, expected.transpose(1, 2))
+
+
+def test_balance_scales_of_empty_channels_are_one():
+    stats = qk.QKStats(k_max=torch.tensor([[4.0, 0.0, 1.0, float("inf")]], dtype=torch.float64),
+                       q_max=torch.tensor([[1.0, 3.0, 0.0, 1.0]], dtype=torch.float64))
+    assert torch.equal(qk.balance_scales(stats, 0.5), torch.tensor([[2.0, 1.0, 1.0, 1.0]]))
+
+
+def test_balance_buffer_checkpoint_and_errors():
+    base = tiny_qwen3()
+    ids = torch.randint(0, VOCAB, (1, 20))
+    with pytest.raises(RuntimeError, match="Q/K balance"):
+        prepared(base, QATConfig(balance_qk=0.5), calibrate=False)(ids)
+    model = prepared(base, ALL)
+    state = model.state_dict()
+    assert f"model.layers.1.self_attn.{qk.QK_BALANCE_BUFFER}" in state
+    fresh = prepared(base, ALL, calibrate=False)
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+        bf16 = prepared(base, QATConfig(mode="bf16"))(ids).logits.float()
+        balanced16 = prepared(base, QATConfig(mode="bf16", balance_qk=0.5))(ids).logits.float()
+        assert (balanced16 - bf16).abs().max() < 2e-2  # bf16 rounding of the transformed operands only
+        assert not torch.equal(model(ids).logits, prepared(base, BOTH)(ids).logits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wan_balance(device):
+    """The Wan processor calibrates and applies the Q/K balance: one scale per (head, channel), bf16 mode stays put."""
+    base, inputs = tiny_wan_and_inputs(device)
+    model = attn_qat.prepare(copy.deepcopy(base), ALL)
+    attn_qat.calibrate_k_shift(model, [inputs])
+    s = getattr(model.blocks[0].attn1, qk.QK_BALANCE_BUFFER)
+    assert s.shape == (2, 64) and bool(s.isfinite().all()) and not torch.equal(s, torch.ones_like(s))
+    bf16 = attn_qat.prepare(copy.deepcopy(base), QATConfig(mode="bf16", balance_qk=0.5))
+    attn_qat.calibrate_k_shift(bf16, [inputs])
+    with torch.no_grad():
+        out = model(**inputs).sample.float()
+        moved16 = bf16(**inputs).sample.float()
+        plain16 = base(**inputs).sample.float()
+    assert bool(out.isfinite().all()) and (moved16 - plain16).abs().max() < 5e-2

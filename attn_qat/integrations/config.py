@@ -60,7 +60,10 @@ class QATConfig:
         quantizing them (numerics.md §9): the scores are unchanged in exact arithmetic, FP4 rounds less.
     shift_k: subtract a fixed per-(KV head, channel) mean from K before quantizing it (numerics.md §9; softmax
         cancels it); the means come from `attn_qat.calibrate_k_shift(model, batches)`, run after `prepare`.
-    The two transforms are part of the trained model's numerics: train, evaluate and deploy with the same
+    balance_qk: None (off), or an exponent alpha in (0, 1]: multiply Q's channels by a fixed per-(KV head,
+        channel) s and divide K's by it, after the shift and before the rotation (numerics.md §9; q·k unchanged),
+        s = (max|k| / max|q|)^alpha over the calibration batches of the same `attn_qat.calibrate_k_shift` call.
+    The transforms are part of the trained model's numerics: train, evaluate and deploy with the same
     settings. `prepare` (transformers and Wan models) supports them; `patch_sdpa` and the diffusers backend on its
     own, which see no module to keep a K shift in, raise.
     """
@@ -72,6 +75,7 @@ class QATConfig:
     v_block_axis: str = "auto"
     rotate_qk: bool = False
     shift_k: bool = False
+    balance_qk: Optional[float] = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -85,17 +89,27 @@ class QATConfig:
         for name in ("rotate_qk", "shift_k"):  # a truthy string such as "false" must not switch a numerics on
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"attn_qat.QATConfig: {name} must be True or False; got {getattr(self, name)!r}")
+        alpha = self.balance_qk
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or
+                                  not 0 < alpha <= 1):
+            raise ValueError(f"attn_qat.QATConfig: balance_qk must be None or a number in (0, 1]; got {alpha!r}")
 
     @property
     def transforms_qk(self) -> bool:
         """Whether Q and K pass through a §9 transform before quantization."""
-        return self.rotate_qk or self.shift_k
+        return self.rotate_qk or self.shift_k or self.balance_qk is not None
+
+    @property
+    def calibrated_qk(self) -> bool:
+        """Whether a §9 transform needs `calibrate_k_shift`'s measurements (the K shift, the Q/K balance)."""
+        return self.shift_k or self.balance_qk is not None
 
     def refuse_qk_transforms(self, where: str) -> None:
         """Raises for an integration that does not implement the §9 transforms."""
         if self.transforms_qk:
-            raise NotImplementedError(f"{where}: rotate_qk and shift_k (numerics.md §9) need a model prepared with "
-                                      "attn_qat.prepare (transformers or Wan), which keeps each module's K shift")
+            raise NotImplementedError(f"{where}: rotate_qk, shift_k and balance_qk (numerics.md §9) need a model "
+                                      "prepared with attn_qat.prepare (transformers or Wan), which keeps each "
+                                      "module's calibrated K shift and Q/K balance")
 
     @property
     def inference_mode(self) -> str:
@@ -119,7 +133,7 @@ class AttentionState:
     enabled: bool = True
     inference: bool = False
     warned: Set[str] = dataclasses.field(default_factory=set)
-    # While `calibrate_k_shift` runs: the module's qk_transforms.KeySums
+    # While `calibrate_k_shift` runs: the module's qk_transforms.QKStats
     calibration: Optional[object] = None
 
     @property

@@ -141,8 +141,8 @@ def _attn_qat_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
         call = calls[-1]
         call.dispatched += 1
         state, inference, where = call.state, call.state.inference, "attn_qat (diffusers Wan processor)"
-        if state.calibration is not None:  # calibrate_k_shift: record K, attend as PyTorch's SDPA does
-            qk_transforms.record_keys(state.calibration, key, heads_axis=2)
+        if state.calibration is not None:  # calibrate_k_shift: record Q and K, attend as PyTorch's SDPA does
+            qk_transforms.record_qk(state.calibration, query, key, heads_axis=2)
             return torch_sdpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p,
                               is_causal, scale, enable_gqa).transpose(1, 2)
         query, key = qk_transforms.transform_module_qk(call.module, query, key, state.config, heads_axis=2,

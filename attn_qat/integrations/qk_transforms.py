@@ -1,6 +1,6 @@
-"""The Q/K transforms of numerics.md §9 in a prepared model: each attention module's K shift (a buffer, calibrated by
-`calibrate_k_shift`) and the transform an integration applies to a call's query and key before attn_qat quantizes
-them. The transforms themselves are `attn_qat.transforms`."""
+"""The Q/K transforms of numerics.md §9 in a prepared model: each attention module's K shift and Q/K balance (buffers,
+calibrated by `calibrate_k_shift`) and the transform an integration applies to a call's query and key before attn_qat
+quantizes them. The transforms themselves are `attn_qat.transforms`."""
 import dataclasses
 from typing import Optional
 
@@ -10,8 +10,11 @@ from ..host_cache import HostCache
 from ..transforms import transform_qk
 from .config import QATConfig, module_state
 
-# The buffer of an attention module that holds its calibrated K shift, (H_kv, D) float32.
+# The buffers of an attention module that hold its calibrated K shift and Q/K balance scales, (H_kv, D) float32.
 K_SHIFT_BUFFER = "attn_qat_k_shift"
+QK_BALANCE_BUFFER = "attn_qat_qk_balance"
+# The balance scales' range: s_c beyond it would move a channel out of bf16's normal range
+BALANCE_LIMIT = 2.0 ** 24
 
 # Whether a K-shift buffer holds calibrated values (no NaN): read on the host once per calibration or state_dict
 # load, not once a layer and step.
@@ -24,25 +27,43 @@ def _calibrated(shift: torch.Tensor) -> bool:
     return _calibrated_shifts.get(shift, lambda: not bool(shift.isnan().any()))
 
 
+def _calibrated_buffer(module, name: str, key, heads_axis: int, what: str, setting: str, where: str):
+    """`module`'s calibrated (H_kv, D) buffer `name`, checked against the call's key and viewed to broadcast
+    against it."""
+    buffer = getattr(module, name, None)
+    if buffer is None or not _calibrated(buffer):
+        raise RuntimeError(f"{where}: {type(module).__name__} runs with QATConfig({setting}) but has no calibrated "
+                           f"{what}: call attn_qat.calibrate_k_shift(model, batches) after attn_qat.prepare (a "
+                           f"checkpoint saved after calibration holds it as the buffer '{name}' of each attention "
+                           "module; load it after prepare)")
+    if buffer.shape != (key.shape[heads_axis], key.shape[-1]):
+        raise ValueError(f"{where}: the calibrated {what} of {type(module).__name__} has shape "
+                         f"{tuple(buffer.shape)}, but its keys have {key.shape[heads_axis]} heads of "
+                         f"{key.shape[-1]} channels; calibrate again")
+    return buffer
+
+
+def _along(t: torch.Tensor, like: torch.Tensor, heads_axis: int) -> torch.Tensor:
+    """An (H, D) tensor viewed to broadcast against `like` with its heads on `heads_axis` and channels last."""
+    return t.view((t.shape[0],) + (1,) * (like.dim() - 2 - heads_axis) + (t.shape[1],))
+
+
 def transform_module_qk(module, query, key, config: QATConfig, heads_axis: int, where: str):
-    """(query, key) after `config`'s transforms with `module`'s K shift; the key's KV heads on `heads_axis` and its
-    channels last ((B, H_kv, S, D): 1; (B, S, H_kv, D): 2). Unchanged without transforms."""
+    """(query, key) after `config`'s transforms with `module`'s K shift and Q/K balance; the query's heads and the
+    key's KV heads on `heads_axis` and their channels last ((B, H, S, D): 1; (B, S, H, D): 2). Unchanged without
+    transforms."""
     if not config.transforms_qk:
         return query, key
-    shift = None
+    shift = balance = None
     if config.shift_k:
-        shift = getattr(module, K_SHIFT_BUFFER, None)
-        if shift is None or not _calibrated(shift):
-            raise RuntimeError(f"{where}: {type(module).__name__} runs with QATConfig(shift_k=True) but has no "
-                               "calibrated K shift: call attn_qat.calibrate_k_shift(model, batches) after "
-                               "attn_qat.prepare (a checkpoint saved after calibration holds it as the buffer "
-                               f"'{K_SHIFT_BUFFER}' of each attention module; load it after prepare)")
-        if shift.shape != (key.shape[heads_axis], key.shape[-1]):
-            raise ValueError(f"{where}: the calibrated K shift of {type(module).__name__} has shape "
-                             f"{tuple(shift.shape)}, but its keys have {key.shape[heads_axis]} heads of "
-                             f"{key.shape[-1]} channels; calibrate again")
-        shift = shift.view((shift.shape[0],) + (1,) * (key.dim() - 2 - heads_axis) + (shift.shape[1],))
-    return transform_qk(query, key, config.rotate_qk, shift)
+        shift = _along(_calibrated_buffer(module, K_SHIFT_BUFFER, key, heads_axis, "K shift", "shift_k=True", where),
+                       key, heads_axis)
+    if config.balance_qk is not None:
+        s = _calibrated_buffer(module, QK_BALANCE_BUFFER, key, heads_axis, "Q/K balance",
+                               f"balance_qk={config.balance_qk}", where)
+        group = query.shape[heads_axis] // s.shape[0]  # the query heads of a KV head share its scales
+        balance = (_along(s.repeat_interleave(group, 0), query, heads_axis), _along(s, key, heads_axis))
+    return transform_qk(query, key, config.rotate_qk, shift, balance)
 
 
 def prepare_module(module: torch.nn.Module, config: QATConfig, name: str, heads_kv: Optional[int],
@@ -53,46 +74,79 @@ def prepare_module(module: torch.nn.Module, config: QATConfig, name: str, heads_
     if config.rotate_qk and head_dim and head_dim & (head_dim - 1):  # qk_rotation's rule, said before training
         raise ValueError(f"attn_qat.prepare: rotate_qk needs a power-of-two head_dim; {name} has {head_dim}")
     if config.shift_k:
-        _k_shift_placeholder(module, heads_kv, head_dim)
+        _placeholder(module, K_SHIFT_BUFFER, heads_kv, head_dim)
+    if config.balance_qk is not None:
+        _placeholder(module, QK_BALANCE_BUFFER, heads_kv, head_dim)
 
 
-def _k_shift_placeholder(module: torch.nn.Module, heads: Optional[int], head_dim: Optional[int]) -> None:
-    """Gives a module prepared with shift_k its K-shift buffer before calibration, filled with NaN (not calibrated),
-    so that a state_dict saved after `calibrate_k_shift` loads into a freshly prepared model."""
-    if getattr(module, K_SHIFT_BUFFER, None) is not None or not heads or not head_dim:
+def _placeholder(module: torch.nn.Module, name: str, heads: Optional[int], head_dim: Optional[int]) -> None:
+    """Gives a module prepared with a calibrated transform its buffer before calibration, filled with NaN (not
+    calibrated), so that a state_dict saved after `calibrate_k_shift` loads into a freshly prepared model."""
+    if getattr(module, name, None) is not None or not heads or not head_dim:
         return  # calibrated (or loaded) already; or of unknown shape, then calibrate_k_shift creates it
     param = next(module.parameters(), None)
-    module.register_buffer(K_SHIFT_BUFFER, torch.full((heads, head_dim), float("nan"),
-                                                      device=param.device if param is not None else None))
+    module.register_buffer(name, torch.full((heads, head_dim), float("nan"),
+                                            device=param.device if param is not None else None))
 
 
 @dataclasses.dataclass
-class KeySums:
-    """What `calibrate_k_shift` gathers for one module: the sum of the keys it was given, (H_kv, D) float64, and
-    how many tokens that sum holds."""
+class QKStats:
+    """What `calibrate_k_shift` gathers for one module: the sum of the keys it was given, (H_kv, D) float64, how
+    many tokens that sum holds, and the largest |k| and |q| of each (KV head, channel), a KV head's query heads
+    together."""
 
     total: Optional[torch.Tensor] = None
     count: int = 0
+    k_max: Optional[torch.Tensor] = None
+    q_max: Optional[torch.Tensor] = None
 
 
-def record_keys(calibration: KeySums, key: torch.Tensor, heads_axis: int) -> None:
-    """Adds a call's keys to a module's calibration sums."""
+def record_qk(calibration: QKStats, query: torch.Tensor, key: torch.Tensor, heads_axis: int) -> None:
+    """Adds a call's query and keys to a module's calibration statistics."""
     others = tuple(a for a in range(key.dim() - 1) if a != heads_axis)
-    total = key.detach().double().sum(dim=others)
+    key = key.detach()
+    total = key.double().sum(dim=others)
     calibration.total = total if calibration.total is None else calibration.total + total
     calibration.count += key[..., 0].numel() // key.shape[heads_axis]
+    k_max = key.abs().amax(dim=others).double()
+    q_max = query.detach().abs().amax(dim=others).double()  # (H, D) -> the max over each KV head's group
+    q_max = q_max.view(key.shape[heads_axis], -1, q_max.shape[-1]).amax(1)
+    calibration.k_max = k_max if calibration.k_max is None else torch.maximum(calibration.k_max, k_max)
+    calibration.q_max = q_max if calibration.q_max is None else torch.maximum(calibration.q_max, q_max)
+
+
+def balance_scales(stats: QKStats, alpha: float) -> torch.Tensor:
+    """The Q/K balance s = (max|k| / max|q|)^alpha, (H_kv, D) float32: 1 where a channel of either is all zero (or
+    not finite), and within [1 / BALANCE_LIMIT, BALANCE_LIMIT]."""
+    k_max, q_max = stats.k_max, stats.q_max
+    usable = (k_max > 0) & (q_max > 0) & torch.isfinite(k_max) & torch.isfinite(q_max)
+    ratio = torch.where(usable, k_max / torch.where(usable, q_max, 1.0), 1.0)
+    return ratio.pow(alpha).clamp(1 / BALANCE_LIMIT, BALANCE_LIMIT).float()
+
+
+def _keep(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Stores a calibrated (H_kv, D) value as the module's buffer `name`, in place where it already is one."""
+    current = getattr(module, name, None)
+    if current is not None and name not in module._buffers:
+        raise TypeError(f"attn_qat.calibrate_k_shift: {type(module).__name__} already has an attribute '{name}' "
+                        "that is not a buffer")
+    if current is not None and current.shape == value.shape and not current.is_inference():
+        current.copy_(value)  # the same tensor: wrappers that hold the buffer (DDP) see the new values
+    else:
+        module.register_buffer(name, value.clone(), persistent=True)
 
 
 @torch.no_grad()
 def calibrate_k_shift(model, batches, run=None):
-    """Measures each prepared attention module's K channel means for QATConfig(shift_k=True) (numerics.md §9) and
-    keeps them as the module's buffer `attn_qat_k_shift` (H_kv, D), float32, saved with the model's state_dict.
-    Returns the model.
+    """Measures what the calibrated transforms of numerics.md §9 need on each prepared attention module and keeps it as
+    the module's buffers, (H_kv, D) float32, saved with the model's state_dict: for QATConfig(shift_k=True) the K
+    channel means (`attn_qat_k_shift`), for QATConfig(balance_qk=alpha) the Q/K balance scales (max|k| /
+    max|q|)^alpha (`attn_qat_qk_balance`). Returns the model.
 
     Call it after `attn_qat.prepare(model, QATConfig(shift_k=True, ...))` (and after any cast of the model's dtype),
     with a few batches of the training data (about 16 sequences in all): `run(model, batch)` runs one (default
     `model(**batch)` for a dict, else `model(batch)`).
-    Meanwhile the modules record the keys they are given (after RoPE and norms) and attend as the model's own
+    Meanwhile the modules record the queries and keys they are given (after RoPE and norms) and attend as the model's own
     attention does (transformers' "sdpa", PyTorch's SDPA in Wan). The shift stays fixed afterwards, in training and
     inference alike: any fixed shift keeps the scores exact; only FP4's rounding depends on it. Padding tokens in the
     batches count like any other token. Under data parallelism, calibrate every rank on the same batches (or load
@@ -103,13 +157,14 @@ def calibrate_k_shift(model, batches, run=None):
 
     base, _ = _unwrap_peft(model, None)
     targets = [(m, s) for m in base.modules() if (s := module_state(m)) is not None and s.selected and
-               s.config.shift_k]
+               s.config.calibrated_qk]
     if not targets:
         raise ValueError(f"attn_qat.calibrate_k_shift: {type(base).__name__} has no attention module prepared with "
-                         "QATConfig(shift_k=True); call attn_qat.prepare(model, QATConfig(shift_k=True)) first")
+                         "QATConfig(shift_k=True) or balance_qk; call attn_qat.prepare(model, QATConfig(shift_k=True)) "
+                         "first")
     run = run if run is not None else (lambda m, b: m(**b) if isinstance(b, dict) else m(b))
     for _, state in targets:
-        state.calibration = KeySums()
+        state.calibration = QKStats()
     try:
         for batch in batches:
             run(model, batch)
@@ -119,15 +174,11 @@ def calibrate_k_shift(model, batches, run=None):
                              "pass at least one batch that runs the whole model")
         with torch.inference_mode(False):  # a buffer made in inference mode could never be updated in place
             for module, state in targets:
-                shift = (state.calibration.total / state.calibration.count).float()
-                current = getattr(module, K_SHIFT_BUFFER, None)
-                if current is not None and K_SHIFT_BUFFER not in module._buffers:
-                    raise TypeError(f"attn_qat.calibrate_k_shift: {type(module).__name__} already has an attribute "
-                                    f"'{K_SHIFT_BUFFER}' that is not a buffer")
-                if current is not None and current.shape == shift.shape and not current.is_inference():
-                    current.copy_(shift)  # the same tensor: wrappers that hold the buffer (DDP) see the new means
-                else:
-                    module.register_buffer(K_SHIFT_BUFFER, shift.clone(), persistent=True)
+                stats = state.calibration
+                if state.config.shift_k:
+                    _keep(module, K_SHIFT_BUFFER, (stats.total / stats.count).float())
+                if state.config.balance_qk is not None:
+                    _keep(module, QK_BALANCE_BUFFER, balance_scales(stats, state.config.balance_qk))
     finally:
         for _, state in targets:
             state.calibration = None

@@ -44,9 +44,10 @@ def register_transformers(config: Optional[QATConfig] = None) -> None:
 
     global _default_state
     if config is not None:
-        if config.shift_k:  # the K shift is a buffer that prepare makes and calibrate_k_shift fills, module by module
-            raise ValueError("attn_qat.register_transformers: shift_k needs attn_qat.prepare(model, config) and "
-                             "attn_qat.calibrate_k_shift; a registered default config cannot hold a K shift")
+        if config.calibrated_qk:  # buffers that prepare makes and calibrate_k_shift fills, module by module
+            raise ValueError("attn_qat.register_transformers: shift_k and balance_qk need attn_qat.prepare(model, "
+                             "config) and attn_qat.calibrate_k_shift; a registered default config cannot hold their "
+                             "calibrated values")
         _default_state = AttentionState(config)
     AttentionInterface.register(IMPLEMENTATION, attn_qat_attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
@@ -74,8 +75,8 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
     if cache_layer is not None:
         return _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, scaling, is_causal, state,
                                    kwargs)
-    if state.calibration is not None:  # calibrate_k_shift: record K, attend as the model's own attention does
-        qk_transforms.record_keys(state.calibration, key, heads_axis=1)
+    if state.calibration is not None:  # calibrate_k_shift: record Q and K, attend as the model's own attention does
+        qk_transforms.record_qk(state.calibration, query, key, heads_axis=1)
     if not state.active or state.calibration is not None:
         return _sdpa_attention_forward()(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, is_causal=is_causal, **kwargs)
