@@ -34,8 +34,6 @@ STATE = {"parts": frozenset(), "k_shift": None, "collect": None, "rotation": Non
 def quantized_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Causal attention in fp32 with the parts in STATE["parts"] fake-quantized (numerics.md §1-§3)."""
     parts, layer = STATE["parts"], module.layer_idx
-    b, hq, n, d = query.shape
-    hkv = key.shape[1]
     q, k, v = query.float(), key.float(), value.float()
     if STATE["collect"] is not None:
         STATE["collect"].setdefault(layer, []).append(k.mean(dim=2).sum(0).double())  # (Hkv, D) sums of means
@@ -43,14 +41,23 @@ def quantized_attention(module, query, key, value, attention_mask, scaling=None,
         k = k - STATE["k_shift"][layer].to(k.device)[None, :, None, :]
     if STATE["rotation"] is not None:  # q.k unchanged: the rotation is orthogonal
         q, k = q @ STATE["rotation"], k @ STATE["rotation"]
+    out = fake_quant_attention(q, k, v, parts, scaling)
+    return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def fake_quant_attention(q, k, v, parts, scaling=None):
+    """Causal attention, (B, H, N, D) float32, of float32 q (B, H, N, D) and k, v (B, H_kv, N, D), with the operands
+    named in `parts` ("q", "k", "v", "p") fake-quantized as numerics.md §1-§3 say."""
+    n, d = q.shape[2], q.shape[3]
+    group = q.shape[1] // k.shape[1]
     if "q" in parts:
         q = reference.fake_quantize(q, -1).float()
     if "k" in parts:
         k = reference.fake_quantize(k, -1).float()
     if "v" in parts:
         v = reference.fake_quantize(v, -1).float()
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
     t = torch.matmul(q, k.transpose(-1, -2)) * (scale * math.log2(math.e))
     hidden = torch.ones(n, n, dtype=torch.bool, device=t.device).triu(1)
@@ -62,8 +69,7 @@ def quantized_attention(module, query, key, value, attention_mask, scaling=None,
         pad = (-n) % 16
         wp = F.pad(w, (0, pad)) if pad else w
         w = reference.fake_quantize(wp, -1)[..., :n].float()
-    out = torch.matmul(w, v) / l
-    return out.transpose(1, 2).to(query.dtype).contiguous(), None
+    return torch.matmul(w, v) / l
 
 
 def query_dim(model):

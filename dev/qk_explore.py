@@ -17,18 +17,15 @@ both with paired bootstrap 95% intervals. Few windows on a CPU: the numbers rank
 """
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fp4_error_budget as budget  # noqa: E402
 lm = budget.lm
-from attn_qat import reference  # noqa: E402
 from attn_qat.transforms import qk_rotation  # noqa: E402
 
 NAME = "qk_explore"
@@ -65,8 +62,7 @@ class Transform:
 def quantized_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """fp4_error_budget.quantized_attention with STATE["transform"] applied to Q and K before quantization."""
     parts, layer = STATE["parts"], module.layer_idx
-    b, hq, n, d = query.shape
-    hkv = key.shape[1]
+    hq, d, hkv = query.shape[1], query.shape[3], key.shape[1]
     q, k, v = query.float(), key.float(), value.float()
     if STATE["collect"] is not None:  # calibration: keep K (bf16 values, exact) and the running max |q|
         c = STATE["collect"].setdefault(layer, {"k": [], "qmax": torch.zeros(hq, d)})
@@ -74,26 +70,7 @@ def quantized_attention(module, query, key, value, attention_mask, scaling=None,
         c["qmax"] = torch.maximum(c["qmax"], q.abs().amax(dim=(0, 2)).cpu())
     if STATE["transform"] is not None:
         q, k = STATE["transform"](layer, q, k)
-    if "q" in parts:
-        q = reference.fake_quantize(q, -1).float()
-    if "k" in parts:
-        k = reference.fake_quantize(k, -1).float()
-    if "v" in parts:
-        v = reference.fake_quantize(v, -1).float()
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
-    t = torch.matmul(q, k.transpose(-1, -2)) * (scale * math.log2(math.e))
-    hidden = torch.ones(n, n, dtype=torch.bool, device=t.device).triu(1)
-    t = t.masked_fill(hidden, -math.inf)
-    frame = torch.ceil(t.amax(-1, keepdim=True))
-    w = torch.exp2(t - (frame - 11.0))  # P̂ * 2^11; hidden keys 0
-    l = w.sum(-1, keepdim=True)
-    if "p" in parts:
-        pad = (-n) % 16
-        wp = F.pad(w, (0, pad)) if pad else w
-        w = reference.fake_quantize(wp, -1)[..., :n].float()
-    out = torch.matmul(w, v) / l
+    out = budget.fake_quant_attention(q, k, v, parts, scaling)
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
 
 
