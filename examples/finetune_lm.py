@@ -426,8 +426,8 @@ class LMTask:
 
     @torch.no_grad()
     def calibrate(self, model):
-        """The K shift of a model prepared with shift_k: channel means over CALIBRATION_WINDOWS training windows, the
-        same windows for every arm and seed."""
+        """The K shift and Q/K balance of a model prepared with them (attn_qat.calibrate_k_shift) over
+        CALIBRATION_WINDOWS training windows, the same windows for every arm and seed."""
         starts = evenly_spaced(len(self.train_stream), CALIBRATION_WINDOWS, self.args.seq_len + 1)
         batches = [gather_windows(self.train_stream, chunk, self.args.seq_len).to(self.device)
                    for chunk in starts.split(self.args.batch_size)]

@@ -254,7 +254,7 @@ class WanTask:
 
     @torch.no_grad()
     def calibrate(self, model):
-        """The K shift of a model prepared with shift_k: key means over CALIBRATION_BATCHES training batches."""
+        """The K shift and Q/K balance of a model prepared with them over CALIBRATION_BATCHES training batches."""
         generator = self.generator(CALIBRATION_SEED)
         batches = [self.train_batch(generator) for _ in range(CALIBRATION_BATCHES)]
         with self.autocast():

@@ -16,15 +16,15 @@ QK_BALANCE_BUFFER = "attn_qat_qk_balance"
 # The balance scales' range: s_c beyond it would move a channel out of bf16's normal range
 BALANCE_LIMIT = 2.0 ** 24
 
-# Whether a K-shift buffer holds calibrated values (no NaN): read on the host once per calibration or state_dict
-# load, not once a layer and step.
-_calibrated_shifts = HostCache()
+# Whether a calibrated buffer (K shift, Q/K balance) holds values (no NaN): read on the host once per calibration or
+# state_dict load, not once a layer and step.
+_calibrated_buffers = HostCache()
 
 
-def _calibrated(shift: torch.Tensor) -> bool:
+def _calibrated(buffer: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
-        return True  # not read while tracing; an uncalibrated (NaN) shift then makes the outputs NaN
-    return _calibrated_shifts.get(shift, lambda: not bool(shift.isnan().any()))
+        return True  # not read while tracing; an uncalibrated (NaN) buffer then makes the outputs NaN
+    return _calibrated_buffers.get(buffer, lambda: not bool(buffer.isnan().any()))
 
 
 def _calibrated_buffer(module, name: str, key, heads_axis: int, what: str, setting: str, where: str):
@@ -70,7 +70,7 @@ def prepare_module(module: torch.nn.Module, config: QATConfig, name: str, heads_
                    head_dim: Optional[int]) -> None:
     """What `prepare` does for the transforms on a selected module with `heads_kv` KV heads of `head_dim` channels
     (None where the integration cannot tell): refuse a rotation the head_dim does not allow, and give a module with
-    a K shift its placeholder buffer."""
+    a K shift or a Q/K balance its placeholder buffers."""
     if config.rotate_qk and head_dim and head_dim & (head_dim - 1):  # qk_rotation's rule, said before training
         raise ValueError(f"attn_qat.prepare: rotate_qk needs a power-of-two head_dim; {name} has {head_dim}")
     if config.shift_k:
