@@ -7,41 +7,48 @@ GPUs, each with its own --out) are merged here, then reported once:
     python dev/merge_runs.py docs/results/NAME /tmp/lm_s0 /tmp/lm_s1 /tmp/lm_s2
     python examples/finetune_lm.py --preset h100_long --report-only --out docs/results/NAME
 
-A run present in several folders must be identical in each (the base entries, which every invocation evaluates,
-are deterministic); a difference stops the merge. The setups are concatenated, so the report's
-"invocations_consistent" compares their configurations and data hashes.
+A run present in several folders (or already in the merged one) must be identical in each (the base entries, which
+every invocation evaluates, are deterministic); a difference stops the merge before anything is written. Each
+invocation's setup is added once, so the report's "invocations_consistent" compares their configurations and data
+hashes.
 """
 import argparse
-import json
-import pathlib
+import os
 import shutil
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from finetune_common import RunStore  # noqa: E402  (the folders' layout)
+
 
 def merge(out, sources):
-    runs = pathlib.Path(out) / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    setups = json.loads((runs / "setup.json").read_text()) if (runs / "setup.json").exists() else []
-    copied = same = 0
+    """Checks every source first, so that a refused merge leaves `out` as it was."""
+    store = RunStore(out)
+    chosen = {}  # run file name -> the first source path holding it (later ones must equal it)
+    repeats = 0
     for source in sources:
-        src = pathlib.Path(source) / "runs"
-        if not src.is_dir():
-            raise SystemExit(f"merge_runs: {src} is not a results folder's runs/")
-        if (src / "setup.json").exists():
-            setups += json.loads((src / "setup.json").read_text())
-        for path in sorted(src.glob("*_seed*.*")):
+        src = RunStore(source)
+        if not src.runs.is_dir():
+            raise SystemExit(f"merge_runs: {src.runs} is not a results folder's runs/")
+        for path in sorted(src.runs.glob("*_seed*.*")):
             if path.suffix not in (".json", ".csv"):
                 continue
-            target = runs / path.name
-            if target.exists():
-                if target.read_bytes() != path.read_bytes():
-                    raise SystemExit(f"merge_runs: {path.name} differs between {source} and an earlier folder")
-                same += 1
-                continue
-            shutil.copy2(path, target)
-            copied += 1
-    (runs / "setup.json").write_text(json.dumps(setups, indent=1) + "\n")
-    print(f"{out}: {copied} runs copied, {same} already there and identical, {len(setups)} invocations")
+            first = chosen.setdefault(path.name, path)
+            repeats += first is not path
+            earlier = store.runs / path.name
+            for other in {first, earlier} - {path}:
+                if other.exists() and other.read_bytes() != path.read_bytes():
+                    raise SystemExit(f"merge_runs: {path.name} differs between {source} and {other.parent.parent}")
+    store.runs.mkdir(parents=True, exist_ok=True)
+    copied = [p for name, p in chosen.items() if not (store.runs / name).exists()]
+    for path in copied:
+        shutil.copy2(path, store.runs / path.name)
+    for source in sources:
+        for record in RunStore(source).setups():
+            if record not in store.setups():  # merging a folder again adds nothing
+                store.add_setup(record)
+    print(f"{out}: {len(copied)} runs copied, {len(chosen) - len(copied)} already there, {repeats} repeated "
+          f"identically in several sources, {len(store.setups())} invocations")
 
 
 def main(argv=None):
