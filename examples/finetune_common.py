@@ -133,6 +133,11 @@ def finish_args(parser, args):
         parser.error(f"--seeds must be a comma list of integers, got {args.seeds!r}")
     if not args.seeds:
         parser.error("--seeds is empty")
+    if args.balance_qk is not None:
+        try:  # QATConfig's own check, said before the minutes of setup rather than at the first transformed arm
+            attn_qat.QATConfig(balance_qk=args.balance_qk)
+        except ValueError as e:
+            parser.error(f"--balance-qk: {e}")
     return args
 
 

@@ -329,3 +329,12 @@ def test_master_weights_keep_small_updates():
                                                                          atol=1e-4)
     assert torch.equal(weight, torch.full((4,), 0.99609375, dtype=torch.bfloat16))  # the master, rounded to bf16
     assert weight.grad is None
+
+
+@pytest.mark.parametrize("example", ["finetune_lm", "finetune_wan"])
+def test_balance_qk_is_checked_when_parsed(example):
+    module = load_example(example)
+    for bad in ("0", "1.5", "nan"):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--device", "cpu", "--balance-qk", bad])
+    assert module.parse_args(["--device", "cpu", "--balance-qk", "0.3"]).balance_qk == 0.3
