@@ -40,6 +40,8 @@ def _delta_from_out_prime(mode: int) -> bool:
 
 # csrc/binding/attn_qat.h's aq_tail_split_mode
 _TAIL_AUTO, _TAIL_OFF, _TAIL_FORCED = 0, 1, 2
+# kernel_options' work_order: packed calls' items longest first (the tables of attn_qat/varlen.py), or index order
+WORK_ORDERS = ("lpt", "index")
 
 
 class kernel_options:
@@ -51,16 +53,18 @@ class kernel_options:
     the last `tail` work items into `parts` parts each (for tests). decode_variant: the decode kernel's variant,
     0-3 (bit 0: the last CTA of a sequence's chunks merges them, else a combine kernel; bit 1: early start), or
     "auto" (3); decode_chunk: the keys a decode CTA takes, a multiple of 64 up to 4096, or "auto" (planned): both
-    for A/B runs and tests. None leaves an option as it is.
+    for A/B runs and tests. work_order: "lpt" (the default) hands packed calls' work items to the Hopper kernels
+    longest first (attn_qat/varlen.py's tables), "index" in index order as dense calls (A/B runs: bench_varlen.py
+    --orders); the outputs are the same either way. None leaves an option as it is.
 
     The call sets the options at once; as a context manager it restores, on exit, the ones in force before it. With
     no arguments it changes nothing, and its attributes tell the options in force. The environment variables
-    ATTN_QAT_SM90, ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT and ATTN_QAT_DECODE_CHUNK give the options when the
-    library loads."""
+    ATTN_QAT_SM90, ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT, ATTN_QAT_DECODE_CHUNK and ATTN_QAT_WORK_ORDER give
+    the options when the library loads."""
 
-    def __init__(self, sm90=None, tail_split=None, decode_variant=None, decode_chunk=None):
+    def __init__(self, sm90=None, tail_split=None, decode_variant=None, decode_chunk=None, work_order=None):
         self._previous = _C.kernel_options()
-        sm90_on, mode, tail, parts, variant, chunk = self._previous
+        sm90_on, mode, tail, parts, variant, chunk, index_order = self._previous
         if sm90 is not None:
             if not isinstance(sm90, bool):
                 raise TypeError(f"attn_qat.ops.kernel_options: sm90 must be True, False or None, got {sm90!r}")
@@ -74,11 +78,17 @@ class kernel_options:
             step, most = _C.DECODE_CHUNK_STEP, _C.DECODE_CHUNK_MAX
             chunk = self._auto_or_int("decode_chunk", decode_chunk, 0, lambda c: 0 < c <= most and c % step == 0,
                                       f"a multiple of {step} up to {most}")
-        _C.set_kernel_options(sm90_on, mode, tail, parts, variant, chunk)
+        if work_order is not None:
+            if work_order not in WORK_ORDERS:
+                raise ValueError(f"attn_qat.ops.kernel_options: work_order must be one of "
+                                 f"{', '.join(map(repr, WORK_ORDERS))}, got {work_order!r}")
+            index_order = int(work_order == "index")
+        _C.set_kernel_options(sm90_on, mode, tail, parts, variant, chunk, index_order)
         self.sm90 = bool(sm90_on)
         self.tail_split = "auto" if mode == _TAIL_AUTO else 0 if mode == _TAIL_OFF else (tail, parts)
         self.decode_variant = "auto" if variant < 0 else variant
         self.decode_chunk = "auto" if chunk == 0 else chunk
+        self.work_order = "index" if index_order else "lpt"
 
     @staticmethod
     def _auto_or_int(name, value, auto, valid, allowed):
@@ -190,7 +200,8 @@ def _(q, k, v, v_along_tokens):
 
 
 @torch.library.register_fake("attn_qat::attention_forward")
-def _(q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens, q_span=None, k_span=None):
+def _(q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens, q_span=None, k_span=None, fwd_order=None,
+      dkdv_order=None):
     b, h, n, d = q.shape
     out = _empty_like_layout(q, b, h, n, d)
     out_prime = _empty_like_layout(q, b, h, n, d) if need_grad and _delta_from_out_prime(mode) else q.new_empty(0)
@@ -202,7 +213,7 @@ def _(q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens, q_span=None
 
 @torch.library.register_fake("attn_qat::attention_backward")
 def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode, deterministic, v_along_tokens,
-      operands_quantized=False, q_span=None, k_span=None):
+      operands_quantized=False, q_span=None, k_span=None, dkdv_order=None):
     return (_empty_like_layout(q, *q.shape), _empty_like_layout(k, *k.shape), _empty_like_layout(v, *v.shape))
 
 
@@ -234,14 +245,15 @@ torch.library.register_autograd("attn_qat::fake_quantize_qkv", _qkv_backward)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens, *spans = inputs
-    q_span, k_span = spans if spans else (None, None)
+    q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens, *packed = inputs
+    # packed calls (attn_qat/varlen.py): the spans and the work orders; the backward takes the dK/dV kernel's
+    q_span, k_span, _, dkdv_order = tuple(packed) + (None,) * (4 - len(packed))
     out, out_prime, frame, row_sum, q_fq, k_fq, v_fq = output
     # The backward takes Q^F, K^F, V^F where the op returned them (as csrc/binding/ops.cpp decides).
     ctx.operands_quantized = need_grad and _quantized_backward(mode)
     if ctx.operands_quantized:
         q, k, v = q_fq, k_fq, v_fq
-    ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask, q_span, k_span)
+    ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask, q_span, k_span, dkdv_order)
     # only out carries a gradient; and without materialized gradients autograd passes None for the others
     # instead of zero-filling an O'-sized tensor every backward (marking them non-differentiable alone does not)
     ctx.mark_non_differentiable(out_prime, frame, row_sum, q_fq, k_fq, v_fq)
@@ -250,7 +262,7 @@ def _attention_setup_context(ctx, inputs, output):
 
 
 def _attention_backward(ctx, grad_out, *unused_grads):
-    q, k, v, out, out_prime, frame, row_sum, mask, q_span, k_span = ctx.saved_tensors
+    q, k, v, out, out_prime, frame, row_sum, mask, q_span, k_span, dkdv_order = ctx.saved_tensors
     if grad_out is None:  # only when autograd differentiates this backward itself (create_graph=True)
         raise RuntimeError("attn_qat: double backward (a gradient of the attention gradients) is not supported")
     if grad_out.stride(-1) != 1:
@@ -260,8 +272,8 @@ def _attention_backward(ctx, grad_out, *unused_grads):
     # The gradients of Q^F, K^F, V^F are those of q, k, v: the straight-through estimator (numerics.md §4).
     dq, dk, dv = ops.attention_backward(grad_out.to(q.dtype), q, k, v, out, out_prime, mask, frame, row_sum,
                                         ctx.scale, ctx.causal, ctx.mode, torch.are_deterministic_algorithms_enabled(),
-                                        ctx.v_along_tokens, ctx.operands_quantized, q_span, k_span)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                                        ctx.v_along_tokens, ctx.operands_quantized, q_span, k_span, dkdv_order)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("attn_qat::attention_forward", _attention_backward,

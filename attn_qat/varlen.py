@@ -27,6 +27,11 @@ from .ops import CAUSAL_NONE, check_softmax_scale, mode_code, ops, positive_scal
 
 BLOCK = 16  # numerics.md §1: the tokens of a P or V block
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+# The Hopper kernels' tiles, as csrc/sm90 sizes them: the dK/dV kernel's items are 128-key tiles of a KV head, which
+# visit 64-query steps (attention_bwd_sm90.cu's BWD90_KEYS, BWD90_Q_STEP); the forward's are query tiles of 64 rows
+# a consumer warpgroup over key tiles of 64 or 128 (attention_fwd_sm90.cu's sm90_consumer_warpgroups and
+# sm90_keys_per_tile; _fwd_tiles).
+DKDV_KEYS, DKDV_Q_STEP = 128, 64
 
 __all__ = ["attention_varlen"]
 
@@ -102,6 +107,40 @@ def _round_up(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
+def _fwd_tiles(mode: str, head_dim: int, need_grad: bool) -> Tuple[int, int]:
+    """(query rows, keys) of the Hopper forward kernel's tiles for this call: three consumer warpgroups in bf16
+    mode at D = 128, else two; 64-key tiles with O' (a training forward whose backward takes delta from it) or three
+    warpgroups, else 128 (attention_fwd_sm90.cu)."""
+    warpgroups = 3 if mode == "bf16" and head_dim == 128 else 2
+    with_o_prime = need_grad and mode in ("attn_qat", "high_precision_p")
+    return 64 * warpgroups, 64 if with_o_prime or warpgroups == 3 else 128
+
+
+def _tile_work(span: torch.Tensor, n_other: int, rows: int, cols: int) -> torch.Tensor:
+    """Per tile of `rows` tokens, the tiles (or steps) of `cols` tokens of the other axis that it visits, as the
+    kernels count them (csrc/attention/mask.cuh's query_rows_key_range and key_rows_query_range, then
+    attention_fwd_sm90.cu's tile_at and the dK/dV kernel's item): from the first row's span start, rounded down, to
+    the last row's span end."""
+    n = span.shape[0]
+    first = torch.arange(0, n, rows)
+    last = torch.clamp(first + rows, max=n) - 1
+    lo = span[first, 0].clamp(0, n_other)
+    hi = torch.maximum(lo, span[last, 1].clamp(0, n_other))
+    begin = lo // cols * cols
+    return (hi - begin + cols - 1).clamp_min(0) // cols
+
+
+def _lpt_order(work: torch.Tensor, heads: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The items (head * tiles + tile) of `heads` heads of these tiles' work, the most work first, ties by head,
+    then tile (a head's equal tiles stay side by side, reading the same operands from L2); None when every item has
+    the same work, where index order is as good (a head-interleaved order lost there, performance.md)."""
+    if work.numel() == 0 or bool((work == work[0]).all()):
+        return None
+    per_item = work.repeat(heads)
+    order = torch.sort(-per_item, stable=True).indices
+    return order.to(torch.int32).to(device)
+
+
 class _Plan:
     """How one packing runs: the spans the kernels read (csrc/binding/attn_qat.h) and, when K and V must be padded, where
     their rows go. Built on the host from the cumulative lengths, once per packing (functools.lru_cache)."""
@@ -137,6 +176,11 @@ class _Plan:
         k_span = torch.stack((first, end), dim=1)
         self.q_span = q_span.to(torch.int32).contiguous().to(device)
         self.k_span = k_span.to(torch.int32).contiguous().to(device)
+        # Work per tile for the kernels' orders: with head-major index order each head's longest tiles start one head
+        # after another and the last heads' land in the last wave; longest first (LPT) ends the grid on short items.
+        self._q_span_host, self._total_q, self._device = q_span, cu_q[-1], device
+        self._dkdv_work = _tile_work(k_span, cu_q[-1], DKDV_KEYS, DKDV_Q_STEP)
+        self._orders = {}
         # the padded layout's row of each original key row, and its padding rows
         self.k_rows = self.pad_rows = None
         if pad:
@@ -145,6 +189,16 @@ class _Plan:
             is_pad = torch.ones(self.total_k, dtype=torch.bool)
             is_pad[k_rows] = False
             self.k_rows, self.pad_rows = k_rows.to(device), is_pad.nonzero().squeeze(1).to(device)
+
+    def orders(self, heads_q: int, heads_kv: int, fwd_tiles: Tuple[int, int]):
+        """(forward order, dK/dV order) for the ops (csrc/binding/attn_qat.h's work_order), each None where every
+        item has the same work. Cached per (heads, tiles)."""
+        key = (heads_q, heads_kv, fwd_tiles)
+        if key not in self._orders:
+            fwd_work = _tile_work(self._q_span_host, self.total_k, *fwd_tiles)
+            self._orders[key] = (_lpt_order(fwd_work, heads_q, self._device),
+                                 _lpt_order(self._dkdv_work, heads_kv, self._device))
+        return self._orders[key]
 
 
 @torch.compiler.disable  # host-side planning: torch.compile graphs stop here, as at the host read of cu_seqlens
@@ -286,8 +340,10 @@ def _attention_varlen(q4, k4, v4, cu_q: Sequence[int], cu_k: Sequence[int], max_
         k4, v4 = padded(k4), padded(v4)
     need_grad = torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad)
     qs, scale = positive_scale(q4, scale)
+    fwd_order, dkdv_order = plan.orders(q4.shape[1], k4.shape[1], _fwd_tiles(mode, q4.shape[-1], need_grad))
     out, _, frame, row_sum, *_ = ops.attention_forward(qs, k4, v4, None, scale, CAUSAL_NONE, mode_code(mode), need_grad,
-                                                       along_tokens, plan.q_span, plan.k_span)
+                                                       along_tokens, plan.q_span, plan.k_span, fwd_order,
+                                                       dkdv_order if need_grad else None)
     out = out.squeeze(0).transpose(0, 1)  # views both ways: indexing with [0] would make its backward a copy
     if not return_lse:
         return out

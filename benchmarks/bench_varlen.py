@@ -12,6 +12,11 @@ bf16, causal and not. FLOPs count the visible work, 4 H sum_s Nq_s Nk_s D (halve
 cached plan), timed apart with the GPU idle.
 
     python benchmarks/bench_varlen.py [--out benchmarks/results/varlen.json] [--quick] [--only shape,...]
+                                      [--orders index,lpt]
+
+--orders adds attn_qat varlen rows for each work order (the work_order kernel option: "lpt", packed items longest
+first, the default, or "index", the dense calls' order), in the order given (repeat names for more rounds), for
+A/B runs in one process; both give the same bits.
 """
 import os
 import sys
@@ -96,7 +101,7 @@ def host_ms(fn, repeat=20):
     return sorted(times)[len(times) // 2]
 
 
-def bench_shape(name, shape, repeat):
+def bench_shape(name, shape, repeat, orders=()):
     lengths, hq, hkv, d, causal, (b, n) = shape
     total = sum(lengths)
     assert b * n == total
@@ -140,9 +145,13 @@ def bench_shape(name, shape, repeat):
              ("attn_qat varlen fwd (training)", varlen_fwd, work),
              (f"attn_qat dense ({b}, {n}) fwd+bwd", dense_step, dense_work)]
     cases += [(f"{label} fwd+bwd", other_step(kernel), work) for label, kernel in other_varlen_kernels()]
-    for label, make, fl in cases:
+    for i, order in enumerate(orders):  # A/B rows: the option is read when each call plans its kernels
+        suffix = f" (order {order}{'' if order not in orders[:i] else f' #{orders[:i].count(order) + 1}'})"
+        cases += [(f"attn_qat varlen fwd+bwd{suffix}", varlen_step, work, order),
+                  (f"attn_qat varlen fwd (training){suffix}", varlen_fwd, work, order)]
+    for label, make, fl, *order in cases:
         try:
-            with torch.set_grad_enabled(True):
+            with torch.set_grad_enabled(True), attn_qat.ops.kernel_options(work_order=(order or [None])[0]):
                 ms = timed(make, sets, repeat)
             fwd_bwd = "fwd+bwd" in label
             rows[label] = {"ms": ms, "TFLOP/s": fl * (3.5 if fwd_bwd else 1) / ms / 1e9}
@@ -163,16 +172,25 @@ def bench_shape(name, shape, repeat):
     ratios = {f"varlen / dense ({b}, {n})": ratio("attn_qat varlen fwd+bwd", dense)}
     for label, _ in other_varlen_kernels():
         ratios[f"varlen / {label}"] = ratio("attn_qat varlen fwd+bwd", f"{label} fwd+bwd")
+    for label in rows:
+        if label.startswith("attn_qat varlen fwd+bwd ("):
+            ratios[f"varlen{label[len('attn_qat varlen fwd+bwd'):]} / dense ({b}, {n})"] = ratio(label, dense)
     return {"shape": name, "dims": {"lengths": lengths, "Hq": hq, "Hkv": hkv, "D": d, "causal": causal,
                                     "dense": [b, n], "unaligned": sum(x % 16 != 0 for x in lengths)},
             "results": rows, "ratios": ratios}
 
 
 def main():
-    args = parse_bench_args("varlen", __doc__, 10, "8x2048 (both) and the causal mix only")
+    def add_orders(parser):
+        parser.add_argument("--orders", default="", help="comma-separated work orders (lpt, index) to add rows for")
+    args = parse_bench_args("varlen", __doc__, 10, "8x2048 (both) and the causal mix only", add_orders)
+    orders = [o for o in args.orders.split(",") if o]
+    bad = [o for o in orders if o not in attn_qat.ops.WORK_ORDERS]
+    if bad:
+        sys.exit(f"--orders: unknown order(s) {', '.join(bad)}; choose from {', '.join(attn_qat.ops.WORK_ORDERS)}")
     results = []
     for name, shape in selected_shapes(args, SHAPES, QUICK):
-        results.append(bench_shape(name, shape, args.repeat))
+        results.append(bench_shape(name, shape, args.repeat, orders))
         r = results[-1]
         print(f"\n{name} {r['dims']}")
         for label, row in r["results"].items():

@@ -94,8 +94,9 @@ def write_json(path: str, payload: dict):
     print(f"wrote {path}")
 
 
-def parse_bench_args(name: str, doc: str, repeat: int, quick_help: str):
-    """The options every benchmark takes (--out, --quick, --only, --repeat); exits unless a CUDA GPU is present."""
+def parse_bench_args(name: str, doc: str, repeat: int, quick_help: str, add_arguments=None):
+    """The options every benchmark takes (--out, --quick, --only, --repeat), and those add_arguments(parser) adds;
+    exits unless a CUDA GPU is present."""
     import argparse
     import sys
     parser = argparse.ArgumentParser(description=doc)
@@ -104,6 +105,8 @@ def parse_bench_args(name: str, doc: str, repeat: int, quick_help: str):
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--only", default="", help="comma-separated shape names to run (default: all)")
     parser.add_argument("--repeat", type=int, default=repeat)
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args()
     args.only = [x for x in args.only.split(",") if x]
     if not torch.cuda.is_available():

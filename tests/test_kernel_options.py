@@ -13,20 +13,21 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def state(o):
-    return (o.sm90, o.tail_split, o.decode_variant, o.decode_chunk)
+    return (o.sm90, o.tail_split, o.decode_variant, o.decode_chunk, o.work_order)
 
 
-VARIABLES = ("ATTN_QAT_SM90", "ATTN_QAT_TAIL_SPLIT", "ATTN_QAT_DECODE_VARIANT", "ATTN_QAT_DECODE_CHUNK")
+VARIABLES = ("ATTN_QAT_SM90", "ATTN_QAT_TAIL_SPLIT", "ATTN_QAT_DECODE_VARIANT", "ATTN_QAT_DECODE_CHUNK",
+             "ATTN_QAT_WORK_ORDER")
+NAMES = ('sm90', 'tail_split', 'decode_variant', 'decode_chunk', 'work_order')
 
 
 def options_at_load(env):
-    """(sm90, tail_split, decode_variant, decode_chunk) in a fresh interpreter started with these variables, then after
-    changing them there."""
+    """(sm90, tail_split, decode_variant, decode_chunk, work_order) in a fresh interpreter started with these
+    variables, then after changing them there."""
     code = ("import os; from attn_qat.ops import kernel_options as k; a = k(); "
             "os.environ.update(ATTN_QAT_SM90='1', ATTN_QAT_TAIL_SPLIT='3,3', ATTN_QAT_DECODE_VARIANT='1', "
-            "ATTN_QAT_DECODE_CHUNK='128'); b = k(); "
-            "print(repr(tuple(getattr(o, n) for o in (a, b) for n in "
-            "('sm90', 'tail_split', 'decode_variant', 'decode_chunk'))))")
+            "ATTN_QAT_DECODE_CHUNK='128', ATTN_QAT_WORK_ORDER='lpt'); b = k(); "
+            f"print(repr(tuple(getattr(o, n) for o in (a, b) for n in {NAMES!r})))")
     clean = {k: v for k, v in os.environ.items() if k not in VARIABLES}
     clean["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, clean.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
@@ -35,17 +36,19 @@ def options_at_load(env):
 
 
 @pytest.mark.parametrize("env, expected", [
-    ({}, (True, "auto", "auto", "auto")),
-    ({"ATTN_QAT_SM90": "0", "ATTN_QAT_TAIL_SPLIT": "5,3"}, (False, (5, 3), "auto", "auto")),
-    ({"ATTN_QAT_TAIL_SPLIT": "never"}, (True, 0, "auto", "auto")),
-    ({"ATTN_QAT_TAIL_SPLIT": ""}, (True, "auto", "auto", "auto")),
-    ({"ATTN_QAT_DECODE_VARIANT": "0", "ATTN_QAT_DECODE_CHUNK": "512"}, (True, "auto", 0, 512)),
-    ({"ATTN_QAT_DECODE_VARIANT": "7", "ATTN_QAT_DECODE_CHUNK": "100"}, (True, "auto", "auto", "auto")),
+    ({}, (True, "auto", "auto", "auto", "lpt")),
+    ({"ATTN_QAT_SM90": "0", "ATTN_QAT_TAIL_SPLIT": "5,3"}, (False, (5, 3), "auto", "auto", "lpt")),
+    ({"ATTN_QAT_TAIL_SPLIT": "never"}, (True, 0, "auto", "auto", "lpt")),
+    ({"ATTN_QAT_TAIL_SPLIT": ""}, (True, "auto", "auto", "auto", "lpt")),
+    ({"ATTN_QAT_DECODE_VARIANT": "0", "ATTN_QAT_DECODE_CHUNK": "512"}, (True, "auto", 0, 512, "lpt")),
+    ({"ATTN_QAT_DECODE_VARIANT": "7", "ATTN_QAT_DECODE_CHUNK": "100"}, (True, "auto", "auto", "auto", "lpt")),
+    ({"ATTN_QAT_WORK_ORDER": "index"}, (True, "auto", "auto", "auto", "index")),
+    ({"ATTN_QAT_WORK_ORDER": "longest"}, (True, "auto", "auto", "auto", "lpt")),
 ])
 def test_environment_is_read_once_at_load(env, expected):
     at_load = options_at_load(env)
-    assert at_load[:4] == expected
-    assert at_load[4:] == expected, "the environment was read again after the library loaded"
+    assert at_load[:5] == expected
+    assert at_load[5:] == expected, "the environment was read again after the library loaded"
 
 
 def test_call_sets_and_context_restores(kernel_options):
@@ -62,6 +65,9 @@ def test_call_sets_and_context_restores(kernel_options):
             assert (decode.decode_variant, decode.decode_chunk, decode.tail_split) == (0, 256, 0)
         assert (kernel_options().decode_variant, kernel_options().decode_chunk) == (before.decode_variant,
                                                                                      before.decode_chunk)
+        with kernel_options(work_order="index") as order:
+            assert (order.work_order, order.tail_split) == ("index", 0)
+        assert kernel_options().work_order == before.work_order
     after = kernel_options()
     assert state(after) == state(before)
 
@@ -69,7 +75,8 @@ def test_call_sets_and_context_restores(kernel_options):
 @pytest.mark.parametrize("bad", [dict(sm90=1), dict(sm90="0"), dict(tail_split="5,3"), dict(tail_split=1),
                                  dict(tail_split=(5, -1)), dict(tail_split=(5, 3, 1)), dict(tail_split=True),
                                  dict(decode_variant=4), dict(decode_variant="3"), dict(decode_variant=True),
-                                 dict(decode_chunk=100), dict(decode_chunk=8192), dict(decode_chunk=0)])
+                                 dict(decode_chunk=100), dict(decode_chunk=8192), dict(decode_chunk=0),
+                                 dict(work_order="LPT"), dict(work_order=1)])
 def test_bad_values_raise_and_change_nothing(kernel_options, bad):
     before = kernel_options()
     with pytest.raises((TypeError, ValueError), match="kernel_options"):

@@ -353,6 +353,106 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.attn_qat.attention_backward.default,
                           (dout.transpose(0, 1)[None], qf, kf, vf, out, out_prime, None, frame, row_sum, 0.125, 0, 0,
                            False, False, True, plan.q_span, plan.k_span))
+    # with work orders (reversed index order: 1 query tile x 4 heads, 1 key tile x 2 KV heads)
+    fwd_order, dkdv_order = (torch.arange(n - 1, -1, -1, dtype=torch.int32, device=device) for n in (4, 2))
+    args = tuple(t.detach().requires_grad_() for t in (q4, k4, v4)) + (
+        None, 0.125, 0, 0, True, False, plan.q_span, plan.k_span, fwd_order, dkdv_order)
+    torch.library.opcheck(fwd, args)
+    torch.library.opcheck(torch.ops.attn_qat.attention_backward.default,
+                          (dout.transpose(0, 1)[None], qf, kf, vf, out, out_prime, None, frame, row_sum, 0.125, 0, 0,
+                           False, False, True, plan.q_span, plan.k_span, dkdv_order))
+
+
+# mix16k of benchmarks/bench_varlen.py (issue 32)
+MIX16K = [4096, 3001, 2500, 2011, 1777, 1203, 900, 555, 201, 140]
+
+
+def tile_work_row_by_row(span, n_other, rows, cols):
+    """The kernels' count of the other axis's tiles (or steps) a tile of rows visits, restated per tile: from the
+    tile of its first row's span start to the tile holding its last row's span end."""
+    span, n = span.tolist(), span.shape[0]
+    work = []
+    for r0 in range(0, n, rows):
+        lo = min(max(span[r0][0], 0), n_other)
+        hi = max(lo, min(max(span[min(r0 + rows, n) - 1][1], 0), n_other))
+        work.append(math.ceil(hi / cols) - lo // cols)
+    return work
+
+
+@pytest.mark.parametrize("lengths, alignment, heads", [
+    (MIX16K, None, (16, 16)), (MIX16K, "bottom_right", (16, 4)), ([5, 300, 17, 1000, 64], "top_left", (3, 1)),
+    ([2048] * 8, "bottom_right", (4, 4))])
+@pytest.mark.parametrize("mode, head_dim, need_grad", [
+    ("attn_qat", 128, True), ("attn_qat", 128, False), ("bf16", 128, False), ("bf16", 64, True)])
+def test_work_orders_are_longest_first(lengths, alignment, heads, mode, head_dim, need_grad):
+    """The LPT tables are permutations of the kernels' items (head * tiles + tile) with non-increasing work, equal
+    work in (head, tile) order, the work counted as the kernels count it."""
+    cu = (0,) + tuple(torch.tensor(lengths).cumsum(0).tolist())
+    plan = attn_qat.varlen._Plan(cu, cu, alignment, attn_qat.varlen._needs_padding(cu, mode), torch.device("cpu"))
+    bm, bn = attn_qat.varlen._fwd_tiles(mode, head_dim, need_grad)
+    assert (bm, bn) == ((192, 64) if mode == "bf16" and head_dim == 128 else (128, 64 if need_grad and
+                                                                              mode == "attn_qat" else 128))
+    orders = plan.orders(*heads, (bm, bn))
+    spans = (plan.q_span, plan.k_span)
+    tiles = ((bm, bn), (attn_qat.varlen.DKDV_KEYS, attn_qat.varlen.DKDV_Q_STEP))
+    for order, span, other, (rows, cols), h in zip(orders, spans, (plan.total_k, cu[-1]), tiles, heads):
+        work = tile_work_row_by_row(span, other, rows, cols)
+        if len(set(work)) == 1:
+            assert order is None
+            continue
+        assert order is not None and order.dtype == torch.int32 and order.shape == (len(work) * h,)
+        items = order.tolist()
+        assert sorted(items) == list(range(len(work) * h))
+        keys = [(-work[i % len(work)], i // len(work), i % len(work)) for i in items]
+        assert keys == sorted(keys)
+
+
+def test_equal_items_get_no_order():
+    """8 x 2048 not causal (the dense batch's tiles, all equal): index order, no table (performance.md). Not so the
+    192-row tiles of bf16 mode at D = 128, some of which straddle two sequences: their forward gets one."""
+    cu = tuple(range(0, 8 * 2048 + 1, 2048))
+    plan = attn_qat.varlen._Plan(cu, cu, None, False, torch.device("cpu"))
+    for mode, d, need_grad in (("attn_qat", 128, True), ("attn_qat", 64, False), ("bf16", 64, True)):
+        assert plan.orders(16, 16, attn_qat.varlen._fwd_tiles(mode, d, need_grad)) == (None, None)
+    fwd, dkdv = plan.orders(16, 16, attn_qat.varlen._fwd_tiles("bf16", 128, True))
+    assert fwd is not None and dkdv is None
+
+
+def test_orders_reach_the_ops(monkeypatch):
+    """attention_varlen passes the forward's table and, when training, the dK/dV kernel's (which autograd saves
+    for the backward op); the CPU kernels ignore them."""
+    lens = [300, 17, 129]
+    q, k, v, dout = make(lens, lens, 2, 1, 64, torch.bfloat16, "cpu")
+    seen = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            op = getattr(torch.ops.attn_qat, name)
+            return lambda *args: seen.append((name, args)) or op(*args)
+
+    monkeypatch.setattr(attn_qat.varlen, "ops", Recorder())
+    out, dq, dk, dv = run_varlen(q, k, v, dout, lens, lens, causal=True)
+    (name, args), = seen
+    assert name == "attention_forward" and args[-2].dtype == torch.int32 and args[-1].dtype == torch.int32
+    assert all(t.isfinite().all() for t in (out, dq, dk, dv))
+    with torch.no_grad():
+        seen.clear()
+        attn_qat.attention_varlen(q, k, v, cu_seqlens(lens, "cpu"), cu_seqlens(lens, "cpu"), 300, 300, causal=True)
+        assert seen[0][1][-2] is not None and seen[0][1][-1] is None
+
+
+def test_op_checks_work_orders():
+    q, k, v, _ = make([3, 5], [4, 4], 2, 2, 64, torch.bfloat16, "cpu")
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
+    plan = attn_qat.varlen._plan((0, 3, 8), (0, 4, 8), None, False, torch.device("cpu"))
+    order = torch.arange(2, dtype=torch.int32)
+    fwd = torch.ops.attn_qat.attention_forward
+    with pytest.raises(RuntimeError, match="work_order comes only with spans"):
+        fwd(q4, k4, v4, None, 0.125, 0, 0, False, True, None, None, order)
+    with pytest.raises(RuntimeError, match="contiguous 1-D int32"):
+        fwd(q4, k4, v4, None, 0.125, 0, 0, False, True, plan.q_span, plan.k_span, order.long())
+    with pytest.raises(RuntimeError, match="contiguous 1-D int32"):
+        fwd(q4, k4, v4, None, 0.125, 0, 0, False, True, plan.q_span, plan.k_span, None, order[None])
 
 
 def test_torch_compile():
@@ -406,6 +506,56 @@ def test_cuda_variants(kernel_options, variant):
     with deterministic_algorithms() if variant == "deterministic" else contextlib.nullcontext():
         for causal in (None, "bottom_right"):
             check_against_reference(q, k, v, dout, lens_q, lens_k, causal, mode=mode)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", ["training", "inference", "deterministic", "split", "bf16", "d64"])
+def test_cuda_work_order_changes_no_bit(kernel_options, variant):
+    """Longest first (the LPT tables) or index order: every output bit the same, as each item is computed alike
+    wherever it runs and the split last wave keeps its items; only the fused dQ's fp32 sums may add in another
+    order (as they may run to run)."""
+    lens = [700, 33, 260, 1, 129, 1000, 64, 300]
+    mode = "bf16" if variant == "bf16" else "attn_qat"
+    d = 64 if variant == "d64" else 128
+    if variant == "split":
+        kernel_options(tail_split=(7, 3))
+    q, k, v, dout = make(lens, lens, 4, 2, d, torch.bfloat16, "cuda")
+    cu = (0,) + tuple(torch.tensor(lens).cumsum(0).tolist())
+    plan = attn_qat.varlen._plan(cu, cu, None, attn_qat.varlen._needs_padding(cu, mode), torch.device("cuda"))
+    assert all(o is not None for o in plan.orders(4, 2, attn_qat.varlen._fwd_tiles(mode, d, True)))
+    results = {}
+    for order in ("index", "lpt"):
+        kernel_options(work_order=order)
+        for causal in (False, True):
+            if variant == "inference":
+                with torch.no_grad():
+                    results[order, causal] = (attn_qat.attention_varlen(
+                        q, k, v, cu_seqlens(lens, "cuda"), cu_seqlens(lens, "cuda"), 1000, 1000, causal=causal,
+                        mode=mode),)
+                continue
+            with deterministic_algorithms() if variant == "deterministic" else contextlib.nullcontext():
+                results[order, causal] = run_varlen(q, k, v, dout, lens, lens, causal=causal, mode=mode)
+    for causal in (False, True):
+        for name, x, r in zip(("out", "dq", "dk", "dv"), results["lpt", causal], results["index", causal]):
+            if name == "dq" and variant != "deterministic":
+                assert rel_error(x, r) < 1e-3, name
+            else:
+                assert torch.equal(x, r), (name, causal)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_work_order_of_the_wrong_length_fails():
+    lens = [300, 17, 129]
+    q, k, v, _ = make(lens, lens, 2, 2, 64, torch.bfloat16, "cuda")
+    cu = (0,) + tuple(torch.tensor(lens).cumsum(0).tolist())
+    plan = attn_qat.varlen._plan(cu, cu, None, True, torch.device("cuda"))
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
+    k4, v4 = (t.new_zeros(1, 2, plan.total_k, 64) for t in (k4, v4))
+    with pytest.raises(RuntimeError, match="work_order must list"):
+        torch.ops.attn_qat.attention_forward(q4, k4, v4, None, 0.125, 0, 0, False, True, plan.q_span, plan.k_span,
+                                             torch.arange(3, dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.gpu

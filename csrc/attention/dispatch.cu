@@ -74,6 +74,7 @@ const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, const a
                                             p->seqlen_k);
     if (err || p->batch == 0 || p->seqlen_q == 0) return err;
     if ((err = plan_device(o, plan)) || !plan->sm90) return err;
+    plan->use_work_order = p->work_order != NULL && !o->index_order;
     plan_tail(aq_attention_fwd_sm90_tail_shape(p), o, plan);
     return NULL;
 }
@@ -86,6 +87,7 @@ const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, const a
     if (err || p->batch == 0) return err;
     if ((err = plan_device(o, plan)) || !plan->sm90) return err;
     if (p->seqlen_q > 0) plan->dq_accum_floats = aq_attention_bwd_sm90_dq_accum_floats(p);
+    plan->use_work_order = p->work_order != NULL && !o->index_order;
     plan_tail(aq_attention_bwd_sm90_tail_shape(p), o, plan);
     return NULL;
 }

@@ -52,3 +52,11 @@ typedef struct {
 AQ_D void tail_split_units(int split, int splits, int units, int *u0, int *u1) {
     *u0 = (int)((int64_t)units * split / splits), *u1 = (int)((int64_t)units * (split + 1) / splits);
 }
+
+/* Item t of a grid handed out in a packed call's work order (attn_qat.h's work_order: longest first), or t without
+   one. An entry outside [0, items) runs item t: the table is the caller's, and no item may index past the tensors. */
+AQ_D int ordered_item(const int32_t *order, int t, int items) {
+    if (order == NULL) return t;
+    const int item = __ldg(order + t);
+    return (unsigned)item < (unsigned)items ? item : t;
+}

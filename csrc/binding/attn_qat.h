@@ -63,6 +63,11 @@ typedef struct {
    so the keys a run of queries sees lie in [q_span[first].lo, q_span[last].hi) and the kernels visit only those
    tiles (and in the backward a key tile only the queries of [k_span[first].lo, k_span[last].hi)). Values outside
    [0, Nk] (resp. [0, Nq]) are clamped: nothing outside the tensors is read whatever the spans say.
+   work_order (optional, packed only): the Hopper kernels' work items (item = head * tiles + tile, the index order
+   they run in without it) in the order to hand them out, a permutation of [0, items): attn_qat/varlen.py sorts them
+   longest first so that a short item, not a head's long one, ends the grid. The launcher takes it only when its
+   length is the kernel's item count (else an error); the sm80 and CPU kernels ignore it. Each item's outputs are
+   computed alike in any order, and the split last wave keeps the items it takes in index order (the largest).
    mask (optional): additive fp32, strides for (b, h, i, j), 0 where broadcast; added to the scaled
    score before the log2(e) factor: t_ij = (q_i . k_j * scale + mask_ij) * log2(e).
    Row statistics, (B, Hq, Nq) contiguous fp32: frame_m = M_i = ceil(max_j t_ij), an integer, and
@@ -85,6 +90,8 @@ typedef struct {
     int quantize_p;          /* 1: O uses P^F = fq16(P̂ * 2^11) * 2^-11, blocks of 16 keys from key 0 */
     aq_dtype dtype;          /* of q, k, v, o, o_prime: AQ_BFLOAT16 or AQ_FLOAT16 */
     const int32_t *q_span, *k_span; /* NULL, or packed sequences (above) */
+    const int32_t *work_order; /* CUDA, packed only: NULL, or the Hopper grid's items in the order to run them */
+    int64_t work_order_len;  /* (attn_qat/varlen.py's LPT table, a permutation of the item indices; see below) */
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_fwd_sm90.cu) */
     float *tail_workspace;   /* CUDA: NULL, or the plan's tail_floats floats (the split last wave's parts) */
 } aq_attention_fwd_params;
@@ -116,6 +123,8 @@ typedef struct {
     int quantize_p_for_dv;
     aq_dtype dtype;
     const int32_t *q_span, *k_span; /* NULL, or packed sequences (as in aq_attention_fwd_params) */
+    const int32_t *work_order; /* CUDA, packed only: NULL, or the dK/dV kernel's key-tile items in run order */
+    int64_t work_order_len;
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_bwd_sm90.cu) */
     float *dq_accum;         /* CUDA: NULL, or the plan's dq_accum_floats floats (see above) */
     float *tail_workspace;   /* CUDA: NULL, or the plan's tail_floats floats (the split last wave's parts) */
@@ -133,9 +142,9 @@ const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream);
 const char *aq_dequantize_cuda(const aq_dequantize_params *p, void *stream);
 
 /* The CUDA kernels' options, one set per process (README, "Kernel options"): read from ATTN_QAT_SM90,
-   ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT and ATTN_QAT_DECODE_CHUNK when the library loads
-   (binding/kernel_options.cpp), set at run time by attn_qat.ops.kernel_options; a call is planned with the set in
-   force when it starts. */
+   ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT, ATTN_QAT_DECODE_CHUNK and ATTN_QAT_WORK_ORDER when the library
+   loads (binding/kernel_options.cpp), set at run time by attn_qat.ops.kernel_options; a call is planned with the set
+   in force when it starts. */
 typedef enum { AQ_TAIL_SPLIT_AUTO = 0, AQ_TAIL_SPLIT_OFF = 1, AQ_TAIL_SPLIT_FORCED = 2 } aq_tail_split_mode;
 typedef struct {
     int sm90;                       /* 0: the mma.sync kernels, even where the Hopper ones could run */
@@ -143,6 +152,7 @@ typedef struct {
     int64_t forced_tail, forced_splits; /* the last forced_tail items in forced_splits parts, at most one a unit */
     int decode_variant;             /* the decode kernel's FLAGS (decode_cuda.cu), or -1 for the default */
     int64_t decode_chunk;           /* keys a decode CTA takes (a multiple of 64 up to 4096), or 0: planned */
+    int index_order;                /* 1: packed calls' work_order tables are ignored (index order; A/B runs) */
 } aq_kernel_options;
 
 /* What the decode options may pick: a variant below AQ_DECODE_VARIANTS (decode_cuda.cu's FLAGS), and chunks of a
@@ -166,6 +176,7 @@ typedef struct {
     int main_items, tail_items, tail_splits; /* the Hopper grid's last tail_items items run in tail_splits parts */
     int64_t tail_floats;     /* for tail_workspace; 0: no split */
     int64_t dq_accum_floats; /* backward: for dq_accum (the fused dQ, not deterministic); 0: none */
+    int use_work_order;      /* the Hopper launchers follow the params' work_order (not kernel_options' index_order) */
 } aq_attention_plan;
 
 const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, const aq_kernel_options *o,

@@ -2,6 +2,7 @@
 // run time through attn_qat._C (module.c), which attn_qat.ops.kernel_options wraps.
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "binding/attn_qat.h"
@@ -11,8 +12,9 @@ namespace {
 // ATTN_QAT_SM90: "0" keeps the Hopper kernels out. ATTN_QAT_TAIL_SPLIT: unset or empty, the plan decides; "T,S"
 // forces the last T items into S parts; anything else never splits. ATTN_QAT_DECODE_VARIANT (0-3) and
 // ATTN_QAT_DECODE_CHUNK (keys): the decode kernel's variant and chunk for A/B runs; other values keep the defaults.
+// ATTN_QAT_WORK_ORDER: "index" runs packed calls' items in index order (their LPT tables ignored; A/B runs).
 aq_kernel_options from_environment() {
-    aq_kernel_options o = {1, AQ_TAIL_SPLIT_AUTO, 0, 0, -1, 0};
+    aq_kernel_options o = {1, AQ_TAIL_SPLIT_AUTO, 0, 0, -1, 0, 0};
     const char *sm90 = std::getenv("ATTN_QAT_SM90");
     o.sm90 = !(sm90 != nullptr && sm90[0] == '0');
     const char *split = std::getenv("ATTN_QAT_TAIL_SPLIT");
@@ -27,6 +29,8 @@ aq_kernel_options from_environment() {
     const char *chunk = std::getenv("ATTN_QAT_DECODE_CHUNK");
     long c = 0;
     if (chunk != nullptr && std::sscanf(chunk, "%ld", &c) == 1 && aq_decode_chunk_valid(c)) o.decode_chunk = c;
+    const char *order = std::getenv("ATTN_QAT_WORK_ORDER");
+    o.index_order = order != nullptr && std::strcmp(order, "index") == 0;
     return o;
 }
 

@@ -339,6 +339,22 @@ Spans check_spans(const std::optional<Tensor> &q_span, const std::optional<Tenso
     return spans;
 }
 
+// A packed call's work order (attn_qat.h; fwd_order for the forward kernel, dkdv_order for the dK/dV kernel): int32
+// (items,) contiguous on the query's device, with the spans. The launcher that uses it checks its length against
+// the kernel's items (it alone knows the tiles).
+const int32_t *check_work_order(const std::optional<Tensor> &order, const Spans &spans, const Tensor &q,
+                                int64_t *len) {
+    *len = 0;
+    if (!order.has_value()) return nullptr;
+    STD_TORCH_CHECK(spans.q != nullptr, "attn_qat: work_order comes only with spans (packed sequences)");
+    STD_TORCH_CHECK(order->scalar_type() == ScalarType::Int && order->dim() == 1 && order->is_contiguous(),
+                    "attn_qat: work_order must be a contiguous 1-D int32 tensor");
+    STD_TORCH_CHECK(order->is_cpu() == q.is_cpu() && order->get_device_index() == q.get_device_index(),
+                    "attn_qat: work_order must be on the device of the query");
+    *len = order->numel();
+    return static_cast<const int32_t *>(order->data_ptr());
+}
+
 // The kernels take the row max on raw scores and scale inside the exp (attention/mask.cuh's logit_map), which
 // needs scale > 0 as the float they use, with scale * log2(e) finite.
 void check_scale(double scale) {
@@ -376,7 +392,8 @@ Tensor set_problem(Params *p, const Tensor &q, const AttentionShape &s, double s
 // Runs the forward kernel on operands the caller has already prepared.
 void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::optional<Tensor> &mask,
                  double scale, int64_t causal, bool quantize_p, const Tensor &out, const Tensor *out_prime,
-                 const Tensor &frame, const Tensor &row_sum, const AttentionShape &s, const Spans &spans = Spans()) {
+                 const Tensor &frame, const Tensor &row_sum, const AttentionShape &s, const Spans &spans = Spans(),
+                 const int32_t *work_order = nullptr, int64_t work_order_len = 0) {
     check_scale(scale);
     aq_attention_fwd_params p = {};
     p.q = q.data_ptr();
@@ -395,6 +412,8 @@ void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::o
     p.frame_m = static_cast<float *>(frame.data_ptr());
     p.row_sum = static_cast<float *>(row_sum.data_ptr());
     p.quantize_p = quantize_p;
+    p.work_order = work_order;
+    p.work_order_len = work_order_len;
     const Tensor nonfinite_flag = set_problem(&p, q, s, scale, causal, spans);
     launch(q, p, aq_attention_fwd_cpu, [&](void *stream) {
         return plan_and_launch(q, &p, aq_attention_fwd_plan_cuda, aq_attention_fwd_cuda, stream);
@@ -422,11 +441,15 @@ bool delta_from_out_prime(int64_t mode) { return mode == MODE_ATTN_QAT || mode =
 // microseconds of host time in its autograd wrapper (performance.md v16).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
 attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, double scale, int64_t causal, int64_t mode,
-                  bool need_grad, bool v_along_tokens, std::optional<Tensor> q_span, std::optional<Tensor> k_span) {
+                  bool need_grad, bool v_along_tokens, std::optional<Tensor> q_span, std::optional<Tensor> k_span,
+                  std::optional<Tensor> fwd_order, std::optional<Tensor> dkdv_order) {
     check_mode(mode);
     const AttentionShape s = check_attention_inputs(q, k, v);
     set_causal(causal, s, nullptr, nullptr); // a bad code fails before any work
     const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
+    int64_t order_len = 0, dkdv_len = 0;
+    const int32_t *order = check_work_order(fwd_order, spans, q, &order_len);
+    check_work_order(dkdv_order, spans, q, &dkdv_len); // carried for the backward (attn_qat/ops.py saves it)
     const bool quantize = mode != MODE_BF16;
     Tensor qf = quantize ? fake_quantize_operand(q, false) : q;
     Tensor kf = quantize ? fake_quantize_operand(k, false) : k;
@@ -439,7 +462,7 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
     Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     run_forward(qf, kf, vf, mask, scale, causal, quantize, out, with_prime ? &out_prime : nullptr, frame, row_sum, s,
-                spans);
+                spans, order, order_len);
     if (!with_operands) return {out, out_prime, frame, row_sum, none(), none(), none()};
     return {out, out_prime, frame, row_sum, qf, kf, vf};
 }
@@ -450,12 +473,14 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                                                       Tensor row_sum, double scale, int64_t causal, int64_t mode,
                                                       bool deterministic, bool v_along_tokens,
                                                       bool operands_quantized, std::optional<Tensor> q_span,
-                                                      std::optional<Tensor> k_span) {
+                                                      std::optional<Tensor> k_span, std::optional<Tensor> dkdv_order) {
     check_mode(mode);
     check_scale(scale);
     const AttentionShape s = check_attention_inputs(q, k, v);
     set_causal(causal, s, nullptr, nullptr);
     const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
+    int64_t order_len = 0;
+    const int32_t *order = check_work_order(dkdv_order, spans, q, &order_len);
     STD_TORCH_CHECK(dout.dim() == 4 && dout.size(0) == s.batch && dout.size(1) == s.heads_q &&
                         dout.size(2) == s.seqlen_q && dout.size(3) == s.head_dim && dout.stride(3) == 1,
                     "attn_qat: grad_output must match the output's shape with a contiguous last dimension");
@@ -510,6 +535,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     copy_strides(dk, p.dk_stride);
     copy_strides(dv, p.dv_stride);
     p.quantize_p_for_dv = mode == MODE_ATTN_QAT || mode == MODE_LOW_PRECISION_O;
+    p.work_order = order;
+    p.work_order_len = order_len;
     const Tensor nonfinite_flag = set_problem(&p, q, s, scale, causal, spans);
     // not deterministic: the fused dQ's fp32 sums (attn_qat.h), 5 products instead of 7, dQ not bit-reproducible
     launch(q, p, aq_attention_bwd_cpu, [&](void *stream) {
@@ -617,12 +644,13 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
     m.def("nvfp4_dequantize(Tensor codes, Tensor scales, int axis, int axis_len, ScalarType dtype) -> Tensor");
     m.def("fake_quantize_qkv(Tensor q, Tensor k, Tensor v, bool v_along_tokens) -> (Tensor, Tensor, Tensor)");
     m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal, int mode, "
-          "bool need_grad, bool v_along_tokens, Tensor? q_span=None, Tensor? k_span=None) -> (Tensor out, "
-          "Tensor out_prime, Tensor frame, Tensor row_sum, Tensor q_fq, Tensor k_fq, Tensor v_fq)");
+          "bool need_grad, bool v_along_tokens, Tensor? q_span=None, Tensor? k_span=None, Tensor? fwd_order=None, "
+          "Tensor? dkdv_order=None) -> (Tensor out, Tensor out_prime, Tensor frame, Tensor row_sum, Tensor q_fq, "
+          "Tensor k_fq, Tensor v_fq)");
     m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor out_prime, "
           "Tensor? mask, Tensor frame, Tensor row_sum, float scale, int causal, int mode, bool deterministic, "
-          "bool v_along_tokens, bool operands_quantized=False, Tensor? q_span=None, Tensor? k_span=None) "
-          "-> (Tensor dq, Tensor dk, Tensor dv)");
+          "bool v_along_tokens, bool operands_quantized=False, Tensor? q_span=None, Tensor? k_span=None, "
+          "Tensor? dkdv_order=None) -> (Tensor dq, Tensor dk, Tensor dv)");
     m.def("attention_forward_prequantized(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int causal) "
           "-> (Tensor out, Tensor frame, Tensor row_sum)");
     m.def("kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "

@@ -468,15 +468,17 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 #if AQ_SM90_ENABLED
     using Bwd = Dkdv90State<D, DT, QUANTIZE_DV, FUSED_DQ, TAIL>;
     constexpr int BQ = Bwd::BQ;
-    if (!TAIL && ts.splits > 1 && (int)blockIdx.x >= ts.main_items) return; /* a tail item: the TAIL kernel's */
+    /* the item's index: a packed call's work order may hand them out longest first (attn_qat.h) */
+    const int item = TAIL ? ts.main_items + (int)blockIdx.x / ts.splits
+                          : ordered_item(p.work_order, (int)blockIdx.x, (int)gridDim.x);
+    if (!TAIL && ts.splits > 1 && item >= ts.main_items) return; /* a tail item (by index): the TAIL kernel's */
     extern __shared__ unsigned char smem_raw[];
     const Bwd bwd(align1024(smem_raw), p, ts, &tm_q, &tm_do, &tm_k, &tm_v, &tm_dk, &tm_dv, nonfinite);
 
     /* The work item. Here rather than in a function: there its conversion of seqlen_q moved in the SASS. */
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
-    const work_item wi = work_item_at(TAIL ? ts.main_items + (int)blockIdx.x / ts.splits : (int)blockIdx.x,
-                                      (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv, (int)p.batch, p.causal,
-                                      false, p.sm_count);
+    const work_item wi = work_item_at(item, (nk + BWD90_KEYS - 1) / BWD90_KEYS, (int)p.heads_kv, (int)p.batch,
+                                      p.causal, false, p.sm_count);
     const int k0 = wi.tile * BWD90_KEYS, hk = wi.h, b = wi.b;
     /* the query steps [q_begin, q_end) holding a query that sees a key of the tile (the same for every head: masks
        do not move them) */
@@ -795,8 +797,14 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, const aq_at
     }
     if (p->seqlen_k > 0) {
         const tail_split ts = planned_tail_split(plan, p->tail_workspace);
-        const dim3 grid((unsigned)((p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch));
-        dkdv<<<grid, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16, dv16, *p, nonfinite, ts);
+        const int64_t items = (p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch;
+        aq_attention_bwd_params kp = *p; /* the dK/dV kernel's copy: the work order only where the plan follows it */
+        if (!plan->use_work_order) kp.work_order = NULL;
+        if (kp.work_order != NULL && (kp.work_order_len != items || p->causal))
+            return "attention (CUDA): work_order must list the dK/dV kernel's items (128-key tiles a KV head, "
+                   "attn_qat/varlen.py) and comes only with causal 0";
+        dkdv<<<dim3((unsigned)items), BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16, dv16, kp,
+                                                                          nonfinite, ts);
         if (ts.splits > 1) {
             dkdv_tail<<<ts.tail_items * ts.splits, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16,
                                                                                       dv16, *p, nonfinite, ts);

@@ -37,6 +37,9 @@
 #define FWD_TAIL_BM 128
 #define FWD_TAIL_KEYS 128
 
+/* A non-persistent CTA's index in its grid (query tiles fastest, then heads, batch): the order CTAs start in. */
+AQ_D int fwd_cta_index() { return (int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)); }
+
 /* Consumer warpgroups (64 query rows each). Three in bf16 mode at D = 128: a third warpgroup's softmax hides
    more of the others' waits (H200, against two persistent warpgroups: Wan 1.3B 12.4 -> 11.9 ms, 16k 8.2 ->
    7.9), and its 160 registers suffice at 64 keys a tile. Two for the quantized kernels, whose P fake-quant needs
@@ -209,7 +212,8 @@ struct Fwd90State {
 
     /* Work item t: a query tile of one head, the longest first when causal. Persistent: causal items in
        descending order over the whole grid (the heads inside), so that the CTAs' static shares stay balanced;
-       else the query tiles of one head next to each other, which then read the same K and V from L2. */
+       else the query tiles of one head next to each other, which then read the same K and V from L2. Packed calls
+       (causal 0) may bring a work order (item = head * n_qtiles + tile, longest first: attn_qat.h). */
     AQ_D fwd_tile tile_at(int t) const {
         fwd_tile w;
         int qtile;
@@ -217,12 +221,21 @@ struct Fwd90State {
             const int item = ts.main_items + t / ts.splits, hb = item / n_qtiles;
             qtile = item % n_qtiles, w.h = hb % heads, w.b = hb / heads;
         } else if constexpr (!PERSISTENT) { /* grid (query tiles, heads, batch), t = blockIdx.x */
-            qtile = p.causal ? (int)gridDim.x - 1 - t : t;
-            w.h = (int)blockIdx.y, w.b = (int)blockIdx.z;
+            if (p.work_order != NULL) { /* the CTA's linear index in the grid picks its table entry */
+                const int item = ordered_item(p.work_order, fwd_cta_index(), n_work), hb = item / n_qtiles;
+                qtile = item % n_qtiles, w.h = hb % heads, w.b = hb / heads;
+            } else {
+                qtile = p.causal ? (int)gridDim.x - 1 - t : t;
+                w.h = (int)blockIdx.y, w.b = (int)blockIdx.z;
+            }
         } else {
             int hb;
-            if (p.causal) qtile = n_qtiles - 1 - t / (heads * (int)p.batch), hb = t % (heads * (int)p.batch);
-            else qtile = t % n_qtiles, hb = t / n_qtiles;
+            if (p.causal) {
+                qtile = n_qtiles - 1 - t / (heads * (int)p.batch), hb = t % (heads * (int)p.batch);
+            } else {
+                const int item = ordered_item(p.work_order, t, n_work);
+                qtile = item % n_qtiles, hb = item / n_qtiles;
+            }
             w.h = hb % heads, w.b = hb / heads;
         }
         w.q0 = qtile * BM;
@@ -591,8 +604,8 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     constexpr int BN = sm90_keys_per_tile(D, WITH_O_PRIME, NWG), SM90_BM = 64 * NWG;
     using L = Sm90Layout<D, BN, SM90_BM, QUANTIZE_P>;
     if (!PERSISTENT && !TAIL && ts.splits > 1 &&
-        blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= ts.main_items)
-        return; /* a tail item: the TAIL kernel's */
+        ordered_item(p.work_order, fwd_cta_index(), (int)(gridDim.x * gridDim.y * gridDim.z)) >= ts.main_items)
+        return; /* a tail item (by its index, whatever the order): the TAIL kernel's */
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = align1024(smem_raw);
     unsigned char *qs = smem, *ks = smem + L::K_OFFSET, *vs = smem + L::V_OFFSET;
@@ -697,6 +710,11 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, const aq_attent
         return NULL; /* the mma.sync kernel then runs; the ops allocate the outputs, always in a layout TMA takes */
 
     const int64_t q_tiles = (p->seqlen_q + SM90_BM - 1) / SM90_BM, work = q_tiles * p->heads_q * p->batch;
+    aq_attention_fwd_params kp = *p; /* the kernels' copy: the work order only where the plan follows it */
+    if (!plan->use_work_order) kp.work_order = NULL;
+    if (kp.work_order != NULL && (kp.work_order_len != work || p->causal))
+        return "attention (CUDA): work_order must list the forward kernel's items (query tiles of 64 x its consumer "
+               "warpgroups rows a head, attn_qat/varlen.py) and comes only with causal 0";
     tail_split ts = {(int)work, 0, 1, NULL};
     kernel_t tail_kernel = NULL;
     if constexpr (QUANTIZE_P) {
@@ -716,9 +734,9 @@ static const char *launch_sm90(const aq_attention_fwd_params *p, const aq_attent
     int *nonfinite = hidden_keys ? p->scratch : NULL;
     const dim3 grid = PERSISTENT ? dim3((unsigned)std::min<int64_t>(work, plan->sm_count))
                                  : dim3((unsigned)q_tiles, (unsigned)p->heads_q, (unsigned)p->batch);
-    kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, tm_o, tm_o2, *p, nonfinite, ts);
+    kernel<<<grid, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, tm_o, tm_o2, kp, nonfinite, ts);
     if (ts.splits > 1) {
-        tail_kernel<<<ts.tail_items * ts.splits, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, tm_o, tm_o2, *p,
+        tail_kernel<<<ts.tail_items * ts.splits, SM90_THREADS, smem, stream>>>(tm_q, tm_k, tm_v, tm_o, tm_o2, kp,
                                                                                nonfinite, ts);
         attention_fwd_merge_kernel<D, DT, WITH_O_PRIME>
             <<<(ts.tail_items * FWD_TAIL_BM + 3) / 4, 128, 0, stream>>>(*p, ts, nonfinite);
