@@ -340,8 +340,10 @@ Spans check_spans(const std::optional<Tensor> &q_span, const std::optional<Tenso
 }
 
 // A packed call's work order (attn_qat.h; fwd_order for the forward kernel, dkdv_order for the dK/dV kernel): int32
-// (items,) contiguous on the query's device, with the spans. The launcher that uses it checks its length against
-// the kernel's items (it alone knows the tiles).
+// (items,) contiguous on the query's device, with the spans; a permutation of the kernel's items, as
+// attn_qat/varlen.py makes them. The launcher that uses it checks its length against the kernel's items (it alone
+// knows the tiles); an entry out of range runs the item of its own index, but a repeated entry is not detected (a
+// check would read the table back on the host every call): one item would run twice and another not at all.
 const int32_t *check_work_order(const std::optional<Tensor> &order, const Spans &spans, const Tensor &q,
                                 int64_t *len) {
     *len = 0;

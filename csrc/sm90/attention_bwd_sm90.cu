@@ -779,6 +779,14 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, const aq_at
         !make_tensor_map(&dv16, p->dv, DT, p->batch, p->heads_kv, p->seqlen_k, D, p->dv_stride, 16))
         return NULL; /* the mma.sync kernels then run; the ops allocate dK and dV, always in a layout TMA takes */
 
+    /* the dK/dV kernel's copy of the parameters: the work order only where the plan follows it; checked before any
+       work is queued, as the forward does */
+    const int64_t items = (p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch;
+    aq_attention_bwd_params kp = *p;
+    if (!plan->use_work_order) kp.work_order = NULL;
+    if (kp.work_order != NULL && (kp.work_order_len != items || p->causal))
+        return "attention (CUDA): work_order must list the dK/dV kernel's items (128-key tiles a KV head, "
+               "attn_qat/varlen.py) and comes only with causal 0";
     cudaError_t err = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);
     if (err == cudaSuccess) err = cudaFuncSetAttribute(dkdv_tail, cudaFuncAttributeMaxDynamicSharedMemorySize, dkdv_smem);
     if (err == cudaSuccess)
@@ -797,17 +805,11 @@ static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, const aq_at
     }
     if (p->seqlen_k > 0) {
         const tail_split ts = planned_tail_split(plan, p->tail_workspace);
-        const int64_t items = (p->seqlen_k + BWD90_KEYS - 1) / BWD90_KEYS * p->heads_kv * p->batch;
-        aq_attention_bwd_params kp = *p; /* the dK/dV kernel's copy: the work order only where the plan follows it */
-        if (!plan->use_work_order) kp.work_order = NULL;
-        if (kp.work_order != NULL && (kp.work_order_len != items || p->causal))
-            return "attention (CUDA): work_order must list the dK/dV kernel's items (128-key tiles a KV head, "
-                   "attn_qat/varlen.py) and comes only with causal 0";
         dkdv<<<dim3((unsigned)items), BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16, dv16, kp,
                                                                           nonfinite, ts);
         if (ts.splits > 1) {
             dkdv_tail<<<ts.tail_items * ts.splits, BWD90_THREADS, dkdv_smem, stream>>>(q64, do64, k128, v128, dk16,
-                                                                                      dv16, *p, nonfinite, ts);
+                                                                                      dv16, kp, nonfinite, ts);
             attention_bwd_dkdv_merge_kernel<D, DT>
                 <<<(ts.tail_items * BWD90_KEYS + 3) / 4, 128, 0, stream>>>(*p, ts, nonfinite);
         }
