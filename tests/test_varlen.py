@@ -379,16 +379,16 @@ def tile_work_row_by_row(span, n_other, rows, cols):
     return work
 
 
-@pytest.mark.parametrize("lengths, alignment, heads", [
-    (MIX16K, None, (16, 16)), (MIX16K, "bottom_right", (16, 4)), ([5, 300, 17, 1000, 64], "top_left", (3, 1)),
-    ([2048] * 8, "bottom_right", (4, 4))])
+@pytest.mark.parametrize("lengths, lengths_k, heads", [
+    (MIX16K, MIX16K, (16, 16)), (MIX16K, MIX16K, (16, 4)), ([5, 300, 17, 1000, 64], [5, 301, 40, 900, 64], (3, 1))])
 @pytest.mark.parametrize("mode, head_dim, need_grad", [
     ("attn_qat", 128, True), ("attn_qat", 128, False), ("bf16", 128, False), ("bf16", 64, True)])
-def test_work_orders_are_longest_first(lengths, alignment, heads, mode, head_dim, need_grad):
+def test_work_orders_are_longest_first(lengths, lengths_k, heads, mode, head_dim, need_grad):
     """The LPT tables are permutations of the kernels' items (head * tiles + tile) with non-increasing work, equal
     work in (head, tile) order, the work counted as the kernels count it."""
     cu = (0,) + tuple(torch.tensor(lengths).cumsum(0).tolist())
-    plan = attn_qat.varlen._Plan(cu, cu, alignment, attn_qat.varlen._needs_padding(cu, mode), torch.device("cpu"))
+    cu_k = (0,) + tuple(torch.tensor(lengths_k).cumsum(0).tolist())
+    plan = attn_qat.varlen._Plan(cu, cu_k, None, attn_qat.varlen._needs_padding(cu_k, mode), torch.device("cpu"))
     bm, bn = attn_qat.varlen._fwd_tiles(mode, head_dim, need_grad)
     assert (bm, bn) == ((192, 64) if mode == "bf16" and head_dim == 128 else (128, 64 if need_grad and
                                                                               mode == "attn_qat" else 128))
@@ -407,6 +407,14 @@ def test_work_orders_are_longest_first(lengths, alignment, heads, mode, head_dim
         assert keys == sorted(keys)
 
 
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_causal_packings_get_no_order(alignment):
+    """Under a causal limit the items run in index order: longest first lost there (performance.md)."""
+    cu = (0,) + tuple(torch.tensor(MIX16K).cumsum(0).tolist())
+    plan = attn_qat.varlen._Plan(cu, cu, alignment, False, torch.device("cpu"))
+    assert plan.orders(16, 4, attn_qat.varlen._fwd_tiles("attn_qat", 128, True)) == (None, None)
+
+
 def test_equal_items_get_no_order():
     """8 x 2048 not causal (the dense batch's tiles, all equal): index order, no table (performance.md). Not so the
     192-row tiles of bf16 mode at D = 128, some of which straddle two sequences: their forward gets one."""
@@ -420,7 +428,7 @@ def test_equal_items_get_no_order():
 
 def test_orders_reach_the_ops(monkeypatch):
     """attention_varlen passes the forward's table and, when training, the dK/dV kernel's (which autograd saves
-    for the backward op); the CPU kernels ignore them."""
+    for the backward op), none under a causal limit; the CPU kernels ignore them."""
     lens = [300, 17, 129]
     q, k, v, dout = make(lens, lens, 2, 1, 64, torch.bfloat16, "cpu")
     seen = []
@@ -431,14 +439,17 @@ def test_orders_reach_the_ops(monkeypatch):
             return lambda *args: seen.append((name, args)) or op(*args)
 
     monkeypatch.setattr(attn_qat.varlen, "ops", Recorder())
-    out, dq, dk, dv = run_varlen(q, k, v, dout, lens, lens, causal=True)
+    out, dq, dk, dv = run_varlen(q, k, v, dout, lens, lens)
     (name, args), = seen
     assert name == "attention_forward" and args[-2].dtype == torch.int32 and args[-1].dtype == torch.int32
     assert all(t.isfinite().all() for t in (out, dq, dk, dv))
     with torch.no_grad():
         seen.clear()
-        attn_qat.attention_varlen(q, k, v, cu_seqlens(lens, "cpu"), cu_seqlens(lens, "cpu"), 300, 300, causal=True)
+        attn_qat.attention_varlen(q, k, v, cu_seqlens(lens, "cpu"), cu_seqlens(lens, "cpu"), 300, 300)
         assert seen[0][1][-2] is not None and seen[0][1][-1] is None
+        seen.clear()
+        attn_qat.attention_varlen(q, k, v, cu_seqlens(lens, "cpu"), cu_seqlens(lens, "cpu"), 300, 300, causal=True)
+        assert seen[0][1][-2] is None and seen[0][1][-1] is None
 
 
 def test_op_checks_work_orders():
@@ -527,21 +538,18 @@ def test_cuda_work_order_changes_no_bit(kernel_options, variant):
     results = {}
     for order in ("index", "lpt"):
         kernel_options(work_order=order)
-        for causal in (False, True):
-            if variant == "inference":
-                with torch.no_grad():
-                    results[order, causal] = (attn_qat.attention_varlen(
-                        q, k, v, cu_seqlens(lens, "cuda"), cu_seqlens(lens, "cuda"), 1000, 1000, causal=causal,
-                        mode=mode),)
-                continue
-            with deterministic_algorithms() if variant == "deterministic" else contextlib.nullcontext():
-                results[order, causal] = run_varlen(q, k, v, dout, lens, lens, causal=causal, mode=mode)
-    for causal in (False, True):
-        for name, x, r in zip(("out", "dq", "dk", "dv"), results["lpt", causal], results["index", causal]):
-            if name == "dq" and variant != "deterministic":
-                assert rel_error(x, r) < 1e-3, name
-            else:
-                assert torch.equal(x, r), (name, causal)
+        if variant == "inference":
+            with torch.no_grad():
+                results[order] = (attn_qat.attention_varlen(
+                    q, k, v, cu_seqlens(lens, "cuda"), cu_seqlens(lens, "cuda"), 1000, 1000, mode=mode),)
+            continue
+        with deterministic_algorithms() if variant == "deterministic" else contextlib.nullcontext():
+            results[order] = run_varlen(q, k, v, dout, lens, lens, mode=mode)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), results["lpt"], results["index"]):
+        if name == "dq" and variant != "deterministic":
+            assert rel_error(x, r) < 1e-3, name
+        else:
+            assert torch.equal(x, r), name
 
 
 @pytest.mark.gpu
