@@ -510,6 +510,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     copy_strides(dk, p.dk_stride);
     copy_strides(dv, p.dv_stride);
     p.quantize_p_for_dv = mode == MODE_ATTN_QAT || mode == MODE_LOW_PRECISION_O;
+    p.p_fp16 = quantized_backward(mode); // these modes' forward quantized P, so their P̂ is fp16 (numerics.md §3)
     const Tensor nonfinite_flag = set_problem(&p, q, s, scale, causal, spans);
     // not deterministic: the fused dQ's fp32 sums (attn_qat.h), 5 products instead of 7, dQ not bit-reproducible
     launch(q, p, aq_attention_bwd_cpu, [&](void *stream) {
@@ -517,6 +518,25 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                                deterministic ? nullptr : &p.dq_accum);
     });
     return {dq, dk, dv};
+}
+
+// P's fp16 path (numerics.md §3) on fp32 exponent arguments x = t - (M - 11), blocks of 16 along the last dim:
+// (w, w_fq) = (P̂ * 2^11, P^F * 2^11) in x's shape, contiguous float32. The CPU kernels' own code, exposed so that
+// tests can hold it to attn_qat.reference bit for bit on arguments of their choosing.
+std::tuple<Tensor, Tensor> p_fp16_path(Tensor x) {
+    STD_TORCH_CHECK(x.scalar_type() == ScalarType::Float, "attn_qat: p_fp16_path takes float32 exponent arguments");
+    STD_TORCH_CHECK(x.dim() >= 1, "attn_qat: p_fp16_path needs at least one dimension");
+    STD_TORCH_CHECK(x.is_cpu(), "attn_qat: p_fp16_path runs on the CPU");
+    x = torch::stable::contiguous(x);
+    const std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+    Tensor w = torch::stable::new_empty(x, sizes);
+    Tensor w_fq = torch::stable::new_empty(x, sizes);
+    const int64_t n = x.size(x.dim() - 1);
+    const int64_t rows = n == 0 ? 0 : x.numel() / n;
+    const char *err = aq_p_fp16_path_cpu(static_cast<const float *>(x.data_ptr()), rows, n,
+                                         static_cast<float *>(w.data_ptr()), static_cast<float *>(w_fq.data_ptr()));
+    STD_TORCH_CHECK(err == nullptr, "attn_qat: ", err ? err : "");
+    return {w, w_fq};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -627,6 +647,7 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
           "-> (Tensor out, Tensor frame, Tensor row_sum)");
     m.def("kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
           "Tensor lengths, Tensor block_table, int max_length, float scale, bool causal) -> Tensor");
+    m.def("p_fp16_path(Tensor x) -> (Tensor w, Tensor w_fq)");
 }
 
 // The same functions serve both devices: `launch` picks the kernel from the tensors' device.
@@ -638,6 +659,7 @@ STABLE_TORCH_LIBRARY_IMPL(attn_qat, CPU, m) {
     m.impl("attention_forward", TORCH_BOX(&attention_forward));
     m.impl("attention_backward", TORCH_BOX(&attention_backward));
     m.impl("attention_forward_prequantized", TORCH_BOX(&attention_forward_prequantized));
+    m.impl("p_fp16_path", TORCH_BOX(&p_fp16_path));
 }
 
 #ifdef AQ_WITH_CUDA
