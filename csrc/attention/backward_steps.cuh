@@ -81,8 +81,9 @@ AQ_D void dkdv_step_stats(float4 (&v)[BQ / 16], const float *stat) {
 
 /* P̂ of the step's term (n, e) from its score s (st[n][e]). With CHECKED, *live says whether the term counts (its
    key is visible and its row has inv_l != 0), which also goes into *live_bits, and a dead term's P̂ is 0; span: the
-   queries the thread's two key rows see (key_row_spans). */
-template <bool CHECKED>
+   queries the thread's two key rows see (key_row_spans). F16: P̂ is the fp16 one for certain (QUANTIZE_DV); else
+   lm->p_fp16 says at run time (numerics.md §3: whether the forward quantized P). */
+template <bool CHECKED, bool F16>
 AQ_D float dkdv_term_p_hat(const logit_map *lm, float s, float m, float inv_l, int q0, int key_base, int n, int e,
                            const int2 (&span)[2], bool *live, uint32_t *live_bits) {
     if constexpr (CHECKED) {
@@ -90,16 +91,16 @@ AQ_D float dkdv_term_p_hat(const logit_map *lm, float s, float m, float inv_l, i
         float u;
         *live = span_logit<true>(lm, span[e >> 1], i, s, i, key_base + frag_c_row(lane, e), &u) && inv_l != 0.0f;
         *live_bits |= (uint32_t)*live << (4 * n + e);
-        return *live ? p_hat(u, lm->exp_scale, m) : 0.0f;
+        return *live ? p_hat(u, lm->exp_scale, m, F16 || lm->p_fp16) : 0.0f;
     } else {
         *live = true;
-        return p_hat(s, lm->exp_scale, m);
+        return p_hat(s, lm->exp_scale, m, F16 || lm->p_fp16);
     }
 }
 
-/* Leaves P^T = P̂ / l in st and the dV operand as A fragments in pa (16 queries each): P^F = fq16(P̂ * 2^11) *
-   2^-11 / l with QUANTIZE_DV (the forward's P^F, since M is the forward's final frame; a block with a NaN is NaN
-   throughout, its dead terms stay 0), else P. row_m, row_inv_l: step_stat's shared memory or registers. */
+/* Leaves P^T = P̂ / l in st and the dV operand as A fragments in pa (16 queries each): P^F = (P's fp16 block rule
+   on P̂ * 2^11) * 2^-11 / l with QUANTIZE_DV (the forward's P^F, since M is the forward's final frame; a block with a
+   NaN is NaN throughout, its dead terms stay 0), else P. row_m, row_inv_l: step_stat's shared memory or registers. */
 template <int BQ, bool QUANTIZE_DV, aq_dtype DT, bool CHECKED, typename M, typename InvL>
 AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
                                const M &row_m, const InvL &row_inv_l, int q0, int key_base) {
@@ -119,8 +120,8 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
                 const int col = 2 * h + (e & 1);
                 const float inv_l = float4_at(inv_l4, col);
                 bool live;
-                const float phat = dkdv_term_p_hat<CHECKED>(lm, st[n][e], float4_at(m4, col), inv_l, q0, key_base, n,
-                                                            e, span, &live, &live_bits);
+                const float phat = dkdv_term_p_hat<CHECKED, QUANTIZE_DV>(lm, st[n][e], float4_at(m4, col), inv_l, q0,
+                                                                         key_base, n, e, span, &live, &live_bits);
                 st[n][e] = live ? phat * inv_l : 0.0f;
                 xq[col][e >> 1] = phat;
             }
@@ -227,7 +228,7 @@ AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4],
             for (int e = 0; e < 4; e++) {
                 const int col = 2 * h + (e & 1);
                 bool live;
-                st[n][e] = dkdv_term_p_hat<CHECKED>(lm, st[n][e], float4_at(m4, col), float4_at(inv_l4, col), q0,
+                st[n][e] = dkdv_term_p_hat<CHECKED, true>(lm, st[n][e], float4_at(m4, col), float4_at(inv_l4, col), q0,
                                                     key_base, n, e, span, &live, &live_bits);
             }
         }
@@ -329,10 +330,10 @@ AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const f
                 const int j = k0 + 8 * n + frag_c_col(lane, e);
                 const bool live =
                     span_logit<true>(lm, span[r], j, s[n][e], row_base + frag_c_row(lane, e), j, &u) && inv_l[r] != 0.0f;
-                s[n][e] = live ? p_hat(u, lm->exp_scale, m[r]) * inv_l[r] : 0.0f;
+                s[n][e] = live ? p_hat(u, lm->exp_scale, m[r], lm->p_fp16) * inv_l[r] : 0.0f;
                 live_bits |= (uint32_t)live << (4 * n + e);
             } else {
-                s[n][e] = p_hat(s[n][e], lm->exp_scale, m[r]) * inv_l[r];
+                s[n][e] = p_hat(s[n][e], lm->exp_scale, m[r], lm->p_fp16) * inv_l[r];
             }
         }
     return live_bits;

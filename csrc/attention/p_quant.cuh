@@ -1,4 +1,5 @@
-/* P's NVFP4 fake quantizer, fq16(P̂ * 2^11), bit for bit nvfp4.h's block rule: sm80/, sm90/ and decode/. */
+/* P's NVFP4 fake quantizer in fp16 (numerics.md §3 step 4), bit for bit aq_p_fake_quantize_block_fp16: sm80/, sm90/,
+   decode/. */
 #pragma once
 
 #include <type_traits>
@@ -6,8 +7,8 @@
 #include "attention/fragments.cuh"
 
 /* ------------------------------------------------------------------------------------------------
-   NVFP4 fake-quant of P̂ * 2^11 (numerics.md §3). P̂ is >= 0 (or NaN), which makes the block rule cheap; the
-   functions below give bit for bit aq_block_fake_quantize's result for such inputs:
+   NVFP4 fake-quant of w = P̂ * 2^11 (numerics.md §3), P̂ being p_hat<true>'s fp16 value. P̂ is >= 0 (or NaN), which
+   makes the block rule cheap; the functions below give bit for bit aq_p_fake_quantize_block_fp16's result on w:
    - amax is the max of the values' bits (non-negative floats order like their bits; NaN above all), or, in the
      sm90 forward at D = 128 and the dK/dV kernel's unmasked steps, P̂ at the block's largest logit
      (block_amax_from_logit), where a NaN logit leaves its block's scale finite: that element's P^F is then 6 s,
@@ -19,8 +20,12 @@
    - e2m1(y) for y >= 0 by nvfp4.h's aq_e2m1_round_nonneg_unclamped: y + 2^(22 + max(exponent(y), 0)) rounded once
      (an fma) lands on the E2M1 spacing of y's binade (0.5 below 2, 1 below 4, 2 from 4), ties to even, which is
      the E2M1 tie rule; the offset comes off exactly (fminf saturates at 6 first, or a 16-bit min after);
-   - r = fl(2^11 / s) from the approximate reciprocal and one Newton step (exact for E4M3 scales, see below);
+   - r = 2^11 fp16(1 / s): fl(1 / s) from the approximate reciprocal and one Newton step (exact for E4M3 scales, see
+     below), then rounded to fp16; y = fp16(x * r), the product exact in fp32, rounded once;
    - a zero-scale block uses r = 0, so its y and values are 0; a NaN scale makes every value NaN. */
+
+/* The fp16 value nearest to x (ties to even, subnormals kept, NaN stays NaN), as a float: cvt.rn.f16.f32 and back. */
+AQ_D float p_round_fp16(float x) { return __half2float(__float2half_rn(x)); }
 
 /* From the bits of the amax of a block of P̂ (unscaled): s, the E4M3 scale of the block of P̂ * 2^11; s_pf = s * 2^-11,
    the scale of P^F itself; and r = fl(2^11 / s) (0 when s = 0), so that x * r for x = P̂ is (x * 2^11) / s rounded
@@ -46,12 +51,16 @@ AQ_D void p_block_scale(uint32_t amax_bits, float *s, float *s_pf, float *r) {
        comes out exact. So the rounding is the correct one for every E4M3 scale. */
     float r0;
     asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r0) : "f"(*s_pf));
-    *r = *s == 0.0f ? 0.0f : __fmaf_rn(r0, __fmaf_rn(-*s_pf, r0, 1.0f), r0);
+    const float r32 = __fmaf_rn(r0, __fmaf_rn(-*s_pf, r0, 1.0f), r0); /* 2^11 fp32(1 / s) */
+    /* §3 step 4d: r = fp16(1 / s) = fp16(fp32(1 / s)) for every E4M3 s, kept times 2^11 (exact) so that x = P̂ gives
+       x * r = w * fp16(1 / s) */
+    *r = *s == 0.0f ? 0.0f : p_round_fp16(r32 * AQ_P_HEADROOM_INV) * AQ_P_HEADROOM;
 }
 
-/* e2m1(x * r) * s for x >= 0 or NaN. */
+/* e2m1(fp16(x * r)) * s for x >= 0 or NaN (§3 steps 4e-4g): x * r is the exact product w * fp16(1 / s) (two fp16
+   significands, 22 bits), rounded once to fp16 as mul.rn.f16x2 would. */
 AQ_D float p_fake_quantize_element(float x, float s, float r) {
-    return __fmul_rn(aq_e2m1_round_nonneg_unclamped(fminf(__fmul_rn(x, r), 6.0f)), s);
+    return __fmul_rn(aq_e2m1_round_nonneg_unclamped(fminf(p_round_fp16(__fmul_rn(x, r)), 6.0f)), s);
 }
 
 /* Query rows in C-fragment rows (forward): one row's 16-key block is two adjacent n-blocks, held by the 4 lanes
@@ -115,7 +124,7 @@ AQ_D void fake_quantize_p_block(float c0[4], float c1[4]) {
 /* e2m1(x * r) for x >= 0 or NaN, as p_fake_quantize_element but neither clamped at 6 nor scaled
    (aq_e2m1_round_nonneg_unclamped; y <= 2^20 here: x <= 1, r <= 2^20): p_round_block_pair's part, whose other half
    (pack_quantized_p_pair) clamps and scales two values at once in 16-bit pairs. */
-AQ_D float p_round_element(float x, float r) { return aq_e2m1_round_nonneg_unclamped(__fmul_rn(x, r)); }
+AQ_D float p_round_element(float x, float r) { return aq_e2m1_round_nonneg_unclamped(p_round_fp16(__fmul_rn(x, r))); }
 
 /* min(q, 6) * s on a 16-bit pair (DT), both exact: q is an E2M1 grid value or a larger power-of-two multiple of one
    (at most 2 significant bits), s an E4M3 value (4), so the product has at most 6 significant bits and lies within

@@ -1,4 +1,5 @@
-/* The exp2 frame (P̂ = 2^(t - frame)) and the forward's online softmax: sm80/, sm90/ and decode/. */
+/* The exp2 frame (P̂ = 2^(t - frame), fp16 on P's quantized path, numerics.md §3) and the forward's online softmax:
+   sm80/, sm90/ and decode/. */
 #pragma once
 
 #include <type_traits>
@@ -20,16 +21,34 @@ AQ_D float frame_exp2(float x) {
     return y;
 }
 
-/* P̂ = 2^(t - frame) for the logit u (t = u * exp_scale, logit_map) as ex2(fma(u, exp_scale, -frame)): one rounding
-   of the exponent argument (numerics.md §8), the form every kernel uses, so the backward recomputes the forward's
-   P̂. */
-AQ_D float p_hat(float u, float exp_scale, float frame) { return frame_exp2(fmaf(u, exp_scale, -frame)); }
+/* w = fp16(2^x) for P's exponent argument x = t - (M - 11) (numerics.md §3 step 2), as a float: the fp32 MUFU.EX2
+   rounded once to fp16 (cvt.rn keeps fp16 subnormals, the definition's grid down to 2^-24). */
+AQ_D float p_frame_value(float x) { return __half2float(__float2half_rn(frame_exp2(x))); }
 
-/* A block's amax from its largest logit u: max_j P̂_j = P̂(u) exactly, because fma(u, exp_scale, -frame) is
-   monotonic in u (exp_scale > 0, checked by ops.cpp) and so is ex2.approx.ftz.f32 (not promised by PTX; checked
-   on the GPU for every fp32 input by tests/test_attention.py). As bits, for p_block_scale. */
+/* P̂ for the logit u (t = u * exp_scale, logit_map), with one rounding of the exponent argument (numerics.md §8), the
+   form every kernel uses, so the backward recomputes the forward's P̂. F16 (a mode that quantizes P, numerics.md §3):
+   P̂ = w * 2^-11 with w = fp16(2^fma(u, exp_scale, 11 - frame)), the 2^11 headroom in the fma's addend (exact: the
+   frame is an integer); else P̂ = 2^fma(u, exp_scale, -frame) in fp32 (bf16 mode, drop-in's backward). */
+template <bool F16>
+AQ_D float p_hat(float u, float exp_scale, float frame) {
+    if constexpr (F16)
+        return p_frame_value(fmaf(u, exp_scale, AQ_P_HEADROOM_LOG2 - frame)) * AQ_P_HEADROOM_INV;
+    else
+        return frame_exp2(fmaf(u, exp_scale, -frame));
+}
+
+/* p_hat with F16 chosen at run time (the backward kernels without QUANTIZE_DV serve drop-in, bf16 and
+   high_precision_p alike; logit_map's p_fp16). */
+AQ_D float p_hat(float u, float exp_scale, float frame, bool f16) {
+    return f16 ? p_hat<true>(u, exp_scale, frame) : p_hat<false>(u, exp_scale, frame);
+}
+
+/* A block's amax from its largest logit u: max_j P̂_j = P̂(u) exactly, because fma(u, exp_scale, 11 - frame) is
+   monotonic in u (exp_scale > 0, checked by ops.cpp) and so are ex2.approx.ftz.f32 (not promised by PTX; checked
+   on the GPU for every fp32 input by tests/test_attention.py) and the fp16 rounding. As bits, for p_block_scale;
+   only quantized paths take block maxima, so P̂ is the fp16 one. */
 AQ_D uint32_t block_amax_from_logit(float u, float exp_scale, float frame) {
-    return __float_as_uint(p_hat(u, exp_scale, frame));
+    return __float_as_uint(p_hat<true>(u, exp_scale, frame));
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -40,7 +59,7 @@ AQ_D uint32_t block_amax_from_logit(float u, float exp_scale, float frame) {
 
 /* One key tile of the online softmax in an integer frame: m = ceil(running max), so the factor alpha by which the
    accumulators must be rescaled (rescale_rows) is an exact power of two, which commutes with the P block rule.
-   s holds logits u (t = u * exp_scale, logit_map) and becomes P̂ = 2^(t - m), and l is rescaled and accumulated. The
+   s holds logits u (t = u * exp_scale, logit_map) and becomes P̂ (p_hat<F16>), and l is rescaled and accumulated. The
    row max ignores NaN (fmaxf); a NaN score still reaches l and O through exp2. */
 /* Row r's frame after a tile whose largest logit is mx: m = max(m, ceil(mx * exp_scale)), alpha the step from the
    old frame, l rescaled by it. Returns the frame the tile's exponentials use. */
@@ -54,18 +73,18 @@ AQ_D float advance_frame(float mx, float exp_scale, float &m, float &l, float &a
     return m_new == -INFINITY ? 0.0f : m_new;
 }
 
-/* Row r of the tile's logits in s becomes P̂ = 2^(t - frame), added to l. */
-template <int BN>
+/* Row r of the tile's logits in s becomes P̂ (p_hat<F16>), added to l: with F16, l sums the fp16 P̂ (§3 step 3). */
+template <int BN, bool F16>
 AQ_D void exp_row(float (&s)[BN / 8][4], int r, float exp_scale, float frame, float &l) {
 #pragma unroll
     for (int n = 0; n < BN / 8; n++) {
-        s[n][2 * r] = p_hat(s[n][2 * r], exp_scale, frame);
-        s[n][2 * r + 1] = p_hat(s[n][2 * r + 1], exp_scale, frame);
+        s[n][2 * r] = p_hat<F16>(s[n][2 * r], exp_scale, frame);
+        s[n][2 * r + 1] = p_hat<F16>(s[n][2 * r + 1], exp_scale, frame);
         l += s[n][2 * r] + s[n][2 * r + 1];
     }
 }
 
-template <int BN>
+template <int BN, bool F16>
 AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2], float exp_scale) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -74,7 +93,7 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
         for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 2));
-        exp_row<BN>(s, r, exp_scale, advance_frame(mx, exp_scale, m[r], l[r], alpha[r]), l[r]);
+        exp_row<BN, F16>(s, r, exp_scale, advance_frame(mx, exp_scale, m[r], l[r], alpha[r]), l[r]);
     }
 }
 
@@ -124,9 +143,9 @@ AQ_D void online_softmax_p_scales(float (&s)[BN / 8][4], float m[2], float l[2],
         const float lane_frame = bit1 ? frame[1] : frame[0];
         block_scales([&](int p) { return block_amax_from_logit(bmax[p], exp_scale, lane_frame); });
 #pragma unroll
-        for (int rr = 0; rr < 2; rr++) exp_row<BN>(s, rr, exp_scale, frame[rr], l[rr]);
+        for (int rr = 0; rr < 2; rr++) exp_row<BN, true>(s, rr, exp_scale, frame[rr], l[rr]);
     } else {
-        online_softmax_scores<BN>(s, m, l, alpha, exp_scale);
+        online_softmax_scores<BN, true>(s, m, l, alpha, exp_scale);
         block_maxima();
         block_scales([&](int p) { return bmax[p]; });
     }
@@ -149,12 +168,12 @@ AQ_D void rescale_rows(float (&acc)[D / 8][4], const float alpha[2]) {
         for (int e = 0; e < 4; e++) acc[n][e] *= alpha[e >> 1];
 }
 
-/* online_softmax_scores, then the rescale of o (and o2 with RESCALE_O2). */
-template <int BN, int D, bool RESCALE_O2>
+/* online_softmax_scores<BN, F16>, then the rescale of o (and o2 with RESCALE_O2). */
+template <int BN, int D, bool RESCALE_O2, bool F16>
 AQ_D void online_softmax_tile(float (&s)[BN / 8][4], float (&o)[D / 8][4], float (&o2)[D / 8][4], float m[2],
                               float l[2], float exp_scale) {
     float alpha[2];
-    online_softmax_scores<BN>(s, m, l, alpha, exp_scale);
+    online_softmax_scores<BN, F16>(s, m, l, alpha, exp_scale);
     rescale_rows<D>(o, alpha);
     if constexpr (RESCALE_O2) rescale_rows<D>(o2, alpha);
 }

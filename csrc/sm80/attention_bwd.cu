@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
     float dk[D / 8][4] = {}, dv[D / 8][4] = {};
     for (int h = hk * group; h < (hk + 1) * group; h++) {
         const logit_map lm = make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset,
-                                            p.softmax_scale, p.q_span, p.k_span);
+                                            p.softmax_scale, p.q_span, p.k_span, p.p_fp16 || p.quantize_p_for_dv);
         const uint16_t *qg = (const uint16_t *)p.q + b * p.q_stride[0] + h * p.q_stride[1];
         const uint16_t *dog = (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1];
         const int64_t stat0 = ((int64_t)b * p.heads_q + h) * nq;
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
                      p.sm_count);
     const int h = wi.h, b = wi.b, hk = h / (int)(p.heads_q / p.heads_kv), q0 = wi.tile * BWD_ROWS;
     const logit_map lm = make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale,
-                                        p.q_span, p.k_span);
+                                        p.q_span, p.k_span, p.p_fp16 || p.quantize_p_for_dv);
     const uint16_t *kg = (const uint16_t *)p.k + b * p.k_stride[0] + hk * p.k_stride[1];
     const uint16_t *vg = (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1];
 

@@ -366,7 +366,7 @@ struct Dkdv90Consumer {
              step++, next_query_step(&h, &q0, it.q_begin, it.q_end)) {
             const int s = step % L::STAGES;
             const logit_map lm = make_logit_map(p.mask, p.mask_stride, it.b, h, nq, it.nk, p.causal, p.causal_offset,
-                                                p.softmax_scale, p.q_span, p.k_span);
+                                                p.softmax_scale, p.q_span, p.k_span, p.p_fp16 || p.quantize_p_for_dv);
             const unsigned char *qt = bwd.qs + s * L::STEP_BYTES, *dot = bwd.dos + s * L::STEP_BYTES;
             const float *st_m = bwd.stats + s * L::STATS_FLOATS;
 
@@ -664,7 +664,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
                                       (int)p.batch, p.causal, true, p.sm_count);
     const int h = wi.h, b = wi.b, hk = h / (int)(p.heads_q / p.heads_kv), q0 = wi.tile * BWD90_ROWS;
     const logit_map lm = make_logit_map(p.mask, p.mask_stride, b, h, nq, nk, p.causal, p.causal_offset, p.softmax_scale,
-                                        p.q_span, p.k_span);
+                                        p.q_span, p.k_span, p.p_fp16 || p.quantize_p_for_dv);
     /* the key tiles kt0 .. kt0 + n_tiles - 1 hold the keys any row sees */
     const int2 keys = query_rows_key_range(&lm, q0, min(q0 + BWD90_ROWS, nq));
     const int kt0 = keys.x / BK, n_tiles = (keys.y + BK - 1) / BK - kt0;

@@ -355,7 +355,7 @@ struct Fwd90Mainloop {
             }
             __syncwarp();
         } else {
-            online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
+            online_softmax_scores<BN, false>(sc, m, l, alpha, lm.exp_scale);
         }
     }
     AQ_D void pack_scores(uint32_t (&a)[BN / 16][4]) {
