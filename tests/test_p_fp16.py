@@ -241,3 +241,47 @@ def test_ex2_approx_then_cvt_against_fp16_of_exp2():
             differ += int(bad.sum())
     print(f"cvt.rn.f16(ex2.approx.ftz.f32(x)) != fp16(2^x) for {differ} of {total} fp32 x ({differ / total:.2e})")
     assert differ <= 1e-3 * total
+
+
+def random_arguments(rows=4000, n=77, seed=0):
+    """Exponent arguments as the kernels form them, hidden keys, a NaN, powers of two, values near 0 and 11."""
+    g = torch.Generator().manual_seed(seed)
+    x = (11.05 - 37 * torch.rand(rows, n, generator=g)).float()
+    x[torch.rand(x.shape, generator=g) < 0.1] = -math.inf
+    x[7] = -math.inf
+    x[8, 20] = math.nan
+    x[9, :16] = torch.arange(-25, -9).float()
+    x[10] = 11 + (torch.arange(n) - n // 2).float() * 2.0**-20
+    x[11] = (torch.arange(n) - n // 2).float() * 2.0**-23
+    return x
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["random", "every_fp16_frame_value"])
+def test_cuda_path_matches_reference(case):
+    """The CUDA kernels' device functions for P's path (p_frame_value, p_block_scale, p_fake_quantize_element, run by
+    the op on the GPU) against attn_qat.reference: w = fp16(2^x) but where ex2.approx leaves 2^x within its error of
+    an fp16 midpoint (one fp16 ulp, rarely: test_ex2_approx_then_cvt_against_fp16_of_exp2), and P's block rule on
+    the GPU's own w bit for bit."""
+    if case == "random":
+        x = random_arguments()
+    else:  # x = fp32(log2(w)) is 2^-20 from w, far from any midpoint: every w exactly, in shuffled rows of 128
+        w = fp16_values(2.0**-24, 2048.0)
+        x = torch.log2(w).float()
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1))
+        x = torch.cat([x[: len(x) // 16 * 16].unsqueeze(0).reshape(1, -1),
+                       x[perm][: len(x) // 16 * 16].unsqueeze(0).reshape(1, -1)])
+    w_gpu, w_fq_gpu = (t.cpu() for t in p_fp16_path(x.cuda()))
+    want_w = ref.p_frame_values(x)
+    differ = ~((w_gpu.double() == want_w.double()) | (w_gpu.isnan() & want_w.double().isnan()))
+    if case == "every_fp16_frame_value":
+        assert not differ.any(), "w = fp16(2^x) missed on an argument far from any midpoint"
+    else:
+        spacing = torch.ldexp(torch.ones_like(want_w.double()),
+                              torch.clamp(torch.frexp(want_w.double())[1] - 11, min=-24))
+        assert ((w_gpu.double() - want_w.double()).abs()[differ] <= spacing[differ]).all(), "w more than an ulp off"
+        assert differ.double().mean() <= 1e-3
+    assert same_bits(w_fq_gpu, ref.p_fake_quant_f16(w_gpu)), "P's block rule on the GPU differs from the reference"
+    # and the CPU op still gives the reference's exactly
+    check_cpu_path(x)

@@ -117,8 +117,7 @@ typedef struct {
     int64_t causal_offset;
     int quantize_p_for_dv;
     int p_fp16;              /* 1: P̂ is §3's fp16 value (the forward quantized P: attn_qat, high_precision_p,
-                                low_precision_o); 0: 2^(t - M) (drop_in's and bf16's plain backward). CPU only so
-                                far: the CUDA kernels still evaluate P̂ in fp32. */
+                                low_precision_o); 0: 2^(t - M) (drop_in's and bf16's plain backward). */
     aq_dtype dtype;
     const int32_t *q_span, *k_span; /* NULL, or packed sequences (as in aq_attention_fwd_params) */
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_bwd_sm90.cu) */
@@ -183,6 +182,8 @@ const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, const a
                                        aq_attention_plan *plan);
 const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, const aq_attention_plan *plan, void *stream);
 const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, const aq_attention_plan *plan, void *stream);
+/* aq_p_fp16_path_cpu on the GPU (x, w, w_fq device pointers): the CUDA kernels' device functions for P's path. */
+const char *aq_p_fp16_path_cuda(const float *x, int64_t rows, int64_t n, float *w, float *w_fq, void *stream);
 
 /* ---------------------------------------------------------------------------------------------
    Decode on an NVFP4 KV cache (attn_qat/kv_cache.py): numerics.md §3 without O' on Q^F, K^F and V^F, K and V

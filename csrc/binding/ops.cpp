@@ -521,21 +521,30 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
 }
 
 // P's fp16 path (numerics.md §3) on fp32 exponent arguments x = t - (M - 11), blocks of 16 along the last dim:
-// (w, w_fq) = (P̂ * 2^11, P^F * 2^11) in x's shape, contiguous float32. The CPU kernels' own code, exposed so that
-// tests can hold it to attn_qat.reference bit for bit on arguments of their choosing.
+// (w, w_fq) = (P̂ * 2^11, P^F * 2^11) in x's shape, contiguous float32. The kernels' own code on x's device (the C
+// kernels' on the CPU, the CUDA kernels' device functions on a GPU), exposed so that tests can hold it to
+// attn_qat.reference bit for bit on arguments of their choosing.
+struct p_path_args {
+    const float *x;
+    int64_t rows, n;
+    float *w, *w_fq;
+};
+const char *p_fp16_path_cpu(const p_path_args *a) { return aq_p_fp16_path_cpu(a->x, a->rows, a->n, a->w, a->w_fq); }
+
 std::tuple<Tensor, Tensor> p_fp16_path(Tensor x) {
     STD_TORCH_CHECK(x.scalar_type() == ScalarType::Float, "attn_qat: p_fp16_path takes float32 exponent arguments");
     STD_TORCH_CHECK(x.dim() >= 1, "attn_qat: p_fp16_path needs at least one dimension");
-    STD_TORCH_CHECK(x.is_cpu(), "attn_qat: p_fp16_path runs on the CPU");
     x = torch::stable::contiguous(x);
     const std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
     Tensor w = torch::stable::new_empty(x, sizes);
     Tensor w_fq = torch::stable::new_empty(x, sizes);
     const int64_t n = x.size(x.dim() - 1);
     const int64_t rows = n == 0 ? 0 : x.numel() / n;
-    const char *err = aq_p_fp16_path_cpu(static_cast<const float *>(x.data_ptr()), rows, n,
-                                         static_cast<float *>(w.data_ptr()), static_cast<float *>(w_fq.data_ptr()));
-    STD_TORCH_CHECK(err == nullptr, "attn_qat: ", err ? err : "");
+    const p_path_args args = {static_cast<const float *>(x.data_ptr()), rows, n, static_cast<float *>(w.data_ptr()),
+                              static_cast<float *>(w_fq.data_ptr())};
+    launch(x, args, p_fp16_path_cpu, [&](void *stream) {
+        return aq_p_fp16_path_cuda(args.x, args.rows, args.n, args.w, args.w_fq, stream);
+    });
     return {w, w_fq};
 }
 
@@ -672,5 +681,6 @@ STABLE_TORCH_LIBRARY_IMPL(attn_qat, CUDA, m) {
     m.impl("attention_backward", TORCH_BOX(&attention_backward));
     m.impl("attention_forward_prequantized", TORCH_BOX(&attention_forward_prequantized));
     m.impl("kv_cache_decode", TORCH_BOX(&kv_cache_decode));
+    m.impl("p_fp16_path", TORCH_BOX(&p_fp16_path));
 }
 #endif
