@@ -305,6 +305,9 @@ struct Fwd90Mainloop {
                           PERSISTENT = Fwd::PERSISTENT;
     using L = typename Fwd::L;
     using hat_regs = uint32_t[WITH_O_PRIME ? BN / 16 : 1][4];
+    /* P's quantized path in fp32 registers (softmax.cuh's online_softmax_p_scales_f32) instead of f16x2 pairs: the
+       training forward at D = 128, where the pairs spilled in the mainloop */
+    static constexpr bool FP32_P = QUANTIZE_P && WITH_O_PRIME && D == 128;
 
     const Fwd &fwd;
     const unsigned &ring;
@@ -319,8 +322,9 @@ struct Fwd90Mainloop {
     uint32_t (&a_o)[BN / 16][4];
     hat_regs &a_hat, &a_hat2;
     const int2 &common;
+    uint32_t (&p_pairs)[QUANTIZE_P ? BN / 8 : 1][2];
     uint32_t (&p_scales)[QUANTIZE_P ? BN / 32 : 1];
-    float (&p_recips)[QUANTIZE_P ? BN / 32 : 1];
+    uint32_t (&p_recips)[QUANTIZE_P ? BN / 32 : 1];
 
     AQ_D int slot(int j) const { return (int)((ring + j) % SM90_STAGES); }
     AQ_D int phase(int j) const { return ((ring + j) / SM90_STAGES) & 1; }
@@ -346,11 +350,14 @@ struct Fwd90Mainloop {
     AQ_D void softmax_scores(int j, bool masked, float alpha[2]) {
         scores_to_logits<BN>(&lm, sc, q0 + row0, k0 + j * BN, masked, seen, fwd.warp_spans);
         if constexpr (QUANTIZE_P) {
-            online_softmax_p_scales<BN, DT, D == 128>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
+            if constexpr (FP32_P)
+                online_softmax_p_scales_f32<BN, DT, true>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
+            else
+                online_softmax_p_scales<BN, DT, D == 128>(sc, m, l, alpha, lm.exp_scale, p_pairs, p_recips, p_scales);
             __syncwarp(); /* the last tile's reads are done */
 #pragma unroll
             for (int pp = 0; pp < BN / 32; pp++) {
-                fwd.warp_scales[pp * 32 + lane] = __float_as_uint(p_recips[pp]);
+                fwd.warp_scales[pp * 32 + lane] = p_recips[pp];
                 fwd.warp_scales[(BN / 32 + pp) * 32 + lane] = p_scales[pp];
             }
             __syncwarp();
@@ -358,22 +365,32 @@ struct Fwd90Mainloop {
             online_softmax_scores<BN, false>(sc, m, l, alpha, lm.exp_scale);
         }
     }
-    AQ_D void pack_scores(uint32_t (&a)[BN / 16][4]) {
+    AQ_D void pack_scores(uint32_t (&a)[BN / 16][4]) { /* P̂ for O' (quantized: from the w pairs) or P V */
+        if constexpr (QUANTIZE_P && !FP32_P) {
+            p_hat_fragments<BN, DT>(p_pairs, a);
+        } else {
 #pragma unroll
-        for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
+            for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
+        }
     }
-    AQ_D void quantize_scores() { /* P̂ in sc -> the E2M1 roundings of P̂ / s, for pack_p */
+    AQ_D void quantize_scores() { /* w pairs in p_pairs -> the E2M1 roundings of w / s, for pack_p */
 #pragma unroll
-        for (int kb = 0; kb < BN / 16; kb += 2)
-            p_round_block_pair(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3],
-                               *(const float4 *)&fwd.quad_scales[kb / 2 * 32]);
+        for (int bp = 0; bp < BN / 32; bp++)
+            if constexpr (FP32_P)
+                p_round_block_pair_f32(sc[4 * bp], sc[4 * bp + 1], sc[4 * bp + 2], sc[4 * bp + 3],
+                                       *(const float4 *)&fwd.quad_scales[bp * 32]);
+            else
+                p_round_block_pair<BN>(p_pairs, bp, *(const uint4 *)&fwd.quad_scales[bp * 32]);
     }
     AQ_D void pack_p() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
 #pragma unroll
-        for (int kb = 0; kb < BN / 16; kb += 2) {
-            const uint4 quad_s = *(const uint4 *)&fwd.quad_scales[(BN / 32 + kb / 2) * 32];
-            pack_quantized_p_pair<DT>(a_o[kb], a_o[kb + 1], sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2],
-                                      sc[2 * kb + 3], quad_s);
+        for (int bp = 0; bp < BN / 32; bp++) {
+            const uint4 quad_s = *(const uint4 *)&fwd.quad_scales[(BN / 32 + bp) * 32];
+            if constexpr (FP32_P)
+                pack_quantized_p_pair_f32<DT>(a_o[2 * bp], a_o[2 * bp + 1], sc[4 * bp], sc[4 * bp + 1], sc[4 * bp + 2],
+                                              sc[4 * bp + 3], quad_s);
+            else
+                pack_quantized_p_pair<BN, DT>(a_o[2 * bp], a_o[2 * bp + 1], p_pairs, bp, quad_s);
         }
     }
 
@@ -496,17 +513,19 @@ AQ_D void fwd90_mainloop(const Fwd &fwd, unsigned ring, int it, const logit_map 
        merges such a copy's registers, then serializes every wgmma: warning C7513) */
     uint32_t a_o[BN / 16][4];
     typename ML::hat_regs a_hat, a_hat2;
-    /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
-       owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
-       its E2M1 roundings in place (quantize_scores), and sc packed into the A operand of O += P V (pack_p, which
-       scales the roundings into P^F * 2^11, exact in 16 bits). */
+    /* the online softmax of tile j: scores in sc become P̂ (fp32, in place; quantized: w = P̂ * 2^11 in the fp16
+       pairs p_pairs); alpha: the rescale the accumulators owe.
+       Then, apart, since the pipeline runs them at different times: w turned into its E2M1 roundings in place
+       (quantize_scores), and those packed into the A operand of O += P V (pack_p, which scales them into
+       P^F * 2^11, exact in 16 bits). */
     const int2 common = rows_common_keys(&lm, q0 + wrow, 64); /* the keys every row of the warpgroup sees */
     /* quantized: the lane's block scale (a DT pair, for pack_p) and reciprocal (for quantize_scores) of each
        block pair (online_softmax_p_scales), stored to fwd.warp_scales */
+    uint32_t p_pairs[Fwd::QUANTIZE_P ? BN / 8 : 1][2];
     uint32_t p_scales[Fwd::QUANTIZE_P ? BN / 32 : 1];
-    float p_recips[Fwd::QUANTIZE_P ? BN / 32 : 1];
+    uint32_t p_recips[Fwd::QUANTIZE_P ? BN / 32 : 1];
     ML{fwd, ring, lm, q0, n_tiles, k0, wrow, row0, lane, o, o2, m, l, seen, sc, a_o, a_hat, a_hat2, common,
-       p_scales, p_recips}
+       p_pairs, p_scales, p_recips}
         .run(it);
 }
 
