@@ -5,7 +5,7 @@
      1. p_round_pair's E2M1 sequence on every fp16 y >= 0, Inf and NaN (the GPU check covered [0, 8]; y reaches 9
         for a block whose scale is E4M3's smallest subnormal), against min.DT(e2m1 of the fp32 path, 6);
      2. scale_rounded_pair: (q >> 3 as bf16) * bf16(s * 2^112) and q * s in fp16, for both halves of every pair of
-        E2M1 values q and every E4M3 s (and NaN), against clamp_scale_pair's q * s in DT;
+        E2M1 values q and every E4M3 s (and NaN), against the fp32 path's q * s rounded to DT;
      3. p_hat_pair: bf16(bf16(w) * 2^-11) and fp16(w * 2^-11) against pack2<DT>(w * 2^-11) for every fp16 w >= 0;
      4. exp_row_pairs' l: fma(w0 + w1, 2^-11, l) against l + (P̂0 + P̂1) for every pair of fp16 w >= 0 below 2^12
         with a few l each (fp32, no contraction);
@@ -124,7 +124,7 @@ int main(void) {
                     /* mul.rn.bf16x2: the exact product of two bf16 values (<= 16 bits) rounded once */
                     const uint16_t got_bf = bf16_round(bf16_value(half) * bf16_value(s_bf));
                     const uint16_t got_h = f16_round(f16_value((uint16_t)(q >> (16 * h))) * f16_value(s_h));
-                    /* clamp_scale_pair: min(q, 6) * s in DT, exact */
+                    /* the fp32 path: min(q, 6) * s rounded to DT, exact */
                     const uint16_t want_bf = bf16_round(qv * s), want_h = f16_round((double)qv * s);
                     n2++;
                     if (got_bf != want_bf || got_h != want_h) {

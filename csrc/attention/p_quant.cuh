@@ -121,11 +121,6 @@ AQ_D void fake_quantize_p_block(float c0[4], float c1[4]) {
     c0[2] = row_g8[0], c0[3] = row_g8[1], c1[2] = row_g8[2], c1[3] = row_g8[3];
 }
 
-/* e2m1(x * r) for x >= 0 or NaN, as p_fake_quantize_element but neither clamped at 6 nor scaled
-   (aq_e2m1_round_nonneg_unclamped; y <= 2^20 here: x <= 1, r <= 2^20): p_round_block_pair's part, whose other half
-   (pack_quantized_p_pair) clamps and scales two values at once in 16-bit pairs. */
-AQ_D float p_round_element(float x, float r) { return aq_e2m1_round_nonneg_unclamped(p_round_fp16(__fmul_rn(x, r))); }
-
 /* The larger of two values: logits (fmaxf, which skips a NaN), or the bits of non-negative floats (P̂), which order
    like the values, with NaN above all. */
 AQ_D float max_of(float a, float b) { return fmaxf(a, b); }
@@ -164,13 +159,28 @@ AQ_D void lane_row_block_max(const float c0[4], const float c1[4], const float c
     a[3] = max_of(max_of(v(c2[2]), v(c2[3])), max_of(v(c3[2]), v(c3[3])));
 }
 
-/* lane_row_block_max of block pair bp of a tile's w pairs (p_round_block_pair's order), per half: row-block j's
-   pairs are w[4bp + 2 (j >> 1) + h][j & 1], h = 0, 1. */
+/* A tile's w pairs (fp16 pairs of w = P̂ * 2^11) in its score registers s (C-fragment order): pair (n, r), row r's
+   (g, g+8) keys 8n + 2t, +1, sits in s[n][2r], in place of the first score it came from, so that the A fragment of
+   16-key block kb is pairs (2kb, 0), (2kb, 1), (2kb+1, 0), (2kb+1, 1). In the score registers, not apart: those are
+   the next S wgmma's accumulator, idle till then, and pairs of their own spilled the D = 128 training forward. */
 template <int BN>
-AQ_D void lane_row_block_max_pairs(const uint32_t (&w)[BN / 8][2], int bp, f16_pair a[4]) {
+AQ_D uint32_t w_pair(const float (&s)[BN / 8][4], int n, int r) { return __float_as_uint(s[n][2 * r]); }
+template <int BN>
+AQ_D void set_w_pair(float (&s)[BN / 8][4], int n, int r, uint32_t pair) { s[n][2 * r] = __uint_as_float(pair); }
+/* With O', w of the same keys in DT (unscaled_hat_pair) beside it, in s[n][2r + 1], till pack_p scales it into the
+   A fragments of O' += P̂ V (scale_hat_pair): a product there, not a copy, which ptxas would merge into the score
+   registers (serializing the wgmma, warning C7513). */
+template <int BN>
+AQ_D uint32_t hat_pair(const float (&s)[BN / 8][4], int n, int r) { return __float_as_uint(s[n][2 * r + 1]); }
+
+/* lane_row_block_max of block pair bp of a tile's w pairs (p_round_block_pair's order), per half: row-block j's
+   pairs are (4bp + 2 (j >> 1) + h, j & 1), h = 0, 1. */
+template <int BN>
+AQ_D void lane_row_block_max_pairs(const float (&s)[BN / 8][4], int bp, f16_pair a[4]) {
 #pragma unroll
     for (int j = 0; j < 4; j++)
-        a[j] = max_of(f16_pair{w[4 * bp + 2 * (j >> 1)][j & 1]}, f16_pair{w[4 * bp + 2 * (j >> 1) + 1][j & 1]});
+        a[j] = max_of(f16_pair{w_pair<BN>(s, 4 * bp + 2 * (j >> 1), j & 1)},
+                      f16_pair{w_pair<BN>(s, 4 * bp + 2 * (j >> 1) + 1, j & 1)});
 }
 
 /* A reduce-scatter of lane_row_block_max's 4 maxima over lane bits 0 and 1 leaves lane 4g + t the maximum over the
@@ -188,59 +198,6 @@ AQ_D T quad_row_block_max(const T a[4]) {
     }
     /* over lane bit 1 */
     return max_of(bit1 ? kept[1] : kept[0], shuffle_xor(bit1 ? kept[0] : kept[1], 2));
-}
-
-/* ------------------------------------------------------------------------------------------------
-   The fp32 form of the pair functions below, for the training forward at D = 128 (with O'), where the pair form's
-   extra live registers during the softmax spilled in the mainloop: p_round_element's values in fp32 registers. */
-
-/* min(q, 6) * s on a 16-bit pair (DT), both exact: q is an E2M1 grid value or a larger power-of-two multiple of one
-   (at most 2 significant bits), s an E4M3 value (4), so the product has at most 6 significant bits and lies within
-   [2^-10, 2688]. One min and one multiply for two elements, where fp32 took two of each; a NaN s (non-finite block)
-   makes both NaN. */
-template <aq_dtype DT>
-AQ_D uint32_t clamp_scale_pair(uint32_t q, uint32_t s2) {
-    uint32_t r;
-    if constexpr (DT == AQ_BFLOAT16)
-        asm("{\n .reg .b32 t;\n min.bf16x2 t, %1, %3;\n mul.rn.bf16x2 %0, t, %2;\n}\n"
-            : "=r"(r) : "r"(q), "r"(s2), "r"(0x40C040C0u));
-    else
-        asm("{\n .reg .b32 t;\n min.f16x2 t, %1, %3;\n mul.rn.f16x2 %0, t, %2;\n}\n"
-            : "=r"(r) : "r"(q), "r"(s2), "r"(0x46004600u));
-    return r;
-}
-
-/* The E2M1 roundings of x * r (p_round_element) in place for one block pair (as lane_row_block_max). quad_r: the
-   quad's reciprocals (online_softmax_p_scales' r) of lanes 4g .. 4g+3 in x .. w, so of row-blocks 0, 2, 1, 3. With
-   pack_quantized_p_pair_f32, bit for bit the per-block rule (aq_block_fake_quantize on P̂ * 2^11). */
-AQ_D void p_round_block_pair_f32(float c0[4], float c1[4], float c2[4], float c3[4], const float4 &quad_r) {
-    float x[4][4] = {{c0[0], c0[1], c1[0], c1[1]}, {c0[2], c0[3], c1[2], c1[3]},
-                     {c2[0], c2[1], c3[0], c3[1]}, {c2[2], c2[3], c3[2], c3[3]}};
-    const float jr[4] = {quad_r.x, quad_r.z, quad_r.y, quad_r.w}; /* quad_row_block_max's order */
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) x[j][i] = p_round_element(x[j][i], jr[j]);
-    c0[0] = x[0][0], c0[1] = x[0][1], c1[0] = x[0][2], c1[1] = x[0][3];
-    c0[2] = x[1][0], c0[3] = x[1][1], c1[2] = x[1][2], c1[3] = x[1][3];
-    c2[0] = x[2][0], c2[1] = x[2][1], c3[0] = x[2][2], c3[1] = x[2][3];
-    c2[2] = x[3][0], c2[3] = x[3][1], c3[2] = x[3][2], c3[3] = x[3][3];
-}
-
-/* The A fragments of blocks A (a0) and B (a1) from p_round_block_pair's roundings and the quad's scale pairs
-   (online_softmax_p_scales' scale_pairs, in lane order as quad_r). */
-template <aq_dtype DT>
-AQ_D void pack_quantized_p_pair_f32(uint32_t a0[4], uint32_t a1[4], const float c0[4], const float c1[4], const float c2[4],
-                                const float c3[4], const uint4 &quad_s) {
-    const uint32_t s2[4] = {quad_s.x, quad_s.z, quad_s.y, quad_s.w}; /* as quad_r */
-    a0[0] = clamp_scale_pair<DT>(pack2<DT>(c0[0], c0[1]), s2[0]);
-    a0[1] = clamp_scale_pair<DT>(pack2<DT>(c0[2], c0[3]), s2[1]);
-    a0[2] = clamp_scale_pair<DT>(pack2<DT>(c1[0], c1[1]), s2[0]);
-    a0[3] = clamp_scale_pair<DT>(pack2<DT>(c1[2], c1[3]), s2[1]);
-    a1[0] = clamp_scale_pair<DT>(pack2<DT>(c2[0], c2[1]), s2[2]);
-    a1[1] = clamp_scale_pair<DT>(pack2<DT>(c2[2], c2[3]), s2[3]);
-    a1[2] = clamp_scale_pair<DT>(pack2<DT>(c3[0], c3[1]), s2[2]);
-    a1[3] = clamp_scale_pair<DT>(pack2<DT>(c3[2], c3[3]), s2[3]);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -322,46 +279,53 @@ AQ_D uint32_t scale_rounded_pair(uint32_t q, uint32_t scale_pair) {
     return r;
 }
 
-/* P̂ = w * 2^-11 in DT for a pair of w (w_lo, w_hi: its halves as floats), the values pack2<DT>(P̂) gives: fp16 rounds
-   the exact product once; bf16 rounds w (as pack2 of the floats) and scales it exactly (bf16 has fp32's range). */
+/* P̂ = w * 2^-11 in DT for a pair of w (w_lo, w_hi: its halves as floats), the values pack2<DT>(P̂) gives, in two
+   steps (p_hat_pair): w in DT (unscaled_hat_pair: fp16 w itself; bf16 w rounded, as pack2 of the floats), then
+   times 2^-11 (scale_hat_pair): fp16 rounds the exact product once, bf16 scales exactly (it has fp32's range). */
 template <aq_dtype DT>
-AQ_D uint32_t p_hat_pair(uint32_t w, float w_lo, float w_hi) {
+AQ_D uint32_t unscaled_hat_pair(uint32_t w, float w_lo, float w_hi) {
+    if constexpr (DT == AQ_BFLOAT16) return pack2<AQ_BFLOAT16>(w_lo, w_hi);
+    else return w;
+}
+template <aq_dtype DT>
+AQ_D uint32_t scale_hat_pair(uint32_t h) {
     uint32_t r;
     if constexpr (DT == AQ_BFLOAT16)
-        asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(pack2<AQ_BFLOAT16>(w_lo, w_hi)), "r"(AQ_BF16X2_HEADROOM_INV));
+        asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(h), "r"(AQ_BF16X2_HEADROOM_INV));
     else
-        asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(w), "r"(AQ_F16X2_HEADROOM_INV));
+        asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(h), "r"(AQ_F16X2_HEADROOM_INV));
     return r;
 }
-
-/* w pairs of a tile in C-fragment order: w[n][r] holds row r's (g, g+8) keys 8n + 2t, +1, so that the A fragment of
-   16-key block kb is w[2kb][0], w[2kb][1], w[2kb+1][0], w[2kb+1][1]. */
+template <aq_dtype DT>
+AQ_D uint32_t p_hat_pair(uint32_t w, float w_lo, float w_hi) {
+    return scale_hat_pair<DT>(unscaled_hat_pair<DT>(w, w_lo, w_hi));
+}
 
 /* The E2M1 roundings (p_round_pair) in place for block pair bp (n-blocks 4bp .. 4bp+3, lane_row_block_max's
    row-blocks). quad_r: the quad's reciprocal pairs (online_softmax_p_scales' recip_pairs) of lanes 4g .. 4g+3 in
    x .. w, so of row-blocks 0, 2, 1, 3. With pack_quantized_p_pair, bit for bit the per-block rule on w. */
 template <int BN>
-AQ_D void p_round_block_pair(uint32_t (&w)[BN / 8][2], int bp, const uint4 &quad_r) {
+AQ_D void p_round_block_pair(float (&s)[BN / 8][4], int bp, const uint4 &quad_r) {
     const uint32_t jr[4] = {quad_r.x, quad_r.z, quad_r.y, quad_r.w}; /* quad_row_block_max's order */
 #pragma unroll
     for (int j = 0; j < 4; j++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            uint32_t &pair = w[4 * bp + 2 * (j >> 1) + h][j & 1];
-            pair = p_round_pair(pair, jr[j]);
+            const int n = 4 * bp + 2 * (j >> 1) + h;
+            set_w_pair<BN>(s, n, j & 1, p_round_pair(w_pair<BN>(s, n, j & 1), jr[j]));
         }
 }
 
 /* The A fragments of block pair bp's blocks A (a0) and B (a1) from p_round_block_pair's roundings and the quad's
    scale pairs (online_softmax_p_scales' scale_pairs, in lane order as quad_r). */
 template <int BN, aq_dtype DT>
-AQ_D void pack_quantized_p_pair(uint32_t a0[4], uint32_t a1[4], const uint32_t (&w)[BN / 8][2], int bp,
+AQ_D void pack_quantized_p_pair(uint32_t a0[4], uint32_t a1[4], const float (&s)[BN / 8][4], int bp,
                                 const uint4 &quad_s) {
     const uint32_t s2[4] = {quad_s.x, quad_s.z, quad_s.y, quad_s.w}; /* as quad_r */
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        a0[i] = scale_rounded_pair<DT>(w[4 * bp + (i >> 1)][i & 1], s2[i & 1]);
-        a1[i] = scale_rounded_pair<DT>(w[4 * bp + 2 + (i >> 1)][i & 1], s2[2 + (i & 1)]);
+        a0[i] = scale_rounded_pair<DT>(w_pair<BN>(s, 4 * bp + (i >> 1), i & 1), s2[i & 1]);
+        a1[i] = scale_rounded_pair<DT>(w_pair<BN>(s, 4 * bp + 2 + (i >> 1), i & 1), s2[2 + (i & 1)]);
     }
 }
 

@@ -102,94 +102,30 @@ AQ_D void online_softmax_scores(float (&s)[BN / 8][4], float m[2], float l[2], f
     }
 }
 
-/* The online softmax of one key tile (online_softmax_scores) together with the block scales of its P (the quantized
-   forward on sm90). Out, per block pair (quad_row_block_max's row-block of the lane): r, the reciprocal for
-   p_round_block_pair_f32 (as bits), and the scale as a DT pair for pack_quantized_p_pair_f32 (the
-   training forward at D = 128: online_softmax_p_scales' fp32 form); those take the quad's four, which
-   the caller trades through shared memory.
-   FROM_LOGITS: each block's amax from its largest logit (block_amax_from_logit), so that the scales need only
-   the logits' block maxima and the frame: their chain (the reduce-scatter, the E4M3 rounding, the reciprocal)
-   then runs beside the exponentials instead of after them, the block maxima give the row maxima too, and the
-   integer max over P̂ per element is gone, for one more MUFU.EX2 a block pair and lane (performance.md v12:
-   inference forward -3 to -4%). Not at D = 64, where the exponentials alone keep MUFU as busy as the tensor cores
-   (performance.md, cost model) and that extra one cost 5%: there the amax is the integer max of the P̂ bits. */
-template <int BN, aq_dtype DT, bool FROM_LOGITS>
-AQ_D void online_softmax_p_scales_f32(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2], float exp_scale,
-                                  uint32_t (&r)[BN / 32], uint32_t (&scale_pairs)[BN / 32]) {
-    using T = typename std::conditional<FROM_LOGITS, float, uint32_t>::type;
-    T bmax[BN / 32];
-    auto block_maxima = [&]() {
-#pragma unroll
-        for (int p = 0; p < BN / 32; p++) {
-            T a[4];
-            lane_row_block_max(s[4 * p], s[4 * p + 1], s[4 * p + 2], s[4 * p + 3], a);
-            bmax[p] = quad_row_block_max(a);
-        }
-    };
-    auto block_scales = [&](auto amax_bits) {
-#pragma unroll
-        for (int p = 0; p < BN / 32; p++) {
-            float sv, s_pf;
-            float rp;
-            p_block_scale(amax_bits(p), &sv, &s_pf, &rp);
-            r[p] = __float_as_uint(rp);
-            scale_pairs[p] = pack2<DT>(sv, sv);
-        }
-    };
-    if constexpr (FROM_LOGITS) {
-        block_maxima();
-        const bool bit1 = (int)threadIdx.x & 2; /* the lane's row-blocks are of row g + 8 bit1 */
-        float mine = bmax[0];
-#pragma unroll
-        for (int p = 1; p < BN / 32; p++) mine = fmaxf(mine, bmax[p]);
-        mine = fmaxf(mine, __shfl_xor_sync(AQ_FULL_MASK, mine, 1)); /* lane bit 0: the pairs' other blocks */
-        const float theirs = __shfl_xor_sync(AQ_FULL_MASK, mine, 2);
-        const float mx[2] = {bit1 ? theirs : mine, bit1 ? mine : theirs};
-        float frame[2];
-#pragma unroll
-        for (int rr = 0; rr < 2; rr++) frame[rr] = advance_frame(mx[rr], exp_scale, m[rr], l[rr], alpha[rr]);
-        const float lane_frame = bit1 ? frame[1] : frame[0];
-        block_scales([&](int p) { return block_amax_from_logit(bmax[p], exp_scale, lane_frame); });
-#pragma unroll
-        for (int rr = 0; rr < 2; rr++) exp_row<BN, true>(s, rr, exp_scale, frame[rr], l[rr]);
-    } else {
-        online_softmax_scores<BN, true>(s, m, l, alpha, exp_scale);
-        block_maxima();
-        block_scales([&](int p) { return bmax[p]; });
-    }
-}
-
-/* Row r of the tile's logits in s becomes w = P̂ * 2^11 in fp16 pairs (p_round_block_pair's order), p_hat<true>'s
+/* Row r of the tile's logits in s becomes w = P̂ * 2^11 in fp16 pairs in place (w_pair's order), p_hat<true>'s
    values: the fp32 exponentials rounded to fp16 two at a time (cvt.rn.f16x2.f32). l adds each pair's sum times
    2^-11, which is l + (P̂0 + P̂1) exactly as exp_row adds it (scaling by 2^-11 commutes with the fp32 rounding:
-   P̂ >= 2^-35 or 0). */
-template <int BN>
-AQ_D void exp_row_pairs(const float (&s)[BN / 8][4], int r, float exp_scale, float frame, float &l,
-                        uint32_t (&w)[BN / 8][2]) {
+   P̂ >= 2^-35 or 0). HAT (O'): w in DT beside each pair (hat_pair, unscaled_hat_pair), from the same halves as l,
+   which then die at once (taken later from w, they stayed live and spilled at D = 128). */
+template <int BN, aq_dtype DT, bool HAT>
+AQ_D void exp_row_pairs(float (&s)[BN / 8][4], int r, float exp_scale, float frame, float &l) {
     const float offset = AQ_P_HEADROOM_LOG2 - frame;
 #pragma unroll
     for (int n = 0; n < BN / 8; n++) {
         const uint32_t pair = pack2<AQ_FLOAT16>(frame_exp2(fmaf(s[n][2 * r], exp_scale, offset)),
                                                 frame_exp2(fmaf(s[n][2 * r + 1], exp_scale, offset)));
-        w[n][r] = pair;
-        l = fmaf(f16_lo(pair) + f16_hi(pair), AQ_P_HEADROOM_INV, l);
+        set_w_pair<BN>(s, n, r, pair);
+        const float lo = f16_lo(pair), hi = f16_hi(pair);
+        l = fmaf(lo + hi, AQ_P_HEADROOM_INV, l);
+        if constexpr (HAT) s[n][2 * r + 1] = __uint_as_float(unscaled_hat_pair<DT>(pair, lo, hi));
     }
 }
 
-/* P̂ in DT from a tile's w pairs (p_hat_pair): the A fragments of O' += P̂ V, pack_a_from_c's values. Apart from
-   exp_row_pairs, so that the fragments are not live during the softmax (they spilled there at D = 128). */
-template <int BN, aq_dtype DT>
-AQ_D void p_hat_fragments(const uint32_t (&w)[BN / 8][2], uint32_t (&hat)[BN / 16][4]) {
-#pragma unroll
-    for (int n = 0; n < BN / 8; n++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) hat[n / 2][2 * (n & 1) + r] = p_hat_pair<DT>(w[n][r], f16_lo(w[n][r]), f16_hi(w[n][r]));
-}
-
 /* The online softmax of one key tile together with the block scales of its P (the quantized forward on sm90), in
-   fp16 pairs: s holds logits u (t = u * exp_scale, logit_map), w receives w = P̂ * 2^11 (exp_row_pairs). Out, per block pair (quad_row_block_max's row-block of the lane): the reciprocal pair for
-   p_round_block_pair and the scale pair for pack_quantized_p_pair (p_block_scale_pairs); those take the quad's
-   four, which the caller trades through shared memory.
+   fp16 pairs: s holds logits u (t = u * exp_scale, logit_map) and receives the pairs of w = P̂ * 2^11 (w_pair) and,
+   HAT (O'), w in DT beside them (hat_pair; exp_row_pairs). Out, per block pair (quad_row_block_max's row-block of
+   the lane): the reciprocal pair for p_round_block_pair and the scale pair for pack_quantized_p_pair
+   (p_block_scale_pairs); those take the quad's four, which the caller trades through shared memory.
    FROM_LOGITS: each block's amax from its largest logit (block_amax_from_logit), so that the scales need only
    the logits' block maxima and the frame: their chain (the reduce-scatter, the E4M3 rounding, the reciprocal)
    then runs beside the exponentials instead of after them, the block maxima give the row maxima too, and the
@@ -197,10 +133,9 @@ AQ_D void p_hat_fragments(const uint32_t (&w)[BN / 8][2], uint32_t (&hat)[BN / 1
    inference forward -3 to -4%). Not at D = 64, where the exponentials alone keep MUFU as busy as the tensor cores
    (performance.md, cost model) and that extra one cost 5%: there the amax is the max of the w pairs (NaN above
    all, as the integer max of P̂'s bits). */
-template <int BN, aq_dtype DT, bool FROM_LOGITS>
+template <int BN, aq_dtype DT, bool FROM_LOGITS, bool HAT>
 AQ_D void online_softmax_p_scales(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2], float exp_scale,
-                                  uint32_t (&w)[BN / 8][2], uint32_t (&recip_pairs)[BN / 32],
-                                  uint32_t (&scale_pairs)[BN / 32]) {
+                                  uint32_t (&recip_pairs)[BN / 32], uint32_t (&scale_pairs)[BN / 32]) {
     if constexpr (FROM_LOGITS) {
         float bmax[BN / 32];
 #pragma unroll
@@ -225,7 +160,7 @@ AQ_D void online_softmax_p_scales(float (&s)[BN / 8][4], float m[2], float l[2],
             p_block_scale_pairs<DT>(block_amax_w_from_logit(bmax[p], exp_scale, lane_frame), &recip_pairs[p],
                                     &scale_pairs[p]);
 #pragma unroll
-        for (int rr = 0; rr < 2; rr++) exp_row_pairs<BN>(s, rr, exp_scale, frame[rr], l[rr], w);
+        for (int rr = 0; rr < 2; rr++) exp_row_pairs<BN, DT, HAT>(s, rr, exp_scale, frame[rr], l[rr]);
     } else {
 #pragma unroll
         for (int r = 0; r < 2; r++) { /* online_softmax_scores' row maxima */
@@ -234,12 +169,12 @@ AQ_D void online_softmax_p_scales(float (&s)[BN / 8][4], float m[2], float l[2],
             for (int n = 0; n < BN / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(AQ_FULL_MASK, mx, 2));
-            exp_row_pairs<BN>(s, r, exp_scale, advance_frame(mx, exp_scale, m[r], l[r], alpha[r]), l[r], w);
+            exp_row_pairs<BN, DT, HAT>(s, r, exp_scale, advance_frame(mx, exp_scale, m[r], l[r], alpha[r]), l[r]);
         }
 #pragma unroll
         for (int p = 0; p < BN / 32; p++) {
             f16_pair a[4];
-            lane_row_block_max_pairs<BN>(w, p, a);
+            lane_row_block_max_pairs<BN>(s, p, a);
             const uint32_t both = quad_row_block_max(a).bits; /* the block's even keys' max and odd keys' */
             p_block_scale_pairs<DT>(f16_lo(f16x2_max_nan(both, both >> 16)), &recip_pairs[p], &scale_pairs[p]);
         }
