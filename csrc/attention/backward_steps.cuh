@@ -81,8 +81,8 @@ AQ_D void dkdv_step_stats(float4 (&v)[BQ / 16], const float *stat) {
 
 /* P̂ of the step's term (n, e) from its score s (st[n][e]). With CHECKED, *live says whether the term counts (its
    key is visible and its row has inv_l != 0), which also goes into *live_bits, and a dead term's P̂ is 0; span: the
-   queries the thread's two key rows see (key_row_spans). F16: P̂ is the fp16 one for certain (QUANTIZE_DV); else
-   lm->p_fp16 says at run time (numerics.md §3: whether the forward quantized P). */
+   queries the thread's two key rows see (key_row_spans). F16: P̂ is the fp16 one (p_hat<F16>; numerics.md §3: the
+   forward quantized P). */
 template <bool CHECKED, bool F16>
 AQ_D float dkdv_term_p_hat(const logit_map *lm, float s, float m, float inv_l, int q0, int key_base, int n, int e,
                            const int2 (&span)[2], bool *live, uint32_t *live_bits) {
@@ -91,20 +91,22 @@ AQ_D float dkdv_term_p_hat(const logit_map *lm, float s, float m, float inv_l, i
         float u;
         *live = span_logit<true>(lm, span[e >> 1], i, s, i, key_base + frag_c_row(lane, e), &u) && inv_l != 0.0f;
         *live_bits |= (uint32_t)*live << (4 * n + e);
-        return *live ? p_hat(u, lm->exp_scale, m, F16 || lm->p_fp16) : 0.0f;
+        return *live ? p_hat<F16>(u, lm->exp_scale, m) : 0.0f;
     } else {
         *live = true;
-        return p_hat(s, lm->exp_scale, m, F16 || lm->p_fp16);
+        return p_hat<F16>(s, lm->exp_scale, m);
     }
 }
 
 /* Leaves P^T = P̂ / l in st and the dV operand as A fragments in pa (16 queries each): P^F = (P's fp16 block rule
    on P̂ * 2^11) * 2^-11 / l with QUANTIZE_DV (the forward's P^F, since M is the forward's final frame; a block with a
-   NaN is NaN throughout, its dead terms stay 0), else P. row_m, row_inv_l: step_stat's shared memory or registers. */
-template <int BQ, bool QUANTIZE_DV, aq_dtype DT, bool CHECKED, typename M, typename InvL>
+   NaN is NaN throughout, its dead terms stay 0), else P. P_FP16: P̂ is fp16 (dkdv_term_p_hat; QUANTIZE_DV implies
+   it). row_m, row_inv_l: step_stat's shared memory or registers. */
+template <int BQ, bool QUANTIZE_DV, bool P_FP16, aq_dtype DT, bool CHECKED, typename M, typename InvL>
 AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
                                const M &row_m, const InvL &row_inv_l, int q0, int key_base) {
     static_assert(BQ <= 64 && BQ % 16 == 0, "one live bit per term of the step, whole A fragments");
+    static_assert(P_FP16 || !QUANTIZE_DV, "P^F is the fp16 P̂'s block rule");
     uint32_t live_bits = CHECKED ? 0u : ~0u;
     int2 span[2] = {};
     if constexpr (CHECKED) key_row_spans(lm, key_base, span);
@@ -120,7 +122,7 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
                 const int col = 2 * h + (e & 1);
                 const float inv_l = float4_at(inv_l4, col);
                 bool live;
-                const float phat = dkdv_term_p_hat<CHECKED, QUANTIZE_DV>(lm, st[n][e], float4_at(m4, col), inv_l, q0,
+                const float phat = dkdv_term_p_hat<CHECKED, P_FP16>(lm, st[n][e], float4_at(m4, col), inv_l, q0,
                                                                          key_base, n, e, span, &live, &live_bits);
                 st[n][e] = live ? phat * inv_l : 0.0f;
                 xq[col][e >> 1] = phat;
@@ -145,13 +147,13 @@ AQ_D uint32_t dkdv_step_p_impl(const logit_map *lm, float (&st)[BQ / 8][4], uint
     return live_bits;
 }
 
-template <int BQ, bool QUANTIZE_DV, aq_dtype DT, typename M, typename InvL>
+template <int BQ, bool QUANTIZE_DV, bool P_FP16, aq_dtype DT, typename M, typename InvL>
 AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t (&pa)[BQ / 16][4],
                           const M &row_m, const InvL &row_inv_l, int q0, int key_base, bool checked) {
     /* one checked variant for masks and causal alike: a third (span_logit<false>, branch-free causal, as the
        forward has) made the kernels spill and measured no faster (Wan 14B and Qwen causal shapes, H100) */
-    if (checked) return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, true>(lm, st, pa, row_m, row_inv_l, q0, key_base);
-    return dkdv_step_p_impl<BQ, QUANTIZE_DV, DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base);
+    if (checked) return dkdv_step_p_impl<BQ, QUANTIZE_DV, P_FP16, DT, true>(lm, st, pa, row_m, row_inv_l, q0, key_base);
+    return dkdv_step_p_impl<BQ, QUANTIZE_DV, P_FP16, DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base);
 }
 
 /* dkdv_step_p with QUANTIZE_DV for a step of 64 queries, the P^F column quant done for the whole step at once rather
@@ -311,8 +313,8 @@ AQ_D void dkdv_step_ds(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][
 }
 
 /* dQ orientation, queries as C rows: s = S (row row_base + frag_c_row, key k0 + 8n + frag_c_col); the thread's
-   two rows' statistics in m, inv_l. Leaves P = P̂ / l (unquantized) in s. */
-template <int BK, bool CHECKED>
+   two rows' statistics in m, inv_l. Leaves P = P̂ / l (unquantized) in s; P_FP16: P̂ is fp16 (p_hat<P_FP16>). */
+template <int BK, bool P_FP16, bool CHECKED>
 AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
                              int row_base, int k0) {
     static_assert(BK <= 64, "one live bit per term of the step");
@@ -330,20 +332,20 @@ AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const f
                 const int j = k0 + 8 * n + frag_c_col(lane, e);
                 const bool live =
                     span_logit<true>(lm, span[r], j, s[n][e], row_base + frag_c_row(lane, e), j, &u) && inv_l[r] != 0.0f;
-                s[n][e] = live ? p_hat(u, lm->exp_scale, m[r], lm->p_fp16) * inv_l[r] : 0.0f;
+                s[n][e] = live ? p_hat<P_FP16>(u, lm->exp_scale, m[r]) * inv_l[r] : 0.0f;
                 live_bits |= (uint32_t)live << (4 * n + e);
             } else {
-                s[n][e] = p_hat(s[n][e], lm->exp_scale, m[r], lm->p_fp16) * inv_l[r];
+                s[n][e] = p_hat<P_FP16>(s[n][e], lm->exp_scale, m[r]) * inv_l[r];
             }
         }
     return live_bits;
 }
 
-template <int BK>
+template <int BK, bool P_FP16>
 AQ_D uint32_t dq_step_p(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
                         int row_base, int k0, bool checked) {
-    if (checked) return dq_step_p_impl<BK, true>(lm, s, m, inv_l, row_base, k0);
-    return dq_step_p_impl<BK, false>(lm, s, m, inv_l, row_base, k0);
+    if (checked) return dq_step_p_impl<BK, P_FP16, true>(lm, s, m, inv_l, row_base, k0);
+    return dq_step_p_impl<BK, P_FP16, false>(lm, s, m, inv_l, row_base, k0);
 }
 
 /* dS = P (dP - delta) as A fragments dsa (16 keys each), from dq_step_p's s and live bits. */

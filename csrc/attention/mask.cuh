@@ -30,12 +30,11 @@ typedef struct {
     float scale;                  /* softmax_scale, for the masked formula */
     float exp_scale;              /* t = u * exp_scale (above) */
     const int2 *q_span, *k_span;  /* packed sequences (attn_qat.h), or NULL */
-    int p_fp16;                   /* backward: P̂ is §3's fp16 value (the forward quantized P); set by the kernel */
 } logit_map;
 
 AQ_D logit_map make_logit_map(const float *mask, const int64_t mask_stride[4], int b, int h, int64_t seqlen_q,
                               int64_t seqlen_k, int causal, int64_t causal_offset, float scale, const int32_t *q_span,
-                              const int32_t *k_span, int p_fp16 = 0) {
+                              const int32_t *k_span) {
     logit_map lm;
     lm.q_span = (const int2 *)q_span;
     lm.k_span = (const int2 *)k_span;
@@ -48,7 +47,6 @@ AQ_D logit_map make_logit_map(const float *mask, const int64_t mask_stride[4], i
     lm.causal_offset = causal_offset;
     lm.scale = scale;
     lm.exp_scale = mask ? 1.0f : scale * AQ_LOG2E;
-    lm.p_fp16 = p_fp16;
     return lm;
 }
 

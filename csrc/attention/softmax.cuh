@@ -37,12 +37,6 @@ AQ_D float p_hat(float u, float exp_scale, float frame) {
         return frame_exp2(fmaf(u, exp_scale, -frame));
 }
 
-/* p_hat with F16 chosen at run time (the backward kernels without QUANTIZE_DV serve drop-in, bf16 and
-   high_precision_p alike; logit_map's p_fp16). */
-AQ_D float p_hat(float u, float exp_scale, float frame, bool f16) {
-    return f16 ? p_hat<true>(u, exp_scale, frame) : p_hat<false>(u, exp_scale, frame);
-}
-
 /* A block's amax from its largest logit u: max_j P̂_j = P̂(u) exactly, because fma(u, exp_scale, 11 - frame) is
    monotonic in u (exp_scale > 0, checked by ops.cpp) and so are ex2.approx.ftz.f32 (not promised by PTX; checked
    on the GPU for every fp32 input by tests/test_attention.py) and the fp16 rounding. As bits, for p_block_scale;

@@ -116,14 +116,15 @@ typedef struct {
     int causal;
     int64_t causal_offset;
     int quantize_p_for_dv;
-    int p_fp16;              /* 1: P̂ is §3's fp16 value (the forward quantized P: attn_qat, high_precision_p,
-                                low_precision_o); 0: 2^(t - M) (drop_in's and bf16's plain backward). */
     aq_dtype dtype;
     const int32_t *q_span, *k_span; /* NULL, or packed sequences (as in aq_attention_fwd_params) */
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_bwd_sm90.cu) */
     float *dq_accum;         /* CUDA: NULL, or the plan's dq_accum_floats floats (see above) */
     float *tail_workspace;   /* CUDA: NULL, or the plan's tail_floats floats (the split last wave's parts) */
     int sm_count;            /* CUDA: set by aq_attention_bwd_cuda (the causal order of work, work_item_at) */
+    int p_fp16;              /* 1: P̂ is §3's fp16 value (the forward quantized P: attn_qat, high_precision_p,
+                                low_precision_o); 0: 2^(t - M) (drop_in's and bf16's plain backward). Last, in
+                                sm_count's padding: the kernels' parameter offsets stay main's. */
 } aq_attention_bwd_params;
 
 /* CPU kernels (C) */
