@@ -14,6 +14,8 @@
      6. p_block_scale_pairs' amax / 6 on w against p_block_scale's on P̂ = w * 2^-11, for every fp16 w >= 0;
      7. its fp16(rcp.approx(s)): fp16(x) = fp16(fp32(1 / s)) for every x within 2^-21 of 1 / s (rcp.approx.ftz.f32
         errs by at most 2^-23), for every nonzero E4M3 s.
+     8. the dQ kernels' p_over_l_pair: w * (inv_l * 2^-11) against (w * 2^-11) * inv_l for every fp16 w >= 0, Inf
+        and NaN, with inv_l from 2^-115 to 8 (512 significands a binade), 0, Inf and NaN (fp32, no contraction).
    Build and run (seconds): gcc -O2 -std=c11 -ffp-contract=off -I csrc -o build/p_fp16_pair_checks
    dev/p_fp16_pair_checks.c -lm && build/p_fp16_pair_checks */
 #include <stdio.h>
@@ -211,6 +213,31 @@ int main(void) {
     }
     printf("7. fp16(1 / s) within 2^-21 on %ld (s, x): %ld differ\n", n7, bad7);
     bad += bad7;
+
+    /* 8 */
+    long bad8 = 0, n8 = 0;
+    static float inv_ls[3 + 119 * 512];
+    int k8 = 0;
+    inv_ls[k8++] = 0.0f, inv_ls[k8++] = INFINITY, inv_ls[k8++] = NAN;
+    for (int e = -115; e <= 3; e++)
+        for (uint32_t m = 0; m < (1u << 23); m += 16411u) inv_ls[k8++] = float_of((uint32_t)(e + 127) << 23 | m);
+    for (int i = 0; i < k8; i++) {
+        const float inv_l = inv_ls[i];
+        volatile float inv_l_hat = inv_l * 0x1p-11f;
+        for (uint32_t a = 0; a <= 0x7E00; a++) {
+            if (a > 0x7C00 && a != 0x7E00) continue;
+            const float w = (float)f16_value((uint16_t)a);
+            volatile float phat = w * 0x1p-11f;
+            const float want = phat * inv_l, got = w * inv_l_hat;
+            n8++;
+            if (bits_of(got) != bits_of(want) && !(got != got && want != want)) {
+                if (bad8 < 5) printf("8. w = %g inv_l = %a: got %a want %a\n", w, inv_l, got, want);
+                bad8++;
+            }
+        }
+    }
+    printf("8. p_over_l_pair's w * (inv_l * 2^-11) on %ld (w, inv_l): %ld differ\n", n8, bad8);
+    bad += bad8;
     printf(bad ? "FAIL\n" : "all equal\n");
     return bad != 0;
 }

@@ -313,8 +313,10 @@ AQ_D void dkdv_step_ds(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][
 }
 
 /* dQ orientation, queries as C rows: s = S (row row_base + frag_c_row, key k0 + 8n + frag_c_col); the thread's
-   two rows' statistics in m, inv_l. Leaves P = P̂ / l (unquantized) in s; P_FP16: P̂ is fp16 (p_hat<P_FP16>). */
-template <int BK, bool P_FP16, bool CHECKED>
+   two rows' statistics in m, inv_l. Leaves P = P̂ / l (unquantized) in s; P_FP16: P̂ is fp16 (p_hat<true>; PAIRS: a
+   row's two keys at a time, p_over_l_pair, the same values). PAIRS only on sm90: the mma.sync dQ kernel at D = 64
+   spilled 40 bytes with it. */
+template <int BK, bool P_FP16, bool PAIRS, bool CHECKED>
 AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
                              int row_base, int k0) {
     static_assert(BK <= 64, "one live bit per term of the step");
@@ -327,7 +329,21 @@ AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const f
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int r = e >> 1;
-            if constexpr (CHECKED) {
+            if constexpr (P_FP16 && PAIRS) { /* row r's keys 8n + 2t, 8n + 2t + 1 together, at e = 2r (p_over_l_pair) */
+                if (e & 1) continue;
+                float u[2] = {s[n][e], s[n][e + 1]}, p[2];
+                bool live[2] = {true, true};
+#pragma unroll
+                for (int h = 0; h < 2 && CHECKED; h++) {
+                    const int j = k0 + 8 * n + frag_c_col(lane, e + h);
+                    live[h] = span_logit<true>(lm, span[r], j, s[n][e + h], row_base + frag_c_row(lane, e), j, &u[h]) &&
+                              inv_l[r] != 0.0f;
+                    live_bits |= (uint32_t)live[h] << (4 * n + e + h);
+                }
+                p_over_l_pair(u, lm->exp_scale, m[r], inv_l[r], p);
+                s[n][e] = live[0] ? p[0] : 0.0f;
+                s[n][e + 1] = live[1] ? p[1] : 0.0f;
+            } else if constexpr (CHECKED) {
                 float u;
                 const int j = k0 + 8 * n + frag_c_col(lane, e);
                 const bool live =
@@ -341,11 +357,11 @@ AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const f
     return live_bits;
 }
 
-template <int BK, bool P_FP16>
+template <int BK, bool P_FP16, bool PAIRS = false>
 AQ_D uint32_t dq_step_p(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
                         int row_base, int k0, bool checked) {
-    if (checked) return dq_step_p_impl<BK, P_FP16, true>(lm, s, m, inv_l, row_base, k0);
-    return dq_step_p_impl<BK, P_FP16, false>(lm, s, m, inv_l, row_base, k0);
+    if (checked) return dq_step_p_impl<BK, P_FP16, PAIRS, true>(lm, s, m, inv_l, row_base, k0);
+    return dq_step_p_impl<BK, P_FP16, PAIRS, false>(lm, s, m, inv_l, row_base, k0);
 }
 
 /* dS = P (dP - delta) as A fragments dsa (16 keys each), from dq_step_p's s and live bits. */

@@ -4,8 +4,9 @@
 #include "attention/softmax.cuh"
 
 /* p_fp16_path_kernel's block as the sm90 forward computes it, in f16x2 pairs (p_quant.cuh: p_block_scale_pairs,
-   p_round_pair, scale_rounded_pair, p_hat_pair; exp_row_pairs' packing, the D = 64 amax), in both 16-bit types:
-   whether every value equals the fp32 functions' (w_fq: P^F * 2^11, s, r = 2^11 fp16(1 / s) of p_block_scale). */
+   p_round_pair, scale_rounded_pair, p_hat_pair; exp_row_pairs' packing, the D = 64 amax), in both 16-bit types, and
+   the dQ kernels' p_over_l_pair: whether every value equals the fp32 functions' (w_fq: P^F * 2^11, s, r = 2^11
+   fp16(1 / s) of p_block_scale; p_hat<true> * inv_l). */
 AQ_D bool pair_path_agrees(const float (&x)[AQ_BLOCK], int count, const float (&w_fq)[AQ_BLOCK], float s, float r) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     auto same = [](float a, float b) { return a == b || (a != a && b != b); };
@@ -28,12 +29,16 @@ AQ_D bool pair_path_agrees(const float (&x)[AQ_BLOCK], int count, const float (&
         const uint32_t fqbf = scale_rounded_pair<AQ_BFLOAT16>(p_round_pair(w[i], rb), sb);
         const float lo = f16_lo(w[i]), hi = f16_hi(w[i]);
         const uint32_t hat16 = p_hat_pair<AQ_FLOAT16>(w[i], lo, hi), hatbf = p_hat_pair<AQ_BFLOAT16>(w[i], lo, hi);
+        const float inv_l = 1.0f / (float)(3 + i), u[2] = {x[2 * i], x[2 * i + 1]};
+        float p[2]; /* frame 11, exp_scale 1: the exponent arguments are x themselves */
+        p_over_l_pair(u, 1.0f, AQ_P_HEADROOM_LOG2, inv_l, p);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int e = 2 * i + h;
             if (e >= count) continue;
             const float phat = (h ? hi : lo) * AQ_P_HEADROOM_INV;
             ok = ok && same(h ? f16_hi(fq16) : f16_lo(fq16), w_fq[e]) &&
+                 same(p[h], p_hat<true>(x[e], 1.0f, AQ_P_HEADROOM_LOG2) * inv_l) &&
                  same(__uint_as_float(h ? fqbf & 0xFFFF0000u : fqbf << 16), w_fq[e]) &&
                  (h ? hat16 >> 16 : hat16 & 0xFFFFu) == (pack2<AQ_FLOAT16>(phat, 0.0f) & 0xFFFFu) &&
                  (h ? hatbf >> 16 : hatbf & 0xFFFFu) == (pack2<AQ_BFLOAT16>(phat, 0.0f) & 0xFFFFu);

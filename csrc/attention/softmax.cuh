@@ -37,6 +37,18 @@ AQ_D float p_hat(float u, float exp_scale, float frame) {
         return frame_exp2(fmaf(u, exp_scale, -frame));
 }
 
+/* P = p_hat<true>(u) * inv_l for two logits u of one row (frame, inv_l = 1 / l): w's pair from one cvt.rn.f16x2.f32
+   (as exp_row_pairs), then w * (inv_l * 2^-11), the same fp32 value as (w * 2^-11) * inv_l: both round the real
+   w * 2^-11 * inv_l once, since w * 2^-11 (>= 2^-35 or 0, Inf, NaN) and inv_l * 2^-11 are exact, the latter for
+   inv_l >= 2^-115, 0, Inf or NaN, which holds for every row (l is at most the key count: each P̂ <= 1). */
+AQ_D void p_over_l_pair(const float (&u)[2], float exp_scale, float frame, float inv_l, float (&p)[2]) {
+    const float offset = AQ_P_HEADROOM_LOG2 - frame, inv_l_hat = inv_l * AQ_P_HEADROOM_INV;
+    const uint32_t w =
+        pack2<AQ_FLOAT16>(frame_exp2(fmaf(u[0], exp_scale, offset)), frame_exp2(fmaf(u[1], exp_scale, offset)));
+    p[0] = f16_lo(w) * inv_l_hat;
+    p[1] = f16_hi(w) * inv_l_hat;
+}
+
 /* A block's amax from its largest logit u: max_j P̂_j = P̂(u) exactly, because fma(u, exp_scale, 11 - frame) is
    monotonic in u (exp_scale > 0, checked by ops.cpp) and so are ex2.approx.ftz.f32 (not promised by PTX; checked
    on the GPU for every fp32 input by tests/test_attention.py) and the fp16 rounding. As bits, for p_block_scale;

@@ -617,7 +617,7 @@ AQ_D void dq90_mainloop(const Bwd &bwd, const dq_item &it, const logit_map &lm, 
         fence_registers(sc);
 
         const bool checked = tile_needs_mask(&lm, common, k0, BK) || warp_has_dead_row;
-        const uint32_t live = dq_step_p<BK, Bwd::P_FP16>(&lm, sc, m, inv_l, q0 + row0, k0, checked);
+        const uint32_t live = dq_step_p<BK, Bwd::P_FP16, true>(&lm, sc, m, inv_l, q0 + row0, k0, checked);
         wgmma_wait<0>();
         fence_registers(dps);
         uint32_t dsa[BK / 16][4];
