@@ -14,8 +14,10 @@
      6. p_block_scale_pairs' amax / 6 on w against p_block_scale's on P̂ = w * 2^-11, for every fp16 w >= 0;
      7. its fp16(rcp.approx(s)): fp16(x) = fp16(fp32(1 / s)) for every x within 2^-21 of 1 / s (rcp.approx.ftz.f32
         errs by at most 2^-23), for every nonzero E4M3 s.
-     8. the dQ kernels' p_over_l_pair: w * (inv_l * 2^-11) against (w * 2^-11) * inv_l for every fp16 w >= 0, Inf
-        and NaN, with inv_l from 2^-115 to 8 (512 significands a binade), 0, Inf and NaN (fp32, no contraction).
+     8. the sm90 backward's products by 1/l * 2^-11: w * (inv_l * 2^-11) against (w * 2^-11) * inv_l for every fp16
+        w >= 0, Inf and NaN, with inv_l from 2^-115 to 8 (512 significands a binade), 0, Inf and NaN (fp32, no
+        contraction): P in the dQ kernel (p_over_l_pair) and the dK/dV kernel, and there P^F / l too, whose w is
+        q * s (an fp16 value, check 2).
    Build and run (seconds): gcc -O2 -std=c11 -ffp-contract=off -I csrc -o build/p_fp16_pair_checks
    dev/p_fp16_pair_checks.c -lm && build/p_fp16_pair_checks */
 #include <stdio.h>
@@ -236,7 +238,7 @@ int main(void) {
             }
         }
     }
-    printf("8. p_over_l_pair's w * (inv_l * 2^-11) on %ld (w, inv_l): %ld differ\n", n8, bad8);
+    printf("8. w * (inv_l * 2^-11) on %ld (w, inv_l): %ld differ\n", n8, bad8);
     bad += bad8;
     printf(bad ? "FAIL\n" : "all equal\n");
     return bad != 0;

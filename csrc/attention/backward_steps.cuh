@@ -156,133 +156,126 @@ AQ_D uint32_t dkdv_step_p(const logit_map *lm, float (&st)[BQ / 8][4], uint32_t 
     return dkdv_step_p_impl<BQ, QUANTIZE_DV, P_FP16, DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base);
 }
 
-/* dkdv_step_p with QUANTIZE_DV for a step of 64 queries, the P^F column quant done for the whole step at once rather
-   than per A fragment (the wgmma dK/dV kernel; bit for bit the same st, pa and live bits, checked on the H200 over
-   causal, grouped-KV, odd-length and D = 64 shapes; the mma.sync kernel, with 32-query steps at D = 128, keeps the
-   per-fragment form). One reduce-scatter of the thread's 16 column amaxes (of the logits on unmasked steps, beside the
-   exponentials; else of the P̂, after them) over the 8 lanes of a column set (lane bits 4, 3, 2: 8 + 4 + 2 shuffles)
-   leaves lane (g, t) the amaxes of columns 8g + 2t and 8g + 2t + 1, two block scales a lane instead of
-   fake_quantize_p_columns' four; the lanes trade (s_pf, r) through `scales` (this warp's 32 float4 of shared memory,
-   lane l's pair at [l]) with one 16-byte store and 8 broadcast loads instead of 32 shuffles; only then the elements.
-   580 -> 530 instructions a step, 2.4% off the backward (performance.md v9: the per-fragment chains were not what bound
-   it). */
+/* dkdv_step_p with QUANTIZE_DV for a step of 64 queries (the wgmma dK/dV kernel; the mma.sync kernel, with 32-query
+   steps at D = 128, keeps dkdv_step_p's per-fragment fp32 form): P's fp16 path on f16x2 pairs of one key row's two
+   queries 8n + 2t, 8n + 2t + 1 (st[n][2r], st[n][2r + 1]), the pairs of an A fragment register. Each half keeps its
+   own query's frame and 1/l where they enter in fp32 (the exponent argument, the final products), so the pair steps
+   are the sm90 forward's (p_quant.cuh), bit for bit the fp32 functions (dev/p_fp16_pair_checks.c):
+   - w = cvt.rn.f16x2.f32 of the two exponentials (p_hat<true>'s w, 0 on dead terms, whose P̂ was 0);
+   - the column amax: max.NaN.f16x2 over key rows g and g+8 (a register holds both queries' maxima), then a
+     reduce-scatter over the 8 lanes of a column set (lane bits 4, 3, 2: 4 + 2 + 1 shuffles, where fp32 took 14)
+     leaves lane (g, t) the pair of columns 8g + 2t, 8g + 2t + 1; NaN above all, as the integer max of P̂'s bits
+     (check 5). Where every term counts this differs from the logit amax before only for a NaN score, whose
+     query's l is NaN, so its column's P and P^F are NaN either way;
+   - the lane's two block scales as p_block_scale_pairs (checks 6, 7), both at once (p_block_scales_of_pair), traded
+     through `scales` (one 8-byte store, 4 broadcast 16-byte loads);
+   - P^F * 2^11 = q * s (p_round_pair, scale_rounded_pair<fp16>: exact in fp16);
+   - P = w * (1/l * 2^-11) and P^F = (q * s) * (1/l * 2^-11) in fp32, each product rounding the real value once, as
+     (w * 2^-11) * 1/l did (check 8).
+   The producer stores the statistics as the steps use them: row_offset holds 11 - m (p_hat<true>'s fma addend, the
+   same fp32 value) and row_inv_l_hat 1/l * 2^-11 (exact: l is NaN, 0, or between 1/2 and the key count). */
 template <aq_dtype DT, bool CHECKED, typename M, typename InvL>
 AQ_D uint32_t dkdv_step_p_quantized_impl(const logit_map *lm, float (&st)[8][4], uint32_t (&pa)[4][4],
-                                         const M &row_m, const InvL &row_inv_l, int q0, int key_base,
+                                         const M &row_offset, const InvL &row_inv_l_hat, int q0, int key_base,
                                          float4 *scales) {
     const int lane = (int)threadIdx.x & 31;
     uint32_t live_bits = CHECKED ? 0u : ~0u;
     int2 span[2] = {};
     if constexpr (CHECKED) key_row_spans(lm, key_base, span);
-    /* the column maxima of 16 values a column (the lane's two keys, a[n][j] for column 8n + 2t + j), then over the
-       8 lanes of the column set, halving the columns a lane holds at each level: lane bit 4 keeps n-blocks
-       4 * bit + i, bit 3 then 2 * bit + i, bit 2 the one n-block g. select_column: the same choices without the
-       exchange, for values every lane of the set already has. */
-    auto select_column = [&](auto (&a)[8][2], auto exchange) {
-#pragma unroll
-        for (int half = 4; half >= 1; half /= 2) {
-            const int lane_bit = half == 4 ? 16 : half == 2 ? 8 : 4;
-            const bool hi = lane & lane_bit;
-#pragma unroll
-            for (int i = 0; i < half; i++)
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    const auto keep = hi ? a[half + i][j] : a[i][j], send = hi ? a[i][j] : a[half + i][j];
-                    a[i][j] = exchange(keep, send, lane_bit);
-                }
-        }
-    };
-    auto reduce_column = [&](auto (&a)[8][2]) {
-        select_column(a, [](auto keep, auto send, int lane_bit) {
-            return max_of(keep, __shfl_xor_sync(AQ_FULL_MASK, send, lane_bit));
-        });
-    };
-    uint32_t amax[2];
-    if constexpr (!CHECKED) {
-        /* Every term counts, so a column block's amax is P̂ at its largest score (block_amax_from_logit), and the
-           reduce-scatter and scales run beside the exponentials instead of after them. The frame of the lane's
-           column from the values it holds. */
-        float a[8][2], m[8][2];
-#pragma unroll
-        for (int kb = 0; kb < 4; kb++) {
-            const float4 m4 = step_stat(row_m, kb);
-            m[2 * kb][0] = m4.x, m[2 * kb][1] = m4.y, m[2 * kb + 1][0] = m4.z, m[2 * kb + 1][1] = m4.w;
-        }
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int j = 0; j < 2; j++) a[n][j] = fmaxf(st[n][j], st[n][j + 2]);
-        reduce_column(a);
-        select_column(m, [](float keep, float, int) { return keep; });
-#pragma unroll
-        for (int j = 0; j < 2; j++) amax[j] = block_amax_from_logit(a[0][j], lm->exp_scale, m[0][j]);
-    }
-    /* P̂ in place (0 on dead terms) */
+    uint32_t w[8][2]; /* w[n][r]: key row g + 8r, queries 8n + 2t (low half) and 8n + 2t + 1 */
 #pragma unroll
     for (int kb = 0; kb < 4; kb++) {
-        const float4 m4 = step_stat(row_m, kb);
-        float4 inv_l4 = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-        if constexpr (CHECKED) inv_l4 = step_stat(row_inv_l, kb);
+        const float4 off4 = step_stat(row_offset, kb);
+        float4 il4 = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+        if constexpr (CHECKED) il4 = step_stat(row_inv_l_hat, kb);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int n = 2 * kb + h;
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int col = 2 * h + (e & 1);
-                bool live;
-                st[n][e] = dkdv_term_p_hat<CHECKED, true>(lm, st[n][e], float4_at(m4, col), float4_at(inv_l4, col), q0,
-                                                    key_base, n, e, span, &live, &live_bits);
+            for (int r = 0; r < 2; r++) {
+                float x[2];
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int e = 2 * r + j, col = 2 * h + j;
+                    const float offset = float4_at(off4, col);
+                    if constexpr (CHECKED) {
+                        const int i = q0 + 8 * n + frag_c_col(lane, e);
+                        float u;
+                        const bool live =
+                            span_logit<true>(lm, span[r], i, st[n][e], i, key_base + frag_c_row(lane, e), &u) &&
+                            float4_at(il4, col) != 0.0f;
+                        live_bits |= (uint32_t)live << (4 * n + e);
+                        x[j] = live ? frame_exp2(fmaf(u, lm->exp_scale, offset)) : 0.0f;
+                    } else {
+                        x[j] = frame_exp2(fmaf(st[n][e], lm->exp_scale, offset));
+                    }
+                }
+                w[n][r] = pack2<AQ_FLOAT16>(x[0], x[1]);
             }
         }
     }
-    if constexpr (CHECKED) { /* over the P̂ themselves, dead terms 0: the integer max of their bits */
-        uint32_t a[8][2];
+    /* the column maxima, then over the column set: lane bit 4 keeps n-blocks 4 * bit + i, bit 3 then 2 * bit + i,
+       bit 2 the one n-block g */
+    uint32_t a[8];
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+    for (int n = 0; n < 8; n++) a[n] = f16x2_max_nan(w[n][0], w[n][1]);
 #pragma unroll
-            for (int j = 0; j < 2; j++) a[n][j] = max(__float_as_uint(st[n][j]), __float_as_uint(st[n][j + 2]));
-        reduce_column(a);
-        amax[0] = a[0][0], amax[1] = a[0][1];
+    for (int half = 4; half >= 1; half /= 2) {
+        const int lane_bit = half == 4 ? 16 : half == 2 ? 8 : 4;
+        const bool hi = lane & lane_bit;
+#pragma unroll
+        for (int i = 0; i < half; i++) {
+            const uint32_t keep = hi ? a[half + i] : a[i], send = hi ? a[i] : a[half + i];
+            a[i] = f16x2_max_nan(keep, __shfl_xor_sync(AQ_FULL_MASK, send, lane_bit));
+        }
     }
-    float s[2], s_pf[2], r[2];
-#pragma unroll
-    for (int j = 0; j < 2; j++) p_block_scale(amax[j], &s[j], &s_pf[j], &r[j]);
+    uint32_t recip_pair, scale_pair;
+    p_block_scales_of_pair(a[0], &recip_pair, &scale_pair);
+    /* lane (g, t)'s pairs at 8-byte slot 8t + g, so that a lane reads its t's n-blocks 2kb, 2kb + 1 as one 16-byte
+       load kb; the 16-byte slot kb ^ (t >> 1) keeps a quarter warp's 4 loads in distinct banks */
+    const int t = lane & 3, g = lane >> 2;
+    uint2 *slots = (uint2 *)scales;
     __syncwarp(); /* the last step's loads are done before the store */
-    scales[lane] = make_float4(s_pf[0], r[0], s_pf[1], r[1]);
+    slots[8 * t + 2 * ((g >> 1) ^ (t >> 1)) + (g & 1)] = make_uint2(recip_pair, scale_pair);
     __syncwarp();
 #pragma unroll
     for (int kb = 0; kb < 4; kb++) {
-        const float4 inv_l4 = step_stat(row_inv_l, kb);
-        float pf[2][4];
+        const uint4 rs = ((const uint4 *)scales)[4 * t + (kb ^ (t >> 1))]; /* n-block 2kb: x, y; 2kb + 1: z, w */
+        const float4 il4 = step_stat(row_inv_l_hat, kb);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int n = 2 * kb + h;
-            const float4 sr = scales[4 * n + (lane & 3)]; /* columns 8n + 2t and 8n + 2t + 1 */
+            const uint32_t rp = h ? rs.z : rs.x, sp = h ? rs.w : rs.y;
+            const float il[2] = {h ? il4.z : il4.x, h ? il4.w : il4.y};
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int col = 2 * h + (e & 1);
-                const float inv_l = float4_at(inv_l4, col);
-                const float xq = (e & 1) ? p_fake_quantize_element(st[n][e], sr.z, sr.w)
-                                         : p_fake_quantize_element(st[n][e], sr.x, sr.y);
-                pf[h][e] = xq * inv_l;
-                st[n][e] *= inv_l;
-                if constexpr (CHECKED) {
-                    const bool live = (live_bits >> (4 * n + e)) & 1u;
-                    pf[h][e] = live ? pf[h][e] : 0.0f;
-                    st[n][e] = live ? st[n][e] : 0.0f;
+            for (int r = 0; r < 2; r++) {
+                const uint32_t qs = scale_rounded_pair<AQ_FLOAT16>(p_round_pair(w[n][r], rp), sp); /* P^F * 2^11 */
+                float pf[2], p[2];
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    pf[j] = (j ? f16_hi(qs) : f16_lo(qs)) * il[j];
+                    p[j] = (j ? f16_hi(w[n][r]) : f16_lo(w[n][r])) * il[j];
+                    if constexpr (CHECKED) {
+                        const bool live = (live_bits >> (4 * n + 2 * r + j)) & 1u;
+                        pf[j] = live ? pf[j] : 0.0f;
+                        p[j] = live ? p[j] : 0.0f;
+                    }
+                    st[n][2 * r + j] = p[j];
                 }
+                pa[kb][2 * h + r] = pack2<DT>(pf[0], pf[1]);
             }
         }
-        pack_a_from_c<DT>(pa[kb], pf[0], pf[1]);
     }
     return live_bits;
 }
 
 template <aq_dtype DT, typename M, typename InvL>
-AQ_D uint32_t dkdv_step_p_quantized(const logit_map *lm, float (&st)[8][4], uint32_t (&pa)[4][4], const M &row_m,
-                                    const InvL &row_inv_l, int q0, int key_base, bool checked, float4 *scales) {
-    if (checked) return dkdv_step_p_quantized_impl<DT, true>(lm, st, pa, row_m, row_inv_l, q0, key_base, scales);
-    return dkdv_step_p_quantized_impl<DT, false>(lm, st, pa, row_m, row_inv_l, q0, key_base, scales);
+AQ_D uint32_t dkdv_step_p_quantized(const logit_map *lm, float (&st)[8][4], uint32_t (&pa)[4][4],
+                                    const M &row_offset, const InvL &row_inv_l_hat, int q0, int key_base, bool checked,
+                                    float4 *scales) {
+    if (checked)
+        return dkdv_step_p_quantized_impl<DT, true>(lm, st, pa, row_offset, row_inv_l_hat, q0, key_base, scales);
+    return dkdv_step_p_quantized_impl<DT, false>(lm, st, pa, row_offset, row_inv_l_hat, q0, key_base, scales);
 }
 
 /* dS^T = P^T (dP^T - delta) into dpt as A fragments dsa, from dkdv_step_p's st and live bits. */

@@ -5,8 +5,8 @@
 
 /* p_fp16_path_kernel's block as the sm90 forward computes it, in f16x2 pairs (p_quant.cuh: p_block_scale_pairs,
    p_round_pair, scale_rounded_pair, p_hat_pair; exp_row_pairs' packing, the D = 64 amax), in both 16-bit types, and
-   the dQ kernels' p_over_l_pair: whether every value equals the fp32 functions' (w_fq: P^F * 2^11, s, r = 2^11
-   fp16(1 / s) of p_block_scale; p_hat<true> * inv_l). */
+   the sm90 backward's p_over_l_pair, p_block_scales_of_pair and P^F / l: whether every value equals the fp32
+   functions' (w_fq: P^F * 2^11, s, r = 2^11 fp16(1 / s) of p_block_scale; p_hat<true> * inv_l). */
 AQ_D bool pair_path_agrees(const float (&x)[AQ_BLOCK], int count, const float (&w_fq)[AQ_BLOCK], float s, float r) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     auto same = [](float a, float b) { return a == b || (a != a && b != b); };
@@ -23,6 +23,16 @@ AQ_D bool pair_path_agrees(const float (&x)[AQ_BLOCK], int count, const float (&
     p_block_scale_pairs<AQ_BFLOAT16>(amax, &rb, &sb);
     bool ok = same(f16_lo(s16), s) && same(f16_hi(r16), r * AQ_P_HEADROOM_INV) && r16 == rb &&
               same(__uint_as_float(sb << 16), s * AQ_BF16_FROM_F16_SCALE);
+    /* the dK/dV kernel's two blocks at once (p_block_scales_of_pair): this block in either half, a zero one beside */
+    const uint32_t amax_bits = f16x2_max_nan(amax2, amax2 >> 16) & 0xFFFFu;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        uint32_t r2, s2;
+        p_block_scales_of_pair(amax_bits << (16 * h), &r2, &s2);
+        const int mine = 16 * h, other = 16 - mine;
+        ok = ok && ((r2 >> mine) & 0xFFFFu) == (r16 & 0xFFFFu) && ((s2 >> mine) & 0xFFFFu) == (s16 & 0xFFFFu) &&
+             ((r2 >> other) & 0xFFFFu) == 0u && ((s2 >> other) & 0xFFFFu) == 0u;
+    }
 #pragma unroll
     for (int i = 0; i < AQ_BLOCK / 2; i++) {
         const uint32_t fq16 = scale_rounded_pair<AQ_FLOAT16>(p_round_pair(w[i], r16), s16);
@@ -39,6 +49,8 @@ AQ_D bool pair_path_agrees(const float (&x)[AQ_BLOCK], int count, const float (&
             const float phat = (h ? hi : lo) * AQ_P_HEADROOM_INV;
             ok = ok && same(h ? f16_hi(fq16) : f16_lo(fq16), w_fq[e]) &&
                  same(p[h], p_hat<true>(x[e], 1.0f, AQ_P_HEADROOM_LOG2) * inv_l) &&
+                 same((h ? f16_hi(fq16) : f16_lo(fq16)) * (inv_l * AQ_P_HEADROOM_INV),
+                      w_fq[e] * AQ_P_HEADROOM_INV * inv_l) && /* the dK/dV kernel's P^F / l */
                  same(__uint_as_float(h ? fqbf & 0xFFFF0000u : fqbf << 16), w_fq[e]) &&
                  (h ? hat16 >> 16 : hat16 & 0xFFFFu) == (pack2<AQ_FLOAT16>(phat, 0.0f) & 0xFFFFu) &&
                  (h ? hatbf >> 16 : hatbf & 0xFFFFu) == (pack2<AQ_BFLOAT16>(phat, 0.0f) & 0xFFFFu);

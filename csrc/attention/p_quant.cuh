@@ -10,10 +10,9 @@
    NVFP4 fake-quant of w = P̂ * 2^11 (numerics.md §3), P̂ being p_hat<true>'s fp16 value. P̂ is >= 0 (or NaN), which
    makes the block rule cheap; the functions below give bit for bit aq_p_fake_quantize_block_fp16's result on w:
    - amax is the max of the values' bits (non-negative floats order like their bits; NaN above all), or, in the
-     sm90 forward at D = 128 and the dK/dV kernel's unmasked steps, P̂ at the block's largest logit
-     (block_amax_from_logit), where a NaN logit leaves its block's scale finite: that element's P^F is then 6 s,
-     not NaN, but its row's l is NaN, and with it the row's O, O' and LSE (forward) and its 1/l-scaled P^F and P
-     (dK/dV), as when the whole block was NaN;
+     sm90 forward at D = 128, w at the block's largest logit (block_amax_w_from_logit), where a NaN logit leaves
+     its block's scale finite: that element's P^F is then 6 s, not NaN, but its row's l is NaN, and with it the
+     row's O, O' and LSE, as when the whole block was NaN;
    - amax / 6 correctly rounded as x * fl(1/6) plus one fma correction (Markstein; checked for every fp32 x:
      it differs from x / 6 only where x / 6 is subnormal, and such a scale is 0 either way);
    - the E4M3 rounding by the hardware cvt (sm_89+; nvfp4.h's software rounding elsewhere);
@@ -244,6 +243,30 @@ AQ_D void p_block_scale_pairs(float amax, uint32_t *recip_pair, uint32_t *scale_
     } else {
         *scale_pair = halves;
     }
+}
+
+/* p_block_scale_pairs<AQ_FLOAT16> of two blocks at once (the dK/dV kernel's two query columns) from their amax pair
+   (max.NaN.f16x2 of w; the low half is the lower column's): both E4M3 roundings in one cvt, each half of the outputs
+   its block's fp16(1 / s) (0 for a zero scale) and s. */
+AQ_D void p_block_scales_of_pair(uint32_t amax_pair, uint32_t *recip_pair, uint32_t *scale_pair) {
+    float v[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const float amax = j ? f16_hi(amax_pair) : f16_lo(amax_pair), sixth = 1.0f / 6.0f;
+        const float q0 = __fmul_rn(amax, sixth);
+        v[j] = __fmaf_rn(__fmaf_rn(-q0, 6.0f, amax), sixth, q0);
+    }
+    uint16_t e4m3_pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(e4m3_pair) : "f"(v[1]), "f"(v[0])); /* first: high byte */
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(*scale_pair) : "h"(e4m3_pair));
+    float rc[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const float s = j ? f16_hi(*scale_pair) : f16_lo(*scale_pair);
+        asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(rc[j]) : "f"(s));
+        rc[j] = s == 0.0f ? 0.0f : rc[j];
+    }
+    *recip_pair = pack2<AQ_FLOAT16>(rc[0], rc[1]);
 }
 
 /* e2m1(min(fp16(w * r), 6)) for a pair of w = P̂ * 2^11 (fp16 values >= 0, or NaN) and r = fp16(1 / s): the product

@@ -49,15 +49,9 @@ AQ_D void p_over_l_pair(const float (&u)[2], float exp_scale, float frame, float
     p[1] = f16_hi(w) * inv_l_hat;
 }
 
-/* A block's amax from its largest logit u: max_j P̂_j = P̂(u) exactly, because fma(u, exp_scale, 11 - frame) is
-   monotonic in u (exp_scale > 0, checked by ops.cpp) and so are ex2.approx.ftz.f32 (not promised by PTX; checked
-   on the GPU for every fp32 input by tests/test_attention.py) and the fp16 rounding. As bits, for p_block_scale;
-   only quantized paths take block maxima, so P̂ is the fp16 one. */
-AQ_D uint32_t block_amax_from_logit(float u, float exp_scale, float frame) {
-    return __float_as_uint(p_hat<true>(u, exp_scale, frame));
-}
-
-/* block_amax_from_logit in w's units (p_block_scale_pairs): max_j w_j = w at the block's largest logit u. */
+/* A block's amax in w's units (p_block_scale_pairs) from its largest logit u: max_j w_j = w(u) exactly, because
+   fma(u, exp_scale, 11 - frame) is monotonic in u (exp_scale > 0, checked by ops.cpp) and so are ex2.approx.ftz.f32
+   (not promised by PTX; checked on the GPU for every fp32 input by tests/test_attention.py) and the fp16 rounding. */
 AQ_D float block_amax_w_from_logit(float u, float exp_scale, float frame) {
     return p_frame_value(fmaf(u, exp_scale, AQ_P_HEADROOM_LOG2 - frame));
 }
@@ -132,7 +126,7 @@ AQ_D void exp_row_pairs(float (&s)[BN / 8][4], int r, float exp_scale, float fra
    HAT (O'), w in DT beside them (hat_pair; exp_row_pairs). Out, per block pair (quad_row_block_max's row-block of
    the lane): the reciprocal pair for p_round_block_pair and the scale pair for pack_quantized_p_pair
    (p_block_scale_pairs); those take the quad's four, which the caller trades through shared memory.
-   FROM_LOGITS: each block's amax from its largest logit (block_amax_from_logit), so that the scales need only
+   FROM_LOGITS: each block's amax from its largest logit (block_amax_w_from_logit), so that the scales need only
    the logits' block maxima and the frame: their chain (the reduce-scatter, the E4M3 rounding, the reciprocal)
    then runs beside the exponentials instead of after them, the block maxima give the row maxima too, and the
    max over P̂ per element is gone, for one more MUFU.EX2 a block pair and lane (performance.md v12:

@@ -62,7 +62,8 @@ struct DkdvLayout {
     /* fused dQ: each consumer warpgroup's dQ partial of the step (dq_accum_chunk's order) for the bulk reduction */
     static constexpr int DQ_CHUNK_BYTES = BWD90_Q_STEP * D / 2 * 4;
     static constexpr int DQ_OFFSET = DS_OFFSET + (FUSED_DQ ? 2 * DS_TILE_BYTES : 0);
-    /* per stage: m, inv_l, delta of the step's 64 queries (dkdv_stat_slot's order), whether one of them is a dead row,
+    /* per stage: m, inv_l, delta of the step's 64 queries (dkdv_stat_slot's order; with QUANTIZE_DV 11 - m and
+       inv_l * 2^-11, dkdv90_producer), whether one of them is a dead row,
        and for packed sequences whether each consumer warpgroup's 64 keys need per-element visibility (as floats) */
     static constexpr int STATS_FLOATS = 3 * BWD90_Q_STEP + 4;
     static constexpr int STATS_OFFSET = DQ_OFFSET + (FUSED_DQ ? 2 * DQ_CHUNK_BYTES : 0);
@@ -280,7 +281,11 @@ AQ_D void dkdv90_producer(const Bwd &bwd, const dkdv_item &it, float (&m)[Bwd::B
 #pragma unroll
         for (int k = 0; k < BQ / 32; k++) {
             const int slot = dkdv_stat_slot(lane + 32 * k);
-            st[slot] = m[k], st[BQ + slot] = inv_l[k], st[2 * BQ + slot] = delta[k];
+            /* P^F's column quant takes 11 - m, its exponent's addend, and 1/l * 2^-11 (exact), its products' factor
+               (dkdv_step_p_quantized): a consumer's step then spends no instruction on either */
+            st[slot] = Bwd::QUANTIZE_DV ? AQ_P_HEADROOM_LOG2 - m[k] : m[k];
+            st[BQ + slot] = Bwd::QUANTIZE_DV ? inv_l[k] * AQ_P_HEADROOM_INV : inv_l[k];
+            st[2 * BQ + slot] = delta[k];
         }
         if (lane == 0) st[3 * BQ] = dead ? 1.0f : 0.0f;
         if (p.q_span != NULL && lane < 2)
