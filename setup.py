@@ -55,7 +55,8 @@ if with_cuda:
     os.environ["TORCH_CUDA_ARCH_LIST"] = ""
     sources += [f"{csrc}/{f}" for f in ("format/quantize_cuda.cu", "attention/dispatch.cu", "sm80/attention_fwd.cu",
                                          "sm90/attention_fwd_sm90.cu", "sm80/attention_bwd.cu",
-                                         "sm90/attention_bwd_sm90.cu", "decode/decode_cuda.cu")]
+                                         "sm90/attention_bwd_sm90.cu", "decode/decode_cuda.cu",
+                                         "attention/p_fp16_path.cu")]
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DAQ_WITH_CUDA", "-DUSE_CUDA"] + defines
     nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     if "90a" in archs:

@@ -224,6 +224,11 @@ def _(q, k, v, mask, scale, causal):
             q.new_empty(b, h, n, dtype=torch.float32))
 
 
+@torch.library.register_fake("attn_qat::p_fp16_path")
+def _(x):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
 @torch.library.register_fake("attn_qat::kv_cache_decode")
 def _(q, k_codes, k_scales, v_codes, v_scales, lengths, block_table, max_length, scale, causal):
     return q.new_empty(q.shape)

@@ -2,11 +2,11 @@
 
 This module is the executable form of numerics.md, the numerics contract: the NVFP4 block rule
 (E4M3 block scales, E2M1 codes, blocks of 16), the 4-bit attention forward with its power-of-two
-frame and 2^11 headroom for P, the straight-through backward of every training mode, and the edge
-cases (masks, causal alignments, grouped KV heads, empty rows, non-finite inputs). It is written to
-be obviously correct rather than fast: pure PyTorch on CPU, every fp32 rounding of the block rule
-reproduced exactly, everything after the quantizers in float64. The CPU and CUDA kernels are tested
-against it; it depends on nothing else in the package.
+frame and P's path in fp16 with 2^11 headroom, the straight-through backward of every training mode,
+and the edge cases (masks, causal alignments, grouped KV heads, empty rows, non-finite inputs). It is
+written to be obviously correct rather than fast: pure PyTorch on CPU, every fp32 and fp16 rounding
+of the block rule and of P's path reproduced exactly, everything after the quantizers in float64. The
+CPU and CUDA kernels are tested against it; it depends on nothing else in the package.
 """
 
 from __future__ import annotations  # `X | None` annotations on Python 3.9 (pyproject allows it)
@@ -21,6 +21,10 @@ __all__ = [
     "e2m1_round",
     "quantize_blocks",
     "fake_quantize",
+    "fp16_round",
+    "p_frame_values",
+    "p_quantize_blocks_f16",
+    "p_fake_quant_f16",
     "attention_forward",
     "attention_backward",
     "attention",
@@ -29,6 +33,7 @@ __all__ = [
 BLOCK = 16
 E4M3_MAX = 448.0
 P_HEADROOM = 2.0**11
+P_HEADROOM_LOG2 = 11  # P's exponent argument is t - M + 11, so that 2^x is P̂ * 2^11 (numerics.md §3)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MODES = ("attn_qat", "high_precision_p", "low_precision_o", "drop_in", "bf16")
@@ -57,6 +62,27 @@ def _fp32_div(a: Tensor, b: Tensor) -> Tensor:
 def _fp32_mul(a: Tensor, b: Tensor) -> Tensor:
     """Correctly rounded fp32 product of fp32 tensors a * b."""
     return (a.double() * b.double()).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# fp16 arithmetic
+#
+# P's path (numerics.md §3) rounds to fp16: the frame values 2^x, the reciprocal of the block scale and
+# the scaled values. fp16_round rounds a float64 value once, like the hardware's cvt.rn.f16x2.f32 does an
+# fp32 one. torch's own float64 -> float16 conversion goes through fp32 (two roundings), so it is not used.
+# ----------------------------------------------------------------------------------------------
+
+def fp16_round(v: Tensor) -> Tensor:
+    """The fp16 value nearest to each element of v (float64 result): ties to even, fp16 subnormals kept
+    (spacing 2^-24 below 2^-14), magnitudes from 65520 on to +-Inf, NaN stays NaN."""
+    v64 = v.double()
+    magnitude = v64.abs()
+    # fp16 keeps 11 significant bits: in [2^(e-1), 2^e) the spacing is 2^(e-11), at least 2^-24.
+    _, exponent = torch.frexp(torch.where(torch.isfinite(v64), v64, 0.0))
+    spacing = torch.ldexp(torch.ones_like(v64), torch.clamp(exponent - 11, min=-24))
+    rounded = torch.round(v64 / spacing) * spacing  # exact scalings; torch.round is half-to-even
+    rounded = torch.where(magnitude >= 65520.0, torch.copysign(torch.full_like(v64, math.inf), v64), rounded)
+    return torch.where(torch.isnan(v64), v64, rounded)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,6 +199,61 @@ def fake_quantize(x: Tensor, block_axis: int = -1, *, partial_last_block: bool =
 
 
 # ----------------------------------------------------------------------------------------------
+# P's path in fp16 (numerics.md §3)
+# ----------------------------------------------------------------------------------------------
+
+def p_frame_values(x: Tensor) -> Tensor:
+    """w = fp16(2^x) = P̂ * 2^11 for fp32 exponent arguments x = fp32(t - M + 11), as float64.
+
+    2^x is taken in float64 and rounded once to fp16. For every fp32 x in [-25, 11.01] (all that P's path
+    meets: x <= 11 up to the kernels' fma rounding, and 2^x < 2^-25 rounds to 0) 2^x lies at least 2^-39
+    of itself from every fp16 rounding midpoint, x = -25 (2^-25, a tie, to 0) aside, so any float64 exp2
+    within a few ulps gives the correctly rounded value (dev/p_fp16_numerics.py checks every such x).
+    """
+    return fp16_round(torch.exp2(x.float().double()))
+
+
+def p_quantize_blocks_f16(w: Tensor) -> tuple[Tensor, Tensor]:
+    """P's block rule in fp16 (numerics.md §3) on w = P̂ * 2^11, blocks of 16 along the last axis counted
+    from index 0, the trailing block possibly partial. w holds fp16 values >= 0 (or NaN).
+
+    amax and the scale s = e4m3(fp32(amax / 6)) are §1's (amax, an fp16 value, is exact in fp32); then
+    r = fp16(1 / s), y = fp16(w * r) (the product of two fp16 values, rounded once) and the E2M1 code of y
+    (ties to the even code, saturating at 6). Returns ``(codes, scales)`` like :func:`quantize_blocks`: a
+    block with a NaN gets scale NaN and codes 0, a block whose scale rounds to 0 codes 0.
+    """
+    w64 = w.double()
+    n = w64.shape[-1]
+    num_blocks = -(-n // BLOCK)
+    padding = torch.zeros(*w64.shape[:-1], num_blocks * BLOCK - n, dtype=torch.float64)
+    blocks = torch.cat([w64, padding], dim=-1).reshape(*w64.shape[:-1], num_blocks, BLOCK)
+
+    amax = blocks.abs().amax(dim=-1)  # NaN propagates
+    finite = torch.isfinite(amax)
+    scale = e4m3_round(_fp32_div(torch.where(finite, amax, 0.0).float(), torch.full_like(amax, 6.0).float()))
+    scale = torch.where(finite, scale, torch.nan)
+    quantized = finite & (scale > 0)
+
+    # fp16(fp32(1 / s)) is fp16(1 / s) for every E4M3 s (checked for all 126 by tests/test_reference.py).
+    reciprocal = fp16_round(_fp32_div(torch.ones_like(scale), torch.where(quantized, scale, 1.0)))
+    y = fp16_round(blocks * reciprocal.unsqueeze(-1))
+    codes = torch.signbit(y).long() * 8 + _e2m1_magnitude_code(y)
+    codes = torch.where(quantized.unsqueeze(-1), codes, 0)
+    codes = codes.reshape(*w64.shape[:-1], num_blocks * BLOCK)[..., :n]
+    return codes.to(torch.uint8), scale
+
+
+def p_fake_quant_f16(w: Tensor) -> Tensor:
+    """P^F * 2^11 = e2m1 code value times block scale of :func:`p_quantize_blocks_f16` (float64, w's shape);
+    a block with a NaN comes back all NaN."""
+    codes, scales = p_quantize_blocks_f16(w)
+    n = codes.shape[-1]
+    magnitudes = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float64)[(codes & 7).long()]
+    values = torch.where(codes >= 8, -magnitudes, magnitudes)
+    return values * scales.double().repeat_interleave(BLOCK, dim=-1)[..., :n]
+
+
+# ----------------------------------------------------------------------------------------------
 # Attention (numerics.md §3 to §6)
 # ----------------------------------------------------------------------------------------------
 
@@ -263,12 +344,18 @@ def _forward(q, k, v, attn_mask, causal, scale, quantize, operands_quantized=Fal
     # whose scores are all NaN (or all -inf) gets M = -inf and then NaN everywhere, not an empty row.
     empty = ~visible.any(dim=-1)
     frame = torch.ceil(torch.where(torch.isnan(t), -math.inf, t).amax(dim=-1))
-    p_hat = torch.where(visible, torch.exp2(t - frame.unsqueeze(-1)), 0.0)
-    row_sum = p_hat.sum(dim=-1)
     if quantize:
-        p_fq = fake_quantize(p_hat * P_HEADROOM, -1, partial_last_block=True) / P_HEADROOM
+        # numerics.md §3: x = t - M + 11 rounded once to fp32, w = fp16(2^x) = P̂ * 2^11, and P's block rule in
+        # fp16 on w. P̂ is that fp16 value (times 2^-11) everywhere: in l, O' and the backward's P.
+        x = (t - (frame - P_HEADROOM_LOG2).unsqueeze(-1)).float()
+        w = torch.where(visible, p_frame_values(x), 0.0)
+        p_hat = w / P_HEADROOM
+        p_fq = p_fake_quant_f16(w) / P_HEADROOM
     else:
+        p_hat = torch.where(visible, torch.exp2(t - frame.unsqueeze(-1)), 0.0)
         p_fq = p_hat
+    # Exact: the terms are multiples of 2^-35 below 2 (fp16 values times 2^-11), fewer than 2^17 of them.
+    row_sum = p_hat.sum(dim=-1)
 
     # Empty rows have l = 0 and no terms: divide by 1 there, giving O = 0 instead of 0 / 0.
     divisor = torch.where(empty, 1.0, row_sum).unsqueeze(-1)
@@ -303,9 +390,10 @@ def attention_forward(
 
     With ``quantize`` Q and K are fake-quantized along D, V as numerics.md §2 says (``v_block_axis``:
     "auto" blocks it along tokens, trailing partial block allowed, when there is neither a causal
-    alignment nor a mask, along D otherwise; "tokens" or "head_dim" forces one) and P as
-    fq16(P̂ * 2^11) * 2^-11 in blocks of 16 keys counted from key 0. Without it this is plain attention
-    with the same frame and normaliser.
+    alignment nor a mask, along D otherwise; "tokens" or "head_dim" forces one) and P by §3's fp16 path:
+    P̂ = fp16(2^fp32(t - M + 11)) * 2^-11 and P^F = P's fp16 block rule on P̂ * 2^11, times 2^-11, in
+    blocks of 16 keys counted from key 0. Without it this is plain attention with the same frame and
+    normaliser (P̂ = 2^(t - M) in float64).
 
     ``operands_quantized`` says q, k, v already hold the values the kernel computes with, so they are
     used as given and only P is quantized (with ``quantize``): the decode of an NVFP4 KV cache

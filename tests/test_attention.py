@@ -714,7 +714,7 @@ if triton is not None:
 @requires_cuda
 @pytest.mark.skipif(triton is None, reason="needs triton")
 def test_ex2_approx_is_monotonic():
-    """The Hopper kernels take a P block's amax as P̂ at the block's largest logit (block_amax_from_logit in
+    """The Hopper kernels take a P block's amax as w at the block's largest logit (block_amax_w_from_logit in
     csrc/attention/softmax.cuh), which gives the block rule's amax exactly only if ex2.approx.ftz.f32, the kernels' exp,
     never decreases. PTX does not promise that, so check it on this GPU for every fp32 input from -inf to +inf in
     increasing order (the kernels' arguments t - M are <= 0 up to half an ulp of t). The instruction is lowered to

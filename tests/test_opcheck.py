@@ -2,7 +2,8 @@
 (test_schema: no undeclared mutation or aliasing), the autograd registration, the fake kernels of attn_qat/ops.py
 against the real ones (test_faketensor: shapes, dtypes, strides) and AOT dispatch with dynamic shapes. Small shapes,
 a few seconds on the CPU; the same on CUDA under the gpu marker. An op without a CPU kernel (kv_cache_decode) is
-checked on CUDA only; a new op without cases here fails test_every_op_has_cases."""
+checked on CUDA only, one without a CUDA kernel (p_fp16_path) on the CPU only; a new op without cases here fails
+test_every_op_has_cases."""
 import pytest
 import torch
 
@@ -112,6 +113,11 @@ def kv_cache_decode_cases(device):
                0.125, causal), ALL_UTILS
 
 
+def p_fp16_path_cases(device):
+    x = -30 * torch.rand(3, 40, generator=torch.Generator().manual_seed(0)) + 11  # a partial last block
+    yield (x.to(device),), ALL_UTILS
+
+
 CASES = {
     "nvfp4_quantize": nvfp4_quantize_cases,
     "nvfp4_fake_quantize": nvfp4_fake_quantize_cases,
@@ -121,8 +127,10 @@ CASES = {
     "attention_backward": attention_backward_cases,
     "attention_forward_prequantized": attention_forward_prequantized_cases,
     "kv_cache_decode": kv_cache_decode_cases,
+    "p_fp16_path": p_fp16_path_cases,
 }
 CUDA_ONLY = {"kv_cache_decode"}  # no CPU kernel: NVFP4KVCache.attention takes a composite path on the CPU
+CPU_ONLY = {"p_fp16_path"}  # the CPU kernels' P path, exposed for tests (the CUDA kernels' own is not an op)
 
 
 def registered_ops():
@@ -142,6 +150,8 @@ def test_every_op_has_cases():
 def test_opcheck(name, device):
     if device == "cpu" and name in CUDA_ONLY:
         pytest.skip(f"{name} has no CPU kernel (checked on CUDA)")
+    if device == "cuda" and name in CPU_ONLY:
+        pytest.skip(f"{name} has no CUDA kernel (checked on the CPU)")
     op = getattr(ops, name).default
     checked = 0
     for args, test_utils in CASES[name](device):

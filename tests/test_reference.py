@@ -54,6 +54,21 @@ def round_f32(value: Fraction) -> float:
     return rounded if value > 0 else -rounded
 
 
+def round_f16(value: Fraction) -> float:
+    """Exact rational -> nearest fp16 value (ties to even, subnormals below 2^-14); finite, no overflow."""
+    if value == 0:
+        return 0.0
+    magnitude = abs(value)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    while Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    while Fraction(2) ** (exponent + 1) <= magnitude:
+        exponent += 1
+    ulp = Fraction(2) ** (max(exponent, -14) - 10)  # 11-bit significand, subnormals below 2^-14
+    rounded = float(round(magnitude / ulp) * ulp)
+    return rounded if value > 0 else -rounded
+
+
 def _e4m3_table() -> list[float]:
     """Every finite non-negative E4M3 value, indexed by its 7-bit code (exponent << 3 | mantissa)."""
     values = []
@@ -112,6 +127,26 @@ def naive_quantize_block(values: list[float]) -> tuple[float, list[int]]:
     # r > 0, so y has x's sign; copysign keeps it for -0.0, which Fraction cannot represent.
     ys = [math.copysign(round_f32(Fraction(x) * Fraction(reciprocal)), x) for x in values]
     return scale, [naive_e2m1_code(y) for y in ys]
+
+
+def naive_frame_value(t: float, frame: float) -> float:
+    """§3's w = fp16(2^x) = P̂ * 2^11 for x = fp32(t - (M - 11)), with Python floats and exact rationals."""
+    argument = t - (frame - 11)
+    if math.isnan(argument) or math.isinf(argument):
+        return math.nan if math.isnan(argument) else (0.0 if argument < 0 else math.inf)
+    x = round_f32(Fraction(argument))
+    return round_f16(Fraction(2.0**x))  # 2.0**x is far from an fp16 midpoint for every fp32 x here (the reference's)
+
+
+def naive_p_block_f16(values: list[float]) -> tuple[float, list[int]]:
+    """P's fp16 block rule of §3 on one block of w values (fp16 values >= 0): (scale, codes)."""
+    if not all(math.isfinite(x) for x in values):
+        return math.nan, [0] * len(values)
+    scale = naive_e4m3(round_f32(Fraction(max(values)) / 6))
+    if scale == 0:
+        return 0.0, [0] * len(values)
+    reciprocal = Fraction(round_f16(1 / Fraction(scale)))
+    return scale, [naive_e2m1_code(round_f16(Fraction(w) * reciprocal)) for w in values]
 
 
 def naive_fake_quantize(values: list[float]) -> list[float]:
@@ -184,22 +219,21 @@ def naive_attention_row(q_row, keys, values, i, n_q, mask_row, causal, scale, qu
     finite_or_inf = [t[j] for j in visible if not math.isnan(t[j])]
     row_max = max(finite_or_inf) if finite_or_inf else -math.inf
     frame = float(math.ceil(row_max)) if math.isfinite(row_max) else row_max
-    p_hat = {j: 2.0 ** (t[j] - frame) for j in visible}
-    row_sum = sum(p_hat.values())
     if quantize:
+        w = {j: naive_frame_value(t[j], frame) for j in visible}
+        p_hat = {j: w[j] / 2048 for j in visible}
         p_fq = {}
         for start in range(0, n_k, 16):
             keys_in_block = range(start, min(start + 16, n_k))
-            block = []
-            for j in keys_in_block:
-                p = p_hat.get(j, 0.0)  # masked keys are 0 and do not raise the amax
-                block.append(p if math.isnan(p) else round_f32(Fraction(p * 2048)))
-            block_scale, codes = naive_quantize_block(block)
+            block = [w.get(j, 0.0) for j in keys_in_block]  # masked keys are 0 and do not raise the amax
+            block_scale, codes = naive_p_block_f16(block)
             for j, code in zip(keys_in_block, codes):
                 if j in p_hat:
                     p_fq[j] = naive_e2m1_value(code) * block_scale / 2048
     else:
+        p_hat = {j: 2.0 ** (t[j] - frame) for j in visible}
         p_fq = dict(p_hat)
+    row_sum = sum(p_hat.values())
     out = [sum(p_fq[j] * values[j][c] for j in visible) / row_sum for c in range(head_dim_v)]
     out_prime = [sum(p_hat[j] * values[j][c] for j in visible) / row_sum for c in range(head_dim_v)]
     lse = math.log(2) * (frame + math.log2(row_sum))
@@ -488,6 +522,54 @@ def test_block_axis_not_last(block_axis):
 
 
 # ==============================================================================================
+# P's fp16 path (numerics.md §3)
+# ==============================================================================================
+
+def test_fp16_round_matches_naive():
+    gen = torch.Generator().manual_seed(401)
+    exponents = torch.randint(-30, 14, (4000,), generator=gen)
+    x = torch.randn(4000, generator=gen, dtype=torch.float64) * torch.exp2(exponents)
+    halfway = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, 2.0**-25, 3 * 2.0**-25, 2.0**-14 * (1 - 2.0**-11),
+                            65504 + 15.99, 2048 + 1, 2048 + 3], dtype=torch.float64)  # ties and edges
+    x = torch.cat([x, halfway, -halfway])
+    got = ref.fp16_round(x)
+    assert_bitwise(got, f64([round_f16(Fraction(v)) for v in x.tolist()]))
+    specials = ref.fp16_round(torch.tensor([65520.0, -1e6, math.inf, math.nan, 0.0, -0.0], dtype=torch.float64))
+    assert specials[:3].tolist() == [math.inf, -math.inf, math.inf] and specials[3].isnan()
+    assert_bitwise(specials[4:], torch.tensor([0.0, -0.0], dtype=torch.float64))
+
+
+def test_p_frame_values_match_naive():
+    gen = torch.Generator().manual_seed(402)
+    x = (11.02 - 37 * torch.rand(3000, generator=gen)).float()
+    x = torch.cat([x, torch.tensor([-25.0, -24.0, 0.0, 11.0, -math.inf])])
+    got = ref.p_frame_values(x)
+    # naive_frame_value takes (t, M): t = x + M - 11 with M = 11 gives back x
+    assert_bitwise(got, f64([naive_frame_value(v, 11.0) for v in x.tolist()]))
+    assert got[-5:].tolist() == [0.0, 2.0**-24, 1.0, 2048.0, 0.0]
+
+
+def test_p_quantize_blocks_f16_matches_naive():
+    gen = torch.Generator().manual_seed(403)
+    # frame values of blocks spread over the whole range: zero, subnormal and normal scales
+    x = (torch.rand(32, 80, generator=gen) * 4 - torch.randint(0, 40, (32, 5), generator=gen).repeat_interleave(16, 1)
+         + 11).clamp(max=11).float()
+    w = ref.p_frame_values(x)
+    w[3, 17] = math.nan
+    codes, scales = ref.p_quantize_blocks_f16(w)
+    naive = [[naive_p_block_f16(row[j:j + 16]) for j in range(0, 80, 16)] for row in w.tolist()]
+    assert_bitwise(scales, f64([[b[0] for b in row] for row in naive]))
+    assert torch.equal(codes, torch.tensor([[c for b in row for c in b[1]] for row in naive], dtype=torch.uint8))
+    assert (scales == 0).any() and ((scales > 0) & (scales < 2.0**-6)).any() and (scales > 1).any()
+    assert scales[3, 1].isnan() and (codes[3, 16:32] == 0).all()
+    # P^F * 2^11 = code value * scale has at most 6 significant bits: exact in bf16 and fp16
+    values = ref.p_fake_quant_f16(w)
+    finite = values[values.isfinite()]
+    assert torch.equal(finite.to(torch.bfloat16).double(), finite)
+    assert torch.equal(finite.to(torch.float16).double(), finite)
+
+
+# ==============================================================================================
 # Forward
 # ==============================================================================================
 
@@ -612,9 +694,14 @@ def test_frame_is_an_integer_and_lse_is_the_logsumexp():
     scores = (q_fq @ k_fq.transpose(-1, -2)) / 8.0
     visible = torch.arange(45) <= torch.arange(30).unsqueeze(-1) + 15
     scores = scores.masked_fill(~visible, -math.inf)
-    torch.testing.assert_close(result["lse"], torch.logsumexp(scores, dim=-1), rtol=1e-12, atol=1e-12)
+    # l sums P̂ rounded to fp16, each within 2^-11 of itself (2^-12 from the fp32 argument and fp16 rounding)
+    torch.testing.assert_close(result["lse"], torch.logsumexp(scores, dim=-1), rtol=0, atol=2.0**-11)
     log2_max = scores.amax(-1) * LOG2E
     assert ((frame - log2_max >= 0) & (frame - log2_max < 1)).all()
+    # without quantization P̂ = 2^(t - M) exactly, and LSE is the logsumexp to float64 rounding
+    q_plain, k_plain = q_fq.float(), k_fq.float()
+    plain = ref.attention_forward(q_plain, k_plain, v, causal="bottom_right", quantize=False)
+    torch.testing.assert_close(plain["lse"], torch.logsumexp(scores, dim=-1), rtol=1e-12, atol=1e-12)
 
 
 def test_out_prime_is_close_to_out_but_different():

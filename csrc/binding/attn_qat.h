@@ -71,7 +71,8 @@ typedef struct {
    mask (optional): additive fp32, strides for (b, h, i, j), 0 where broadcast; added to the scaled
    score before the log2(e) factor: t_ij = (q_i . k_j * scale + mask_ij) * log2(e).
    Row statistics, (B, Hq, Nq) contiguous fp32: frame_m = M_i = ceil(max_j t_ij), an integer, and
-   row_sum = l_i = sum_j 2^(t_ij - M_i). A row with no visible key has M = -inf, l = 0 and O = 0.
+   row_sum = l_i = sum_j P̂_ij. With quantize_p, P̂_ij = fp16(2^fp32(t_ij - (M_i - 11))) * 2^-11 (numerics.md §3: P's
+   fp16 path); without it P̂_ij = 2^(t_ij - M_i). A row with no visible key has M = -inf, l = 0 and O = 0.
    NaN in a row's scores makes its l and O NaN (never a finite value, never "empty"). */
 typedef struct {
     const void *q, *k, *v;
@@ -87,7 +88,7 @@ typedef struct {
     float softmax_scale;
     int causal;
     int64_t causal_offset;
-    int quantize_p;          /* 1: O uses P^F = fq16(P̂ * 2^11) * 2^-11, blocks of 16 keys from key 0 */
+    int quantize_p;          /* 1: P̂ is fp16 and O uses P^F (§3's fp16 path), blocks of 16 keys from key 0 */
     aq_dtype dtype;          /* of q, k, v, o, o_prime: AQ_BFLOAT16 or AQ_FLOAT16 */
     const int32_t *q_span, *k_span; /* NULL, or packed sequences (above) */
     const int32_t *work_order; /* CUDA, packed only: NULL, or the Hopper grid's items in the order to run them */
@@ -97,7 +98,8 @@ typedef struct {
 } aq_attention_fwd_params;
 
 /* Backward (straight-through, numerics.md §4), given the forward's frame_m / row_sum:
-     P_ij = 2^(t_ij - M_i) / l_i;  P^F_ij = fq16(2^(t_ij - M_i) * 2^11) * 2^-11 / l_i
+     P_ij = P̂_ij / l_i;  P^F_ij = (P's fp16 block rule on P̂_ij * 2^11) * 2^-11 / l_i, P̂ as the forward's (above:
+     fp16 when p_fp16 or quantize_p_for_dv, the forward having quantized P)
      dV_j = sum_i (quantize_p_for_dv ? P^F_ij : P_ij) dO_i      (summed over the query heads of kv head)
      dP_ij = dO_i . v_j;  delta_i = dO_i . out_for_delta_i;  dS_ij = P_ij (dP_ij - delta_i)
      dQ_i = scale sum_j dS_ij k_j;  dK_j = scale sum_i dS_ij q_i   (dK summed over the group too)
@@ -129,6 +131,9 @@ typedef struct {
     float *dq_accum;         /* CUDA: NULL, or the plan's dq_accum_floats floats (see above) */
     float *tail_workspace;   /* CUDA: NULL, or the plan's tail_floats floats (the split last wave's parts) */
     int sm_count;            /* CUDA: set by aq_attention_bwd_cuda (the causal order of work, work_item_at) */
+    int p_fp16;              /* 1: P̂ is §3's fp16 value (the forward quantized P: attn_qat, high_precision_p,
+                                low_precision_o); 0: 2^(t - M) (drop_in's and bf16's plain backward). Last, in
+                                sm_count's padding: the kernels' parameter offsets stay main's. */
 } aq_attention_bwd_params;
 
 /* CPU kernels (C) */
@@ -136,6 +141,10 @@ const char *aq_quantize_cpu(const aq_quantize_params *p);
 const char *aq_dequantize_cpu(const aq_dequantize_params *p);
 const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p);
 const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p);
+/* P's fp16 path (numerics.md §3) on rows x (rows, n) of fp32 exponent arguments x = t - (M - 11) (-inf for a hidden
+   key), blocks of 16 from each row's index 0: w = fp16(2^x) = P̂ * 2^11 and w_fq = P^F * 2^11, (rows, n) each. The
+   attention kernels' own P path, for tests against attn_qat.reference. */
+const char *aq_p_fp16_path_cpu(const float *x, int64_t rows, int64_t n, float *w, float *w_fq);
 
 /* CUDA kernels; stream is a cudaStream_t */
 const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream);
@@ -185,6 +194,8 @@ const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, const a
                                        aq_attention_plan *plan);
 const char *aq_attention_fwd_cuda(const aq_attention_fwd_params *p, const aq_attention_plan *plan, void *stream);
 const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *p, const aq_attention_plan *plan, void *stream);
+/* aq_p_fp16_path_cpu on the GPU (x, w, w_fq device pointers): the CUDA kernels' device functions for P's path. */
+const char *aq_p_fp16_path_cuda(const float *x, int64_t rows, int64_t n, float *w, float *w_fq, void *stream);
 
 /* ---------------------------------------------------------------------------------------------
    Decode on an NVFP4 KV cache (attn_qat/kv_cache.py): numerics.md §3 without O' on Q^F, K^F and V^F, K and V

@@ -539,6 +539,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     p.quantize_p_for_dv = mode == MODE_ATTN_QAT || mode == MODE_LOW_PRECISION_O;
     p.work_order = order;
     p.work_order_len = order_len;
+    p.p_fp16 = quantized_backward(mode); // these modes' forward quantized P, so their P̂ is fp16 (numerics.md §3)
     const Tensor nonfinite_flag = set_problem(&p, q, s, scale, causal, spans);
     // not deterministic: the fused dQ's fp32 sums (attn_qat.h), 5 products instead of 7, dQ not bit-reproducible
     launch(q, p, aq_attention_bwd_cpu, [&](void *stream) {
@@ -546,6 +547,34 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                                deterministic ? nullptr : &p.dq_accum);
     });
     return {dq, dk, dv};
+}
+
+// P's fp16 path (numerics.md §3) on fp32 exponent arguments x = t - (M - 11), blocks of 16 along the last dim:
+// (w, w_fq) = (P̂ * 2^11, P^F * 2^11) in x's shape, contiguous float32. The kernels' own code on x's device (the C
+// kernels' on the CPU, the CUDA kernels' device functions on a GPU), exposed so that tests can hold it to
+// attn_qat.reference bit for bit on arguments of their choosing.
+struct p_path_args {
+    const float *x;
+    int64_t rows, n;
+    float *w, *w_fq;
+};
+const char *p_fp16_path_cpu(const p_path_args *a) { return aq_p_fp16_path_cpu(a->x, a->rows, a->n, a->w, a->w_fq); }
+
+std::tuple<Tensor, Tensor> p_fp16_path(Tensor x) {
+    STD_TORCH_CHECK(x.scalar_type() == ScalarType::Float, "attn_qat: p_fp16_path takes float32 exponent arguments");
+    STD_TORCH_CHECK(x.dim() >= 1, "attn_qat: p_fp16_path needs at least one dimension");
+    x = torch::stable::contiguous(x);
+    const std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+    Tensor w = torch::stable::new_empty(x, sizes);
+    Tensor w_fq = torch::stable::new_empty(x, sizes);
+    const int64_t n = x.size(x.dim() - 1);
+    const int64_t rows = n == 0 ? 0 : x.numel() / n;
+    const p_path_args args = {static_cast<const float *>(x.data_ptr()), rows, n, static_cast<float *>(w.data_ptr()),
+                              static_cast<float *>(w_fq.data_ptr())};
+    launch(x, args, p_fp16_path_cpu, [&](void *stream) {
+        return aq_p_fp16_path_cuda(args.x, args.rows, args.n, args.w, args.w_fq, stream);
+    });
+    return {w, w_fq};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -657,6 +686,7 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
           "-> (Tensor out, Tensor frame, Tensor row_sum)");
     m.def("kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
           "Tensor lengths, Tensor block_table, int max_length, float scale, bool causal) -> Tensor");
+    m.def("p_fp16_path(Tensor x) -> (Tensor w, Tensor w_fq)");
 }
 
 // The same functions serve both devices: `launch` picks the kernel from the tensors' device.
@@ -668,6 +698,7 @@ STABLE_TORCH_LIBRARY_IMPL(attn_qat, CPU, m) {
     m.impl("attention_forward", TORCH_BOX(&attention_forward));
     m.impl("attention_backward", TORCH_BOX(&attention_backward));
     m.impl("attention_forward_prequantized", TORCH_BOX(&attention_forward_prequantized));
+    m.impl("p_fp16_path", TORCH_BOX(&p_fp16_path));
 }
 
 #ifdef AQ_WITH_CUDA
@@ -680,5 +711,6 @@ STABLE_TORCH_LIBRARY_IMPL(attn_qat, CUDA, m) {
     m.impl("attention_backward", TORCH_BOX(&attention_backward));
     m.impl("attention_forward_prequantized", TORCH_BOX(&attention_forward_prequantized));
     m.impl("kv_cache_decode", TORCH_BOX(&kv_cache_decode));
+    m.impl("p_fp16_path", TORCH_BOX(&p_fp16_path));
 }
 #endif

@@ -1,6 +1,8 @@
 /* NVFP4 attention forward and backward on the CPU, in C: the exact two-pass form of numerics.md §3/§4.
-   Scores use fp32 accumulation like the GPU (they decide the frame M and the P codes); every other sum is double. */
+   Scores use fp32 accumulation like the GPU (they decide the frame M and the P codes); every other sum is double.
+   P's fp16 path is attn_qat.reference's bit for bit, given the same fp32 exponent arguments (aq_p_fp16_path_cpu). */
 #include <stdlib.h>
+#include <string.h>
 
 #include "binding/attn_qat.h"
 #include "format/nvfp4.h"
@@ -111,21 +113,61 @@ static float row_frame(const float *t, const uint8_t *visible, const score_row *
     return ceilf(max_t);
 }
 
-/* P̂_j = 2^(t_j - M) for visible keys, 0 for hidden ones (they do not raise a block's amax either). */
-static void frame_values(const float *t, const uint8_t *visible, const score_row *r, float frame, float *p_hat) {
-    for (int64_t j = r->first; j < r->key_end; j++) p_hat[j] = visible[j] ? exp2f(t[j] - frame) : 0.0f;
+/* The fp16 value nearest to v >= 0 (or NaN), as a float: ties to even, subnormals kept (grid 2^-24 below 2^-14),
+   Inf from 65520 on. Bit arithmetic on the double, so that no compiler fp16 type is needed. */
+static float round_double_to_fp16(double v) {
+    if (v != v) return (float)v;
+    if (v >= 65520.0) return INFINITY;
+    if (v < 6.103515625e-05) return (float)(nearbyint(v * 16777216.0) / 16777216.0); /* v * 2^24 is exact */
+    uint64_t b;
+    memcpy(&b, &v, sizeof b);
+    b += 0x1FFFFFFFFFFull + ((b >> 42) & 1u); /* round the 52-bit fraction to 10 bits, ties to even */
+    b &= ~0x3FFFFFFFFFFull;
+    memcpy(&v, &b, sizeof v);
+    return (float)v; /* 11 significant bits: exact */
 }
 
-/* P^F * l = fq16(P̂ * 2^11) * 2^-11, blocks of 16 keys from key 0 (the keys past key_end of a row's last block are
-   hidden: 0, which raises no amax). */
-static void quantize_frame_values(const float *p_hat, const score_row *r, float *p_fq) {
-    for (int64_t j0 = r->first; j0 < r->key_end; j0 += AQ_BLOCK) {
-        const int n = (int)(r->key_end - j0 < AQ_BLOCK ? r->key_end - j0 : AQ_BLOCK);
+/* w = fp16(2^x) = P̂ * 2^11 for the fp32 exponent argument x = t - (M - 11) (numerics.md §3). 2^x in double is within
+   an ulp, and no fp32 x in [-25, 11.01] but -25 (a tie, to 0) has 2^x within 2^-39 of an fp16 midpoint, so this is
+   the correctly rounded value (dev/p_fp16_numerics.py). */
+static float p_frame_value(float x) { return round_double_to_fp16(exp2((double)x)); }
+
+/* P̂_j for visible keys, 0 for hidden ones (they do not raise a block's amax either). fp16 (a mode that quantizes P,
+   numerics.md §3): w_j = fp16(2^(t_j - (M - 11))) and P̂_j = w_j * 2^-11; else (plain attention) P̂_j = 2^(t_j - M) in
+   fp32 and w is not written. */
+static void frame_values(const float *t, const uint8_t *visible, const score_row *r, float frame, int fp16, float *w,
+                         float *p_hat) {
+    const float shifted = frame - AQ_P_HEADROOM_LOG2; /* exact: M is an integer below 2^24 (or -inf) */
+    for (int64_t j = r->first; j < r->key_end; j++) {
+        if (!fp16) {
+            p_hat[j] = visible[j] ? exp2f(t[j] - frame) : 0.0f;
+            continue;
+        }
+        w[j] = visible[j] ? p_frame_value(t[j] - shifted) : 0.0f; /* the argument rounded once to fp32 */
+        p_hat[j] = w[j] * AQ_P_HEADROOM_INV;
+    }
+}
+
+/* P^F for w from frame_values, blocks of 16 from `first` (the entries past `end` of the last block are hidden: 0,
+   which raises no amax): p_fq = P's fp16 block rule on w, times 2^-11. */
+static void quantize_frame_values(const float *w, int64_t first, int64_t end, float *p_fq) {
+    for (int64_t j0 = first; j0 < end; j0 += AQ_BLOCK) {
+        const int n = (int)(end - j0 < AQ_BLOCK ? end - j0 : AQ_BLOCK);
         float block[AQ_BLOCK];
-        for (int e = 0; e < n; e++) block[e] = p_hat[j0 + e] * AQ_P_HEADROOM;
-        aq_fake_quantize_block(block, n);
+        for (int e = 0; e < n; e++) block[e] = w[j0 + e];
+        aq_p_fake_quantize_block_fp16(block, n);
         for (int e = 0; e < n; e++) p_fq[j0 + e] = block[e] * AQ_P_HEADROOM_INV;
     }
+}
+
+const char *aq_p_fp16_path_cpu(const float *x, int64_t rows, int64_t n, float *w, float *w_fq) {
+    if (rows < 0 || n < 0) return "p_fp16_path: negative size";
+    for (int64_t i = 0; i < rows; i++) {
+        for (int64_t j = 0; j < n; j++) w[i * n + j] = p_frame_value(x[i * n + j]);
+        quantize_frame_values(w + i * n, 0, n, w_fq + i * n);
+        for (int64_t j = 0; j < n; j++) w_fq[i * n + j] *= AQ_P_HEADROOM; /* P^F * 2^11: exact */
+    }
+    return NULL;
 }
 
 const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
@@ -139,11 +181,12 @@ const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
     float *q_row = (float *)alloc_array(dim, sizeof(float));
     float *t = (float *)alloc_array(nk, sizeof(float));
     uint8_t *visible = (uint8_t *)alloc_array(nk, sizeof(uint8_t));
+    float *w = (float *)alloc_array(nk, sizeof(float));
     float *p_hat = (float *)alloc_array(nk, sizeof(float));
     float *p_fq = (float *)alloc_array(nk, sizeof(float));
     double *o_acc = (double *)alloc_array(dim, sizeof(double));
     double *o_prime_acc = (double *)alloc_array(dim, sizeof(double));
-    if (!k_head || !v_head || !q_row || !t || !visible || !p_hat || !p_fq || !o_acc || !o_prime_acc)
+    if (!k_head || !v_head || !q_row || !t || !visible || !w || !p_hat || !p_fq || !o_acc || !o_prime_acc)
         err = "out of memory";
     for (int64_t b = 0; !err && b < p->batch; b++) {
         for (int64_t hkv = 0; hkv < p->heads_kv; hkv++) {
@@ -156,10 +199,11 @@ const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
                     load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
                     const int any_visible = compute_scores(&r, q_row, t, visible);
                     const float frame = row_frame(t, visible, &r);
-                    frame_values(t, visible, &r, frame, p_hat);
+                    frame_values(t, visible, &r, frame, p->quantize_p, w, p_hat);
+                    /* exact with fp16 P̂ (multiples of 2^-35 below 2, fewer than 2^17 keys), as the reference's */
                     double row_sum = 0.0;
                     for (int64_t j = r.first; j < r.key_end; j++) row_sum += p_hat[j];
-                    if (p->quantize_p) quantize_frame_values(p_hat, &r, p_fq);
+                    if (p->quantize_p) quantize_frame_values(w, r.first, r.key_end, p_fq);
                     const float *weight = p->quantize_p ? p_fq : p_hat;
 
                     for (int64_t d = 0; d < dim; d++) o_acc[d] = o_prime_acc[d] = 0.0;
@@ -194,6 +238,7 @@ const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
     free(q_row);
     free(t);
     free(visible);
+    free(w);
     free(p_hat);
     free(p_fq);
     free(o_acc);
@@ -231,10 +276,11 @@ const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
     double *dq_acc = (double *)alloc_array(dim, sizeof(double));
     float *t = (float *)alloc_array(nk, sizeof(float));
     uint8_t *visible = (uint8_t *)alloc_array(nk, sizeof(uint8_t));
+    float *w = (float *)alloc_array(nk, sizeof(float));
     float *p_hat = (float *)alloc_array(nk, sizeof(float));
     float *p_fq = (float *)alloc_array(nk, sizeof(float));
-    if (!k_head || !v_head || !dk_acc || !dv_acc || !q_row || !dout_row || !dq_acc || !t || !visible || !p_hat ||
-        !p_fq)
+    if (!k_head || !v_head || !dk_acc || !dv_acc || !q_row || !dout_row || !dq_acc || !t || !visible || !w ||
+        !p_hat || !p_fq)
         err = "out of memory";
     for (int64_t b = 0; !err && b < p->batch; b++) {
         for (int64_t hkv = 0; hkv < p->heads_kv; hkv++) {
@@ -252,8 +298,8 @@ const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
                         load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
                         load_row(p->dout, p->dtype, p->dout_stride, b, h, i, dim, dout_row);
                         compute_scores(&r, q_row, t, visible);
-                        frame_values(t, visible, &r, frame, p_hat);
-                        if (p->quantize_p_for_dv) quantize_frame_values(p_hat, &r, p_fq);
+                        frame_values(t, visible, &r, frame, p->p_fp16 || p->quantize_p_for_dv, w, p_hat);
+                        if (p->quantize_p_for_dv) quantize_frame_values(w, r.first, r.key_end, p_fq);
                         for (int64_t j = r.first; j < r.key_end; j++) {
                             if (!visible[j]) continue;
                             const float prob = p_hat[j] / row_sum;
@@ -294,6 +340,7 @@ const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
     free(dq_acc);
     free(t);
     free(visible);
+    free(w);
     free(p_hat);
     free(p_fq);
     return err;

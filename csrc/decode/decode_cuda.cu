@@ -456,8 +456,8 @@ AQ_D void step_softmax(float (&s)[SU][NB][4], float (&o)[D / 16][NB][4], float (
             const float frame = m[nb][c] == -INFINITY ? 0.0f : m[nb][c];
 #pragma unroll
             for (int su = 0; su < SU; su++) {
-                s[su][nb][c] = p_hat(s[su][nb][c], exp_scale, frame);
-                s[su][nb][c + 2] = p_hat(s[su][nb][c + 2], exp_scale, frame);
+                s[su][nb][c] = p_hat<true>(s[su][nb][c], exp_scale, frame);
+                s[su][nb][c + 2] = p_hat<true>(s[su][nb][c + 2], exp_scale, frame);
                 l[nb][c] += s[su][nb][c] + s[su][nb][c + 2];
             }
         }

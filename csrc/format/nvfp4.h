@@ -16,8 +16,9 @@
 
 #define AQ_BLOCK 16             /* elements per NVFP4 block */
 #define AQ_E4M3_MAX 448.0f
-#define AQ_P_HEADROOM 2048.0f   /* 2^11: P̂ is quantized as fq16(P̂ * 2^11) * 2^-11 (numerics.md §3) */
+#define AQ_P_HEADROOM 2048.0f   /* 2^11: P's block rule runs on w = P̂ * 2^11 (numerics.md §3) */
 #define AQ_P_HEADROOM_INV (1.0f / 2048.0f)
+#define AQ_P_HEADROOM_LOG2 11.0f /* P's exponent argument is x = t - (M - 11), so that 2^x = P̂ * 2^11 */
 #define AQ_E4M3_NAN 0x7F        /* the scale byte of a block with a NaN or Inf in it */
 
 AQ_HD uint32_t aq_float_bits(float x) {
@@ -230,4 +231,20 @@ AQ_HD uint16_t aq_float_to_fp16(float x) { /* round to nearest even, overflow to
     uint32_t ab = aq_float_bits(a);
     ab += 0xFFFu + ((ab >> 13) & 1u);
     return (uint16_t)(sign | ((((ab >> 23) - 112u) << 10) | ((ab >> 13) & 0x3FFu)));
+}
+
+/* The fp16 value nearest to x (ties to even, subnormals kept, Inf from 65520 on; NaN stays NaN), as a float. */
+AQ_HD float aq_round_fp16(float x) { return aq_fp16_to_float(aq_float_to_fp16(x)); }
+
+/* P's block rule in fp16 (numerics.md §3) on n <= 16 values w = P̂ * 2^11 (fp16 values >= 0, or NaN), in place:
+   w <- e2m1(fp16(w * r)) * s, with §1's scale s = e4m3(fp32(amax / 6)) and r = fp16(1 / s). Returns s.
+   fp16(fp32(1 / s)) is fp16(1 / s) for every E4M3 s, and w * r (two fp16 values) is exact in fp32, so each step
+   rounds once, as the f16x2 instructions do. */
+AQ_HD float aq_p_fake_quantize_block_fp16(float *w, int n) {
+    const float s = aq_block_scale(w, n);
+    const float r = aq_round_fp16(aq_rcp_rn(s));
+    AQ_UNROLL
+    for (int i = 0; i < AQ_BLOCK; i++)
+        if (i < n) w[i] = s == 0.0f ? 0.0f : aq_e2m1_round(aq_round_fp16(aq_mul_rn(w[i], r))) * s;
+    return s;
 }

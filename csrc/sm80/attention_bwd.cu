@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_delta_kernel(const a
    through shared memory). The price is in the P fake-quant: the block of query i is the warp's 16 keys (16w from a
    tile start that is a multiple of 64, so the blocks start at multiples of 16 from key 0, like the forward's), and
    those 16 values of one query column sit in the 8 lanes sharing lane & 3, so the block amax takes 3 shuffles. */
-template <int D, aq_dtype DT, bool QUANTIZE_DV>
+template <int D, aq_dtype DT, bool QUANTIZE_DV, bool P_FP16>
 __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq_attention_bwd_params p, bool vec, const int *run_only_if) {
     constexpr int LD = D + AQ_SMEM_PAD, BQ = dkdv_queries_per_step(D);
     if (run_only_if != NULL && !*run_only_if) return;
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
             }
 
             uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
-            const uint32_t live = dkdv_step_p<BQ, QUANTIZE_DV, DT>(&lm, st, pa, row_m, row_inv_l, q0, k0 + key0, checked);
+            const uint32_t live = dkdv_step_p<BQ, QUANTIZE_DV, P_FP16, DT>(&lm, st, pa, row_m, row_inv_l, q0, k0 + key0, checked);
             dkdv_step_ds<BQ, DT>(st, dpt, dsa, row_delta, live, checked);
             if (bad) { /* S^T and dP^T are done with the raw Q and dO */
                 __syncthreads();
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
    grid ceil(Nq / 64) Hq B (work_item_at), 128 threads. Q and dO of the CTA's 64 rows stay in shared memory while
    the key tiles of 64 that they can see stream through it. Warp w owns rows 16w .. 16w+15: S = Q K^T and dP = dO V^T
    (16 x 64), dS = P ∘ (dP - delta) in registers, which is the A fragment of dQ += dS K (16 x D, fp32). */
-template <int D, aq_dtype DT>
+template <int D, aq_dtype DT, bool P_FP16>
 __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_attention_bwd_params p, bool vec, const int *run_only_if) {
     constexpr int LD = D + AQ_SMEM_PAD;
     if (run_only_if != NULL && !*run_only_if) return;
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
 
         uint32_t dsa[BWD_KEYS / 16][4];
         const bool checked = tile_needs_mask(&lm, common, k0, BWD_KEYS) || warp_has_dead_row;
-        const uint32_t live = dq_step_p<BWD_KEYS>(&lm, s, m, inv_l, q0 + row0, k0, checked);
+        const uint32_t live = dq_step_p<BWD_KEYS, P_FP16>(&lm, s, m, inv_l, q0 + row0, k0, checked);
         dq_step_ds<BWD_KEYS, DT>(s, dps, dsa, delta, live, checked);
         if (k_bad) { /* S is done with the raw K */
             __syncthreads();
@@ -301,7 +301,9 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
     const int ld_bytes = (D + AQ_SMEM_PAD) * 2;
     if (p->seqlen_k > 0) {
         void (*kernel)(const aq_attention_bwd_params, bool, const int *) =
-            p->quantize_p_for_dv ? attention_bwd_dkdv_kernel<D, DT, true> : attention_bwd_dkdv_kernel<D, DT, false>;
+            p->quantize_p_for_dv ? attention_bwd_dkdv_kernel<D, DT, true, true>
+            : p->p_fp16          ? attention_bwd_dkdv_kernel<D, DT, false, true>
+                                 : attention_bwd_dkdv_kernel<D, DT, false, false>;
         const int bq = dkdv_queries_per_step(D);
         const int smem =
             (2 * BWD_KEYS + 2 * bq) * ld_bytes + 3 * bq * (int)sizeof(float) + 2 * D * (int)sizeof(uint64_t);
@@ -312,7 +314,8 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
         if ((err = launch_status())) return err;
     }
     if (p->seqlen_q > 0) {
-        void (*kernel)(const aq_attention_bwd_params, bool, const int *) = attention_bwd_dq_kernel<D, DT>;
+        void (*kernel)(const aq_attention_bwd_params, bool, const int *) =
+            p->p_fp16 || p->quantize_p_for_dv ? attention_bwd_dq_kernel<D, DT, true> : attention_bwd_dq_kernel<D, DT, false>;
         const int smem = (2 * BWD_ROWS + 2 * BWD_KEYS) * ld_bytes + D * (int)sizeof(uint64_t);
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);

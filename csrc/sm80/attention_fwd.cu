@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(D, WITH_O_PRIM
         }
 
         scores_to_logits<BN>(&lm, s, q0 + row0, k0, tile_needs_mask(&lm, common, k0, BN), seen, warp_spans);
-        online_softmax_tile<BN, D, WITH_O_PRIME>(s, o, o2, m, l, lm.exp_scale);
+        online_softmax_tile<BN, D, WITH_O_PRIME, QUANTIZE_P>(s, o, o2, m, l, lm.exp_scale);
 
         /* O += P V, one 16-key block of P (two C fragments = one A fragment) at a time */
 #pragma unroll

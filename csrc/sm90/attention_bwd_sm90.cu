@@ -62,7 +62,8 @@ struct DkdvLayout {
     /* fused dQ: each consumer warpgroup's dQ partial of the step (dq_accum_chunk's order) for the bulk reduction */
     static constexpr int DQ_CHUNK_BYTES = BWD90_Q_STEP * D / 2 * 4;
     static constexpr int DQ_OFFSET = DS_OFFSET + (FUSED_DQ ? 2 * DS_TILE_BYTES : 0);
-    /* per stage: m, inv_l, delta of the step's 64 queries (dkdv_stat_slot's order), whether one of them is a dead row,
+    /* per stage: m, inv_l, delta of the step's 64 queries (dkdv_stat_slot's order; with QUANTIZE_DV 11 - m and
+       inv_l * 2^-11, dkdv90_producer), whether one of them is a dead row,
        and for packed sequences whether each consumer warpgroup's 64 keys need per-element visibility (as floats) */
     static constexpr int STATS_FLOATS = 3 * BWD90_Q_STEP + 4;
     static constexpr int STATS_OFFSET = DQ_OFFSET + (FUSED_DQ ? 2 * DQ_CHUNK_BYTES : 0);
@@ -180,11 +181,12 @@ struct dkdv_item {
 
 /* What every role of the dK/dV kernel reads besides its item: the parameters and tensor maps, the shared-memory
    tiles and barriers, and this thread's place. Built once, before the roles split. */
-template <int D_, aq_dtype DT_, bool QUANTIZE_DV_, bool FUSED_DQ_, bool TAIL_>
+template <int D_, aq_dtype DT_, bool QUANTIZE_DV_, bool FUSED_DQ_, bool TAIL_, bool P_FP16_>
 struct Dkdv90State {
     static constexpr int D = D_, BQ = BWD90_Q_STEP;
     static constexpr aq_dtype DT = DT_;
     static constexpr bool QUANTIZE_DV = QUANTIZE_DV_, FUSED_DQ = FUSED_DQ_, TAIL = TAIL_;
+    static constexpr bool P_FP16 = P_FP16_; /* P̂ in fp16 (p_fp16): a template flag, so bf16 mode's code is fp32's */
     using L = DkdvLayout<D, FUSED_DQ>;
 
     const aq_attention_bwd_params &p;
@@ -279,7 +281,11 @@ AQ_D void dkdv90_producer(const Bwd &bwd, const dkdv_item &it, float (&m)[Bwd::B
 #pragma unroll
         for (int k = 0; k < BQ / 32; k++) {
             const int slot = dkdv_stat_slot(lane + 32 * k);
-            st[slot] = m[k], st[BQ + slot] = inv_l[k], st[2 * BQ + slot] = delta[k];
+            /* P^F's column quant takes 11 - m, its exponent's addend, and 1/l * 2^-11 (exact), its products' factor
+               (dkdv_step_p_quantized): a consumer's step then spends no instruction on either */
+            st[slot] = Bwd::QUANTIZE_DV ? AQ_P_HEADROOM_LOG2 - m[k] : m[k];
+            st[BQ + slot] = Bwd::QUANTIZE_DV ? inv_l[k] * AQ_P_HEADROOM_INV : inv_l[k];
+            st[2 * BQ + slot] = delta[k];
         }
         if (lane == 0) st[3 * BQ] = dead ? 1.0f : 0.0f;
         if (p.q_span != NULL && lane < 2)
@@ -407,7 +413,7 @@ struct Dkdv90Consumer {
             if constexpr (ping_pong) named_barrier_sync(PING_PONG_BARRIER + c, 256);
             const uint32_t live =
                 QUANTIZE_DV ? dkdv_step_p_quantized<DT>(&lm, st, pa, m4, st_m + BQ, q0, k0 + key0, checked, scales)
-                            : dkdv_step_p<BQ, false, DT>(&lm, st, pa, m4, st_m + BQ, q0, k0 + key0, checked);
+                            : dkdv_step_p<BQ, false, Bwd::P_FP16, DT>(&lm, st, pa, m4, st_m + BQ, q0, k0 + key0, checked);
             dkdv_step_stats<BQ>(delta4, st_m + 2 * BQ); /* before dV is issued, for the same reason */
             wgmma_fence();
             if constexpr (dp_after_p) issue_dpt<D, DT>(dpt, bwd.vs, dot, c);
@@ -459,14 +465,14 @@ struct Dkdv90Consumer {
    Tensor maps: q, dout (B, Hq, Nq, D) with boxes of 64 rows; k, v (B, Hkv, Nk, D) with boxes of 128 rows; dk, dv
    (the outputs, written through TMA) with boxes of 16 rows. nonfinite: NULL, or a device flag set when dK or dV came
    out Inf or NaN (flag_if_nonfinite; a TAIL part's merge checks its rows). */
-template <int D, aq_dtype DT, bool QUANTIZE_DV, bool FUSED_DQ, bool TAIL>
+template <int D, aq_dtype DT, bool QUANTIZE_DV, bool FUSED_DQ, bool TAIL, bool P_FP16>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                                    const __grid_constant__ CUtensorMap tm_dk, const __grid_constant__ CUtensorMap tm_dv,
                                    const aq_attention_bwd_params p, int *nonfinite, const tail_split ts) {
 #if AQ_SM90_ENABLED
-    using Bwd = Dkdv90State<D, DT, QUANTIZE_DV, FUSED_DQ, TAIL>;
+    using Bwd = Dkdv90State<D, DT, QUANTIZE_DV, FUSED_DQ, TAIL, P_FP16>;
     constexpr int BQ = Bwd::BQ;
     /* the item's index: a packed call's work order may hand them out longest first (attn_qat.h) */
     const int item = TAIL ? ts.main_items + (int)blockIdx.x / ts.splits
@@ -534,10 +540,11 @@ struct dq_item {
 
 /* What every role of the dQ kernel reads besides its item: the parameters and tensor maps, the shared-memory tiles
    and barriers, and this thread's place. Built once, before the roles split (as Dkdv90State). */
-template <int D_, aq_dtype DT_>
+template <int D_, aq_dtype DT_, bool P_FP16_>
 struct Dq90State {
     static constexpr int D = D_, BK = BWD90_K_STEP;
     static constexpr aq_dtype DT = DT_;
+    static constexpr bool P_FP16 = P_FP16_; /* as Dkdv90State's */
     using L = DqLayout<D>;
 
     const aq_attention_bwd_params &p;
@@ -617,7 +624,7 @@ AQ_D void dq90_mainloop(const Bwd &bwd, const dq_item &it, const logit_map &lm, 
         fence_registers(sc);
 
         const bool checked = tile_needs_mask(&lm, common, k0, BK) || warp_has_dead_row;
-        const uint32_t live = dq_step_p<BK>(&lm, sc, m, inv_l, q0 + row0, k0, checked);
+        const uint32_t live = dq_step_p<BK, Bwd::P_FP16, true>(&lm, sc, m, inv_l, q0 + row0, k0, checked);
         wgmma_wait<0>();
         fence_registers(dps);
         uint32_t dsa[BK / 16][4];
@@ -649,13 +656,13 @@ AQ_D void dq90_epilogue(const Bwd &bwd, const dq_item &it, int row0, float (&dq)
 
 /* grid ceil(Nq / 128) Hq B (work_item_at), 384 threads. Tensor maps: q, dout with boxes of 128 rows; k, v of 64
    rows. */
-template <int D, aq_dtype DT>
+template <int D, aq_dtype DT, bool P_FP16>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     attention_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                                  const aq_attention_bwd_params p, int *nonfinite) {
 #if AQ_SM90_ENABLED
-    using Bwd = Dq90State<D, DT>;
+    using Bwd = Dq90State<D, DT, P_FP16>;
     constexpr int BK = Bwd::BK;
     extern __shared__ unsigned char smem_raw[];
     const Bwd bwd(align1024(smem_raw), p, &tm_q, &tm_do, &tm_k, &tm_v, nonfinite);
@@ -730,13 +737,17 @@ typedef void (*dkdv90_kernel)(const CUtensorMap, const CUtensorMap, const CUtens
 typedef void (*dq90_kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
                             const aq_attention_bwd_params, int *);
 
+/* P̂'s fp16 path without P^F (high_precision_p) gets its own kernels, so that bf16 mode's carry none of it. */
+template <int D, aq_dtype DT, bool FUSED_DQ, bool TAIL>
+static dkdv90_kernel dkdv_sm90_kernel(const aq_attention_bwd_params *p) {
+    if (p->quantize_p_for_dv) return attention_bwd_dkdv_sm90_kernel<D, DT, true, FUSED_DQ, TAIL, true>;
+    return p->p_fp16 ? attention_bwd_dkdv_sm90_kernel<D, DT, false, FUSED_DQ, TAIL, true>
+                     : attention_bwd_dkdv_sm90_kernel<D, DT, false, FUSED_DQ, TAIL, false>;
+}
+
 template <int D, aq_dtype DT, bool TAIL>
-static dkdv90_kernel dkdv_sm90_kernel(bool quantize_p_for_dv, bool fused_dq) {
-    if (fused_dq)
-        return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, true, TAIL>
-                                 : attention_bwd_dkdv_sm90_kernel<D, DT, false, true, TAIL>;
-    return quantize_p_for_dv ? attention_bwd_dkdv_sm90_kernel<D, DT, true, false, TAIL>
-                             : attention_bwd_dkdv_sm90_kernel<D, DT, false, false, TAIL>;
+static dkdv90_kernel dkdv_sm90_kernel(const aq_attention_bwd_params *p, bool fused_dq) {
+    return fused_dq ? dkdv_sm90_kernel<D, DT, true, TAIL>(p) : dkdv_sm90_kernel<D, DT, false, TAIL>(p);
 }
 
 /* The dK/dV kernel's tail split (attention/dispatch.cu plans it): items of 128 keys, not causal (those items differ
@@ -756,9 +767,10 @@ template <int D, aq_dtype DT>
 static const char *launch_bwd_sm90(const aq_attention_bwd_params *p, const aq_attention_plan *plan,
                                    cudaStream_t stream, bool *taken, const int **fallback_flag) {
     const bool fused_dq = p->dq_accum != NULL;
-    const dkdv90_kernel dkdv = dkdv_sm90_kernel<D, DT, false>(p->quantize_p_for_dv, fused_dq);
-    const dkdv90_kernel dkdv_tail = dkdv_sm90_kernel<D, DT, true>(p->quantize_p_for_dv, fused_dq);
-    const dq90_kernel dq = attention_bwd_dq_sm90_kernel<D, DT>;
+    const dkdv90_kernel dkdv = dkdv_sm90_kernel<D, DT, false>(p, fused_dq);
+    const dkdv90_kernel dkdv_tail = dkdv_sm90_kernel<D, DT, true>(p, fused_dq);
+    const dq90_kernel dq = p->p_fp16 || p->quantize_p_for_dv ? attention_bwd_dq_sm90_kernel<D, DT, true>
+                                                             : attention_bwd_dq_sm90_kernel<D, DT, false>;
     const int dkdv_smem = fused_dq ? DkdvLayout<D, true>::ALLOC : DkdvLayout<D, false>::ALLOC;
     if (!fragment_store_ok(p->dq, p->dq_stride) || !fragment_store_ok(p->dk, p->dk_stride) ||
         !fragment_store_ok(p->dv, p->dv_stride))

@@ -48,9 +48,9 @@ static constexpr __host__ __device__ int sm90_consumer_warpgroups(int d, bool qu
     return !quantize_p && d == 128 ? 3 : 2;
 }
 
-/* Keys per tile. 128 fills the wgmma N for S; with the second accumulator O' and the two P̂ register sets of the
-   pipeline, 64 keeps the consumer within its 240 registers (at D=64 too: 128 spills and serializes the wgmma);
-   64 with three consumer warpgroups (160 registers each). */
+/* Keys per tile. 128 fills the wgmma N for S; with the second accumulator O' and its P̂ register set, 64 keeps
+   the consumer within its 240 registers (at D=64 too: 128 spills and serializes the wgmma); 64 with three
+   consumer warpgroups (160 registers each). */
 static constexpr __host__ __device__ int sm90_keys_per_tile(int d, bool with_o_prime, int nwg) {
     return with_o_prime || nwg == 3 ? 64 : 128;
 }
@@ -330,10 +330,10 @@ struct Fwd90Mainloop {
     bool (&seen)[2];
     float (&sc)[BN / 8][4];
     uint32_t (&a_o)[BN / 16][4];
-    hat_regs &a_hat, &a_hat2;
+    hat_regs &a_hat;
     const int2 &common;
     uint32_t (&p_scales)[QUANTIZE_P ? BN / 32 : 1];
-    float (&p_recips)[QUANTIZE_P ? BN / 32 : 1];
+    uint32_t (&p_recips)[QUANTIZE_P ? BN / 32 : 1];
 
     AQ_D int slot(int j) const { return (int)((ring + j) % SM90_STAGES); }
     AQ_D int phase(int j) const { return ((ring + j) / SM90_STAGES) & 1; }
@@ -359,39 +359,42 @@ struct Fwd90Mainloop {
     AQ_D void softmax_scores(int j, bool masked, float alpha[2]) {
         scores_to_logits<BN>(&lm, sc, q0 + row0, k0 + j * BN, masked, seen, fwd.warp_spans);
         if constexpr (QUANTIZE_P) {
-            online_softmax_p_scales<BN, DT, D == 128>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
+            online_softmax_p_scales<BN, DT, D == 128, WITH_O_PRIME>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
             __syncwarp(); /* the last tile's reads are done */
 #pragma unroll
             for (int pp = 0; pp < BN / 32; pp++) {
-                fwd.warp_scales[pp * 32 + lane] = __float_as_uint(p_recips[pp]);
+                fwd.warp_scales[pp * 32 + lane] = p_recips[pp];
                 fwd.warp_scales[(BN / 32 + pp) * 32 + lane] = p_scales[pp];
             }
             __syncwarp();
         } else {
-            online_softmax_scores<BN>(sc, m, l, alpha, lm.exp_scale);
+            online_softmax_scores<BN, false>(sc, m, l, alpha, lm.exp_scale);
         }
     }
-    AQ_D void pack_scores(uint32_t (&a)[BN / 16][4]) {
+    AQ_D void pack_scores(uint32_t (&a)[BN / 16][4]) { /* P̂ for P V (bf16 mode) */
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb++) pack_a_from_c<DT>(a[kb], sc[2 * kb], sc[2 * kb + 1]);
     }
-    AQ_D void quantize_scores() { /* P̂ in sc -> the E2M1 roundings of P̂ / s, for pack_p */
+    AQ_D void quantize_scores() { /* w pairs in sc -> the E2M1 roundings of w / s, for pack_p */
 #pragma unroll
-        for (int kb = 0; kb < BN / 16; kb += 2)
-            p_round_block_pair(sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2], sc[2 * kb + 3],
-                               *(const float4 *)&fwd.quad_scales[kb / 2 * 32]);
+        for (int bp = 0; bp < BN / 32; bp++) p_round_block_pair<BN>(sc, bp, *(const uint4 *)&fwd.quad_scales[bp * 32]);
     }
-    AQ_D void pack_p() { /* P^F * 2^11 into a_o from quantize_scores' roundings */
+    /* P^F * 2^11 into a_o from quantize_scores' roundings, and with O' P̂ into a_hat (hat_pair's place in sc) */
+    AQ_D void pack_p() {
 #pragma unroll
-        for (int kb = 0; kb < BN / 16; kb += 2) {
-            const uint4 quad_s = *(const uint4 *)&fwd.quad_scales[(BN / 32 + kb / 2) * 32];
-            pack_quantized_p_pair<DT>(a_o[kb], a_o[kb + 1], sc[2 * kb], sc[2 * kb + 1], sc[2 * kb + 2],
-                                      sc[2 * kb + 3], quad_s);
+        for (int bp = 0; bp < BN / 32; bp++) {
+            const uint4 quad_s = *(const uint4 *)&fwd.quad_scales[(BN / 32 + bp) * 32];
+            pack_quantized_p_pair<BN, DT>(a_o[2 * bp], a_o[2 * bp + 1], sc, bp, quad_s);
         }
+        if constexpr (WITH_O_PRIME)
+#pragma unroll
+            for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) a_hat[n / 2][2 * (n & 1) + r] = scale_hat_pair<DT>(hat_pair<BN>(sc, n, r));
     }
 
     /* O += P V, O' += P̂ V for tile j: one 16-key block of P (two C fragments = one A fragment) per wgmma */
-    AQ_D void issue_pv(int j, hat_regs &hat) {
+    AQ_D void issue_pv(int j) {
         const int s = slot(j);
         const unsigned char *vt = fwd.vs + s * L::TILE_BYTES;
         mbar_wait(&fwd.v_full[s], phase(j));
@@ -399,31 +402,29 @@ struct Fwd90Mainloop {
 #pragma unroll
         for (int kb = 0; kb < BN / 16; kb++) {
             wgmma_rs<D, DT, 1>(o, a_o[kb], mn_major_desc(vt, BN, kb), 1);
-            if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, hat[kb], mn_major_desc(vt, BN, kb), 1);
+            if constexpr (WITH_O_PRIME) wgmma_rs<D, DT, 1>(o2, a_hat[kb], mn_major_desc(vt, BN, kb), 1);
         }
         wgmma_commit();
     }
-    AQ_D void finish_pv(int j, hat_regs &hat) { /* waits for every group; V(j) is then consumed */
+    AQ_D void finish_pv(int j) { /* waits for every group; V(j) is then consumed */
         wgmma_wait<0>();
         fence_registers(o);
         /* the A operands stay live up to here, so no other value is given their registers while the wgmma
            may still read them (else ptxas serializes every wgmma: warning C7513) */
         fence_registers(a_o);
-        if constexpr (WITH_O_PRIME) fence_registers(o2), fence_registers(hat);
+        if constexpr (WITH_O_PRIME) fence_registers(o2), fence_registers(a_hat);
         if (lane == 0) mbar_arrive(&fwd.v_empty[slot(j)]);
     }
 
-    /* the elementwise part of step for tile j + 1: its softmax, P̂(j+1) into next_hat and the roundings in sc */
-    AQ_D void elementwise(int j, bool masked, float alpha[2], hat_regs &next_hat) {
+    /* the elementwise part of step for tile j + 1: its softmax and the roundings in sc (and P̂(j+1) there) */
+    AQ_D void elementwise(int j, bool masked, float alpha[2]) {
         softmax_scores(j + 1, masked, alpha);
-        if constexpr (WITH_O_PRIME) pack_scores(next_hat);
         quantize_scores();
     }
-    /* one step: P(j) V with P̂(j) in hat, while tile j+1 becomes P^F(j+1)'s roundings in sc and P̂(j+1) in
-       next_hat */
-    AQ_D void step(int j, hat_regs &hat, hat_regs &next_hat) {
+    /* one step: P(j) V, while tile j+1 becomes P^F(j+1)'s roundings (and P̂(j+1)) in sc */
+    AQ_D void step(int j) {
         issue_scores(j + 1);
-        issue_pv(j, hat);
+        issue_pv(j);
         float alpha[2];
         wgmma_wait<1>(); /* groups complete in order: S(j+1) before P(j) V */
         scores_done(j + 1);
@@ -433,9 +434,9 @@ struct Fwd90Mainloop {
            nothing (seen in the SASS). With O' at D = 128 this held too many registers (700 bytes of spills)
            until the P scale work was shared and the exp took the scale (140 bytes now, and faster than
            waiting first: 76.5 -> 69.7 ms at the Wan 14B shape). */
-        if (masked) elementwise(j, true, alpha, next_hat);
-        else elementwise(j, false, alpha, next_hat);
-        finish_pv(j, hat);
+        if (masked) elementwise(j, true, alpha);
+        else elementwise(j, false, alpha);
+        finish_pv(j);
         rescale_rows<D>(o, alpha);
         if constexpr (WITH_O_PRIME) rescale_rows<D>(o2, alpha);
         pack_p();
@@ -456,8 +457,8 @@ struct Fwd90Mainloop {
                 softmax_scores(j, needs_mask(j), alpha);
                 pack_scores(a_o);
                 rescale_rows<D>(o, alpha);
-                issue_pv(j, a_hat);
-                finish_pv(j, a_hat);
+                issue_pv(j);
+                finish_pv(j);
             }
         } else {
             /* P(j) V is in flight while S(j+1) lands and becomes P^F(j+1)'s roundings in sc; only the packing
@@ -468,22 +469,13 @@ struct Fwd90Mainloop {
                 wgmma_wait<0>();
                 scores_done(0);
                 softmax_scores(0, needs_mask(0), alpha);
-                if constexpr (WITH_O_PRIME) pack_scores(a_hat);
                 quantize_scores();
                 pack_p();
             }
-            int j = 0; /* P̂(j) is in a_hat for even j, in a_hat2 for odd j */
-            for (; j + 2 < n_tiles; j += 2) {
-                step(j, a_hat, a_hat2);
-                step(j + 1, a_hat2, a_hat);
-            }
-            if (j + 1 < n_tiles) step(j++, a_hat, a_hat2);
-            if (n_tiles > 0 && (n_tiles - 1) % 2) {
-                issue_pv(n_tiles - 1, a_hat2);
-                finish_pv(n_tiles - 1, a_hat2);
-            } else if (n_tiles > 0) {
-                issue_pv(n_tiles - 1, a_hat);
-                finish_pv(n_tiles - 1, a_hat);
+            for (int j = 0; j + 1 < n_tiles; j++) step(j);
+            if (n_tiles > 0) {
+                issue_pv(n_tiles - 1);
+                finish_pv(n_tiles - 1);
             }
         }
     }
@@ -504,21 +496,21 @@ AQ_D void fwd90_mainloop(const Fwd &fwd, unsigned ring, int it, const logit_map 
        tile j+1 run on the FP32 pipe while the tensor cores compute P(j) V. The accumulators are rescaled by the
        frame step of tile j+1 only once P(j) V has landed in them. */
     float sc[BN / 8][4];
-    /* P of the tile whose P V is next: P^F (or P̂ in bf16 mode) in a_o, and for O' P̂ in a_hat or a_hat2, by
-       turns, so that P̂(j+1) is packed while P(j) V still reads P̂(j) with no register copy between them (ptxas
-       merges such a copy's registers, then serializes every wgmma: warning C7513) */
+    /* P of the tile whose P V is next: P^F (or P̂ in bf16 mode) in a_o, and for O' P̂ in a_hat, both packed once
+       P(j) V has read the last ones (pack_p): till then the tile's values wait in sc, the next S's accumulator */
     uint32_t a_o[BN / 16][4];
-    typename ML::hat_regs a_hat, a_hat2;
-    /* the online softmax of tile j: scores in sc become P̂ (fp32, in place); alpha: the rescale the accumulators
-       owe. Then, apart, since the pipeline runs them at different times: P̂ packed for O', P̂ turned into
-       its E2M1 roundings in place (quantize_scores), and sc packed into the A operand of O += P V (pack_p, which
-       scales the roundings into P^F * 2^11, exact in 16 bits). */
+    typename ML::hat_regs a_hat;
+    /* the online softmax of tile j: scores in sc become P̂ (fp32, in place; quantized: fp16 pairs of w = P̂ * 2^11,
+       in place, and with O' P̂ in DT in a_hat or a_hat2); alpha: the rescale the accumulators owe.
+       Then, apart, since the pipeline runs them at different times: w turned into its E2M1 roundings in place
+       (quantize_scores), and those packed into the A operand of O += P V (pack_p, which scales them into
+       P^F * 2^11, exact in 16 bits). */
     const int2 common = rows_common_keys(&lm, q0 + wrow, 64); /* the keys every row of the warpgroup sees */
     /* quantized: the lane's block scale (a DT pair, for pack_p) and reciprocal (for quantize_scores) of each
        block pair (online_softmax_p_scales), stored to fwd.warp_scales */
     uint32_t p_scales[Fwd::QUANTIZE_P ? BN / 32 : 1];
-    float p_recips[Fwd::QUANTIZE_P ? BN / 32 : 1];
-    ML{fwd, ring, lm, q0, n_tiles, k0, wrow, row0, lane, o, o2, m, l, seen, sc, a_o, a_hat, a_hat2, common,
+    uint32_t p_recips[Fwd::QUANTIZE_P ? BN / 32 : 1];
+    ML{fwd, ring, lm, q0, n_tiles, k0, wrow, row0, lane, o, o2, m, l, seen, sc, a_o, a_hat, common,
        p_scales, p_recips}
         .run(it);
 }
