@@ -225,7 +225,7 @@ def p_quantize_blocks_f16(w: Tensor) -> tuple[Tensor, Tensor]:
     w64 = w.double()
     n = w64.shape[-1]
     num_blocks = -(-n // BLOCK)
-    padding = torch.zeros(*w64.shape[:-1], num_blocks * BLOCK - n, dtype=torch.float64)
+    padding = w64.new_zeros(*w64.shape[:-1], num_blocks * BLOCK - n)
     blocks = torch.cat([w64, padding], dim=-1).reshape(*w64.shape[:-1], num_blocks, BLOCK)
 
     amax = blocks.abs().amax(dim=-1)  # NaN propagates
@@ -248,7 +248,7 @@ def p_fake_quant_f16(w: Tensor) -> Tensor:
     a block with a NaN comes back all NaN."""
     codes, scales = p_quantize_blocks_f16(w)
     n = codes.shape[-1]
-    magnitudes = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float64)[(codes & 7).long()]
+    magnitudes = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float64, device=codes.device)[(codes & 7).long()]
     values = torch.where(codes >= 8, -magnitudes, magnitudes)
     return values * scales.double().repeat_interleave(BLOCK, dim=-1)[..., :n]
 
