@@ -134,23 +134,24 @@ def varlen_section(d):
              "bf16) on the same packed tensors, in one process; D = 128, bf16. \"unaligned\": sequences whose length is "
              "not a multiple of 16 (K and V then go through the padded copy). The mixes do other attention work than "
              "the dense batch (their longest sequence is 4096: 1.25x the dense batch's FLOPs), so compare their "
-             "TFLOP/s. n/a: the kernel refused the call (torch 2.11's varlen_attn has no grouped KV heads); the "
+             "TFLOP/s (\"per FLOP\": the dense batch's TFLOP/s over the packed call's). n/a: the kernel refused the call (torch 2.11's varlen_attn has no grouped KV heads); the "
              "nested-tensor cuDNN path (150-180 ms, not a kernel's time) is in the JSON only. Cells: ms / TFLOP/s.\n",
              "| shape | lengths | Hq / Hkv | causal | unaligned | varlen fwd+bwd | varlen fwd | dense fwd+bwd | "
-             "varlen / dense | torch varlen_attn (FA) fwd+bwd | varlen / FA |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "varlen / dense | varlen / dense per FLOP | torch varlen_attn (FA) fwd+bwd | varlen / FA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in d["shapes"]:
         r, dims = s["results"], s["dims"]
         dense = next(k for k in r if k.startswith("attn_qat dense"))
         cell = lambda k: (f"{fmt(r[k]['ms'], '.3f')} / {fmt(r[k]['TFLOP/s'], '.0f')}" if k in r and r[k].get("ms")
                           else "n/a")
         ratio = next(iter(s["ratios"].values()))
+        per_flop = r[dense]["TFLOP/s"] / r["attn_qat varlen fwd+bwd"]["TFLOP/s"]  # time ratio over the FLOP ratio
         fa_ratio = s["ratios"].get("varlen / torch varlen_attn (FA)")
         lengths = dims["lengths"]
         shown = f"{len(lengths)} x {lengths[0]}" if len(set(lengths)) == 1 else "+".join(map(str, lengths))
         lines.append(f"| {s['shape']} | {shown} | {dims['Hq']} / {dims['Hkv']} | {dims['causal']} | {dims['unaligned']} | "
                      f"{cell('attn_qat varlen fwd+bwd')} | {cell('attn_qat varlen fwd (training)')} | {cell(dense)} | "
-                     f"{fmt(ratio, '.2f')}x | {cell(fa)} | "
+                     f"{fmt(ratio, '.2f')}x | {per_flop:.2f}x | {cell(fa)} | "
                      f"{fmt(fa_ratio, '.2f') + 'x' if fa_ratio is not None else 'n/a'} |")
     return "\n".join(lines) + "\n"
 
