@@ -39,8 +39,9 @@ MODES = ("attn_qat", "high_precision_p", "low_precision_o", "drop_in", "bf16")
 # Naive implementation
 # ==============================================================================================
 
-def round_f32(value: Fraction) -> float:
-    """Exact rational -> nearest fp32 value (ties to even); finite, no overflow."""
+def round_float(value: Fraction, mantissa_bits: int, min_exponent: int) -> float:
+    """Exact rational -> nearest binary float with that many stored significand bits, subnormals below
+    2^min_exponent (ties to even); finite, no overflow."""
     if value == 0:
         return 0.0
     magnitude = abs(value)
@@ -49,24 +50,17 @@ def round_f32(value: Fraction) -> float:
         exponent -= 1
     while Fraction(2) ** (exponent + 1) <= magnitude:
         exponent += 1
-    ulp = Fraction(2) ** (max(exponent, -126) - 23)  # 24-bit significand, subnormals below 2^-126
+    ulp = Fraction(2) ** (max(exponent, min_exponent) - mantissa_bits)
     rounded = float(round(magnitude / ulp) * ulp)  # round() on a Fraction is half-to-even
     return rounded if value > 0 else -rounded
 
 
+def round_f32(value: Fraction) -> float:
+    return round_float(value, 23, -126)
+
+
 def round_f16(value: Fraction) -> float:
-    """Exact rational -> nearest fp16 value (ties to even, subnormals below 2^-14); finite, no overflow."""
-    if value == 0:
-        return 0.0
-    magnitude = abs(value)
-    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
-    while Fraction(2) ** exponent > magnitude:
-        exponent -= 1
-    while Fraction(2) ** (exponent + 1) <= magnitude:
-        exponent += 1
-    ulp = Fraction(2) ** (max(exponent, -14) - 10)  # 11-bit significand, subnormals below 2^-14
-    rounded = float(round(magnitude / ulp) * ulp)
-    return rounded if value > 0 else -rounded
+    return round_float(value, 10, -14)
 
 
 def _e4m3_table() -> list[float]:
