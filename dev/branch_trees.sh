@@ -14,12 +14,10 @@ repo=$PWD
 jobs=$(($(nproc) / ($# + 1)))
 [ "$jobs" -ge 1 ] || jobs=1
 build() { # DIR NAME
-    (cd "$1" && ATTN_QAT_CUDA=1 MAX_JOBS=$jobs python3 setup.py build_ext --inplace >"$OUT/build_$2.log" 2>&1)
+    bash "$repo/dev/build_cuda.sh" "$1" "$OUT/build_$2.log" "$jobs" >/dev/null
 }
 pids=() names=()
-if ! python3 -c "import attn_qat, sys; sys.exit(0 if attn_qat._C.with_cuda else 1)" 2>/dev/null; then
-    build "$repo" main & pids+=($!) names+=(main)
-fi
+build "$repo" main & pids+=($!) names+=(main)
 status=0
 for patch in "$@"; do
     name=$(basename "$patch" .patch)

@@ -28,16 +28,7 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
 build() {
-    if python3 -c "import attn_qat, sys; sys.exit(0 if attn_qat._C.with_cuda else 1)" 2>/dev/null; then
-        echo "attn_qat/_C loads with the CUDA kernels: no build"
-    else
-        start=$(date +%s)
-        ATTN_QAT_CUDA=1 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || {
-            tail -50 "$OUT/build.log"
-            exit 1
-        }
-        echo "built attn_qat/_C in $(($(date +%s) - start)) s"
-    fi
+    bash dev/build_cuda.sh || exit 1
 }
 
 step=${1:-}

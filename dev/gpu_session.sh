@@ -9,10 +9,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])" | tee -a "$OUT/gpu.txt"
-if ! python3 -c "import attn_qat, sys; sys.exit(0 if attn_qat._C.with_cuda else 1)" 2>>"$OUT/gpu.txt"; then
-    echo "carried build does not load (or has no CUDA kernels): building here" | tee -a "$OUT/gpu.txt"
-    ATTN_QAT_CUDA=1 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-fi
+bash dev/build_cuda.sh | tee -a "$OUT/gpu.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
 status=0
 for part in "$@"; do
     case "$part" in

@@ -45,11 +45,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import diffusers; print('diffusers', diffusers.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 
-if ! python3 -c "import attn_qat, sys; sys.exit(0 if attn_qat._C.with_cuda else 1)" 2>>"$OUT/gpu.txt"; then
-    elapsed "attn_qat/_C does not load (or has no CUDA kernels): building"
-    ATTN_QAT_CUDA=1 MAX_JOBS=32 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
-        || { tail -50 "$OUT/build.log"; exit 1; }
-fi
+bash dev/build_cuda.sh || exit 1
 elapsed "extension ready"
 
 status=0
