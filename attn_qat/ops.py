@@ -40,7 +40,8 @@ def _delta_from_out_prime(mode: int) -> bool:
 
 # csrc/binding/attn_qat.h's aq_tail_split_mode
 _TAIL_AUTO, _TAIL_OFF, _TAIL_FORCED = 0, 1, 2
-# kernel_options' work_order: packed calls' items longest first (the tables of attn_qat/varlen.py), or index order
+# kernel_options' work_order: packed calls' items longest first without a causal limit (attn_qat/varlen.py), or index
+# order
 WORK_ORDERS = ("lpt", "index")
 
 
@@ -54,7 +55,8 @@ class kernel_options:
     0-3 (bit 0: the last CTA of a sequence's chunks merges them, else a combine kernel; bit 1: early start), or
     "auto" (3); decode_chunk: the keys a decode CTA takes, a multiple of 64 up to 4096, or "auto" (planned): both
     for A/B runs and tests. work_order: "lpt" (the default) hands packed calls' work items to the Hopper kernels
-    longest first where there is no causal limit (attn_qat/varlen.py's tables), "index" in index order as dense calls (A/B runs: bench_varlen.py
+    longest first where there is no causal limit (attn_qat/varlen.py's tables), "index" in index order as dense
+    calls (A/B runs: bench_varlen.py
     --orders); the outputs are the same either way. None leaves an option as it is.
 
     The call sets the options at once; as a context manager it restores, on exit, the ones in force before it. With

@@ -180,7 +180,7 @@ class _Plan:
         # after another and the last heads' land in the last wave; longest first (LPT) ends the grid on short items.
         self._q_span_host, self._total_q, self._device = q_span, cu_q[-1], device
         self._causal = alignment is not None
-        self._dkdv_work = _tile_work(k_span, cu_q[-1], DKDV_KEYS, DKDV_Q_STEP)
+        self._dkdv_work = None if alignment is not None else _tile_work(k_span, cu_q[-1], DKDV_KEYS, DKDV_Q_STEP)
         self._orders = {}
         # the padded layout's row of each original key row, and its padding rows
         self.k_rows = self.pad_rows = None
@@ -195,7 +195,7 @@ class _Plan:
         """(forward order, dK/dV order) for the ops (csrc/binding/attn_qat.h's work_order), each None where every
         item has the same work, and both None under a causal limit. Cached per (heads, tiles)."""
         key = (heads_q, heads_kv, fwd_tiles)
-        if self._causal:  # LPT lost there on the H100: fwd+bwd +8% (+5.5% with grouped KV heads), performance.md
+        if self._causal:  # LPT lost there on the H100: fwd+bwd +8% (+5.8% with grouped KV heads), performance.md
             return None, None
         if key not in self._orders:
             fwd_work = _tile_work(self._q_span_host, self.total_k, *fwd_tiles)

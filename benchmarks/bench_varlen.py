@@ -16,7 +16,7 @@ cached plan), timed apart with the GPU idle.
 
 --orders adds attn_qat varlen rows for each work order (the work_order kernel option: "lpt", packed items longest
 first, the default, or "index", the dense calls' order), in the order given (repeat names for more rounds), for
-A/B runs in one process; both give the same bits.
+A/B runs in one process; both give the same bits. Causal packings have no table, so both rows run index order there.
 """
 import os
 import sys

@@ -14,26 +14,28 @@ repo=$PWD
 jobs=$(($(nproc) / ($# + 1)))
 [ "$jobs" -ge 1 ] || jobs=1
 build() { # DIR NAME
-    bash "$repo/dev/build_cuda.sh" "$1" "$OUT/build_$2.log" "$jobs" >/dev/null
+    bash "$repo/dev/build_cuda.sh" "$1" "$OUT/build_$2.log" "$jobs" | tail -1
 }
-pids=() names=()
-build "$repo" main & pids+=($!) names+=(main)
-status=0
+status=0 trees=("$repo") names=(main)
 for patch in "$@"; do
     name=$(basename "$patch" .patch)
     rm -rf "/tmp/$name" && mkdir "/tmp/$name"
-    # the tree without build outputs or carried extras (dot folders at the top)
+    # the tree without build outputs or carried extras (dot folders at the top), copied before any build starts
     tar cf - --exclude=./build --exclude='./.[a-z]*' --exclude='*.so' . | tar xf - -C "/tmp/$name"
     if ! (cd "/tmp/$name" && patch -p1 -s --no-backup-if-mismatch <"$repo/$patch"); then
         echo "$name: the patch does not apply" >&2
         status=1
         continue
     fi
-    build "/tmp/$name" "$name" & pids+=($!) names+=("$name")
+    trees+=("/tmp/$name") names+=("$name")
+done
+pids=()
+for i in "${!trees[@]}"; do
+    build "${trees[$i]}" "${names[$i]}" & pids+=($!)
 done
 for i in "${!pids[@]}"; do
     if wait "${pids[$i]}"; then
-        echo "${names[$i]}: built"
+        echo "${names[$i]}: ready"
     else
         echo "${names[$i]}: build failed, see $OUT/build_${names[$i]}.log" >&2
         status=1

@@ -28,7 +28,7 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
 build() {
-    bash dev/build_cuda.sh || exit 1
+    bash dev/build_cuda.sh . "$OUT/build.log" || exit 1
 }
 
 step=${1:-}

@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])" | tee -a "$OUT/gpu.txt"
-bash dev/build_cuda.sh | tee -a "$OUT/gpu.txt"
+bash dev/build_cuda.sh . "$OUT/build.log" | tee -a "$OUT/gpu.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
 status=0
 for part in "$@"; do

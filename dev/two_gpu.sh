@@ -45,7 +45,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import diffusers; print('diffusers', diffusers.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 
-bash dev/build_cuda.sh || exit 1
+bash dev/build_cuda.sh . "$OUT/build.log" || exit 1
 elapsed "extension ready"
 
 status=0
