@@ -45,21 +45,16 @@ def quantized_attention(module, query, key, value, attention_mask, scaling=None,
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
 
 
-def fake_quant_attention(q, k, v, parts, scaling=None):
+def fake_quant_attention(q, k, v, parts, scaling=None, q_block=None):
     """Causal attention, (B, H, N, D) float32, of float32 q (B, H, N, D) and k, v (B, H_kv, N, D), with the operands
-    named in `parts` ("q", "k", "v", "p") fake-quantized as numerics.md §1-§3 say."""
+    named in `parts` ("q", "k", "v", "p") fake-quantized as numerics.md §1-§3 say; q_block: fake_quant_scores'."""
     n, d = q.shape[2], q.shape[3]
     group = q.shape[1] // k.shape[1]
-    if "q" in parts:
-        q = reference.fake_quantize(q, -1).float()
-    if "k" in parts:
-        k = reference.fake_quantize(k, -1).float()
     if "v" in parts:
         v = reference.fake_quantize(v, -1).float()
-    k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
-    t = torch.matmul(q, k.transpose(-1, -2)) * (scale * math.log2(math.e))
+    t = fake_quant_scores(q, k, parts, q_block) * (scale * math.log2(math.e))
     hidden = torch.ones(n, n, dtype=torch.bool, device=t.device).triu(1)
     t = t.masked_fill(hidden, -math.inf)
     frame = torch.ceil(t.amax(-1, keepdim=True))
@@ -70,6 +65,28 @@ def fake_quant_attention(q, k, v, parts, scaling=None):
         wp = F.pad(w, (0, pad)) if pad else w
         w = reference.fake_quantize(wp, -1)[..., :n].float()
     return torch.matmul(w, v) / l
+
+
+def fake_quant_scores(q, k, parts, q_block=None):
+    """The unscaled scores q kᵀ (B, H, N, N) of q (B, H, N, D) and k (B, H_kv, N, D), with "q" and "k" of `parts`
+    fake-quantized along head_dim.
+
+    q_block: Q smoothing as in SageAttention2. Per block of q_block consecutive query rows of one head, q̄ = the
+    block's mean query (per channel); the scores become fq(q - q̄) fq(k)ᵀ + q̄ fq(k)ᵀ, the second term in q's
+    precision with q̄ unquantized: exact when nothing is quantized, and one extra row of scores per block."""
+    n, group = q.shape[2], q.shape[1] // k.shape[1]
+    if q_block is not None:
+        q_mean = torch.stack([b.mean(2) for b in q.split(q_block, dim=2)], 2)  # (B, H, ceil(N / q_block), D)
+        q = q - q_mean.repeat_interleave(q_block, dim=2)[:, :, :n]
+    if "q" in parts:
+        q = reference.fake_quantize(q, -1).float()
+    if "k" in parts:
+        k = reference.fake_quantize(k, -1).float()
+    k = k.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2))
+    if q_block is not None:  # + q̄ kᵀ, one row per block shared by its queries
+        s = s + torch.matmul(q_mean, k.transpose(-1, -2)).repeat_interleave(q_block, dim=2)[:, :, :n]
+    return s
 
 
 def query_dim(model):

@@ -8,6 +8,9 @@ SmolLM2, with Q and K passed through candidate transforms that keep every score 
 - the K shift of numerics.md §9 (softmax cancels q.mu), taken in the balanced frame (mean of k / s = mu / s);
 - an orthogonal R on both (q.k = (qR).(kR)): §9's random-sign Hadamard, other sign seeds, a random orthogonal
   matrix (QR of a Gaussian), one per (layer, KV head), or a channel permutation (also orthogonal).
+- Q smoothing (SageAttention2) after the transform: per block of B consecutive query rows (B = 128, the Hopper
+  kernel's query tile, or 64), the block's mean query q̄ is taken out before Q's rounding and q̄ fq(k)ᵀ added back
+  unquantized (fp4_error_budget.fake_quant_scores).
 
 Order: balance, shift, rotate. Every candidate runs in one process against "none" and the baseline "rotation + K
 shift" on the same windows; the table gives each gap vs bf16 and each candidate's difference from the baseline,
@@ -35,10 +38,12 @@ STATE = {"parts": frozenset(), "transform": None, "collect": None}
 
 class Transform:
     """Per layer: scale (H_kv, D) or None, shift (H_kv, D) in the scaled frame or None, rotation (D, D) or
-    (H_kv, D, D) or None. Q' = (Q * s) R, K' = (K / s - shift) R."""
+    (H_kv, D, D) or None. Q' = (Q * s) R, K' = (K / s - shift) R. q_block: Q smoothing after the transform
+    (fp4_error_budget.fake_quant_attention's q_block: the block's mean query is taken out before Q's rounding and
+    its scores added back unquantized), or None."""
 
-    def __init__(self, scale=None, shift=None, rotation=None):
-        self.scale, self.shift, self.rotation = scale, shift, rotation
+    def __init__(self, scale=None, shift=None, rotation=None, q_block=None):
+        self.scale, self.shift, self.rotation, self.q_block = scale, shift, rotation, q_block
 
     def __call__(self, layer, q, k):
         group = q.shape[1] // k.shape[1]
@@ -70,7 +75,7 @@ def quantized_attention(module, query, key, value, attention_mask, scaling=None,
         c["qmax"] = torch.maximum(c["qmax"], q.abs().amax(dim=(0, 2)).cpu())
     if STATE["transform"] is not None:
         q, k = STATE["transform"](layer, q, k)
-    out = budget.fake_quant_attention(q, k, v, parts, scaling)
+    out = budget.fake_quant_attention(q, k, v, parts, scaling, q_block=getattr(STATE["transform"], "q_block", None))
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
 
 
@@ -190,6 +195,10 @@ def main():
     }
     for a in alphas:
         candidates[f"balance a={a} + shift + rotation"] = Transform(bal[a], scaled_shift(mu, bal[a]), hadamard)
+        for b in (128, 64):  # SageAttention2's Q smoothing per query tile (128: the Hopper kernel's)
+            candidates[f"balance a={a} + shift + rotation + Q smoothing (B={b})"] = Transform(
+                bal[a], scaled_shift(mu, bal[a]), hadamard, q_block=b)
+    candidates["rotation + K shift + Q smoothing (B=128)"] = Transform(shift=mu, rotation=hadamard, q_block=128)
     candidates["balance a=0.5 (shifted-K max) + shift + rotation"] = Transform(
         bal_shifted, scaled_shift(mu, bal_shifted), hadamard)
     candidates["balance a=0.5 + shift + sorted channels"] = Transform(
