@@ -178,9 +178,9 @@ class _Plan:
         self.k_span = k_span.to(torch.int32).contiguous().to(device)
         # Work per tile for the kernels' orders: with head-major index order each head's longest tiles start one head
         # after another and the last heads' land in the last wave; longest first (LPT) ends the grid on short items.
-        self._q_span_host, self._total_q, self._device = q_span, cu_q[-1], device
         self._causal = alignment is not None
-        self._dkdv_work = None if alignment is not None else _tile_work(k_span, cu_q[-1], DKDV_KEYS, DKDV_Q_STEP)
+        self._q_span_host, self._device = q_span, device
+        self._dkdv_work = None if self._causal else _tile_work(k_span, cu_q[-1], DKDV_KEYS, DKDV_Q_STEP)
         self._orders = {}
         # the padded layout's row of each original key row, and its padding rows
         self.k_rows = self.pad_rows = None
@@ -194,9 +194,9 @@ class _Plan:
     def orders(self, heads_q: int, heads_kv: int, fwd_tiles: Tuple[int, int]):
         """(forward order, dK/dV order) for the ops (csrc/binding/attn_qat.h's work_order), each None where every
         item has the same work, and both None under a causal limit. Cached per (heads, tiles)."""
-        key = (heads_q, heads_kv, fwd_tiles)
-        if self._causal:  # LPT lost there on the H100: fwd+bwd +8% (+5.8% with grouped KV heads), performance.md
+        if self._causal:  # longest first was slower than index order there on the H100 (performance.md)
             return None, None
+        key = (heads_q, heads_kv, fwd_tiles)
         if key not in self._orders:
             fwd_work = _tile_work(self._q_span_host, self.total_k, *fwd_tiles)
             self._orders[key] = (_lpt_order(fwd_work, heads_q, self._device),

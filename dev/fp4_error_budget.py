@@ -105,6 +105,23 @@ def heldout_loss(model, stream, starts, batch, seq_len, device):
     return torch.cat(losses).double().cpu()
 
 
+def load_experiment(args, name, attention):
+    """The pretrained model (args.gguf on args.device, `attention` registered as the attention implementation
+    `name`, not yet selected), the training token stream, and a function returning the held-out losses per window
+    (args.windows windows of args.seq_len tokens, evenly spaced over the held-out files)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, attention)
+    model, tokenizer = lm.load_gguf_model(args.gguf, lm.GGUF_SHA256, torch.bfloat16, args.device)
+    model.eval()
+    root = lm.stdlib_root()
+    train_files, heldout_files = lm.corpus_files(root)
+    heldout, _ = lm.tokenize_files(tokenizer, root, heldout_files)
+    train, _ = lm.tokenize_files(tokenizer, root, train_files)
+    starts = lm.evenly_spaced(len(heldout), args.windows, args.seq_len + 1)
+    return model, train, lambda: heldout_loss(model, heldout, starts, args.batch, args.seq_len, args.device)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", required=True)
@@ -115,17 +132,7 @@ def main():
     parser.add_argument("--out", default=None, help="JSON of the results")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, quantized_attention)
-    model, tokenizer = lm.load_gguf_model(args.gguf, lm.GGUF_SHA256, torch.bfloat16, args.device)
-    model.eval()
-    root = lm.stdlib_root()
-    train_files, heldout_files = lm.corpus_files(root)
-    heldout, _ = lm.tokenize_files(tokenizer, root, heldout_files)
-    train, _ = lm.tokenize_files(tokenizer, root, train_files)
-    starts = lm.evenly_spaced(len(heldout), args.windows, args.seq_len + 1)
-    run = lambda: heldout_loss(model, heldout, starts, args.batch, args.seq_len, args.device)  # noqa: E731
+    model, train, run = load_experiment(args, NAME, quantized_attention)
 
     results = {}
     original = model.config._attn_implementation

@@ -156,18 +156,8 @@ def main():
                         "and the baseline (default: all)")
     parser.add_argument("--out", default=None, help="JSON of the per-window losses and the table")
     args = parser.parse_args()
-    from transformers import AttentionInterface
-
     t0 = time.time()
-    AttentionInterface.register(NAME, quantized_attention)
-    model, tokenizer = lm.load_gguf_model(args.gguf, lm.GGUF_SHA256, torch.bfloat16, args.device)
-    model.eval()
-    root = lm.stdlib_root()
-    train_files, heldout_files = lm.corpus_files(root)
-    heldout, _ = lm.tokenize_files(tokenizer, root, heldout_files)
-    train, _ = lm.tokenize_files(tokenizer, root, train_files)
-    starts = lm.evenly_spaced(len(heldout), args.windows, args.seq_len + 1)
-    run = lambda: budget.heldout_loss(model, heldout, starts, args.batch, args.seq_len, args.device)  # noqa: E731
+    model, train, run = budget.load_experiment(args, NAME, quantized_attention)
     print(f"load + tokenize {time.time() - t0:.0f} s", flush=True)
 
     results = {}
