@@ -8,6 +8,13 @@ steps, the same batches in the same order and the same learning-rate schedule; t
                       attn_qat in that mode (docs/numerics.md §5), evaluated with FP4 attention
     attn_qat_qk       attn_qat with Q and K rotated and K shifted before quantization (numerics.md §9; the K shift
                       calibrated on the pretrained model before fine-tuning, task.calibrate)
+    attn_qat_qk_distill
+                      attn_qat_qk trained to match a bf16 teacher instead of the data: the teacher is the bf16 arm
+                      itself, fine-tuned in lockstep on the same batches (same seed, schedule and optimizer), and
+                      each step the student's loss is task.distillation_loss against the teacher's output on that
+                      batch before the teacher's update (the LM: KL(teacher || student) of the next-token
+                      distributions; Wan: the MSE to the teacher's velocity). Its curve's train_loss is the
+                      student's loss on the data, as every arm's; the teacher's final held-out loss is in the payload.
 
 Evaluations without training (post-training quantization, PTQ):
 
@@ -49,10 +56,13 @@ import attn_qat
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import smooth  # noqa: E402
 
-ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o", "attn_qat_qk")
+ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o", "attn_qat_qk", "attn_qat_qk_distill")
 FP4_ARMS = ARMS[1:]
 # What each arm sets in its QATConfig (every other arm: mode=arm).
-ARM_SETTINGS = {"attn_qat_qk": dict(mode="attn_qat", rotate_qk=True, shift_k=True)}
+ARM_SETTINGS = {"attn_qat_qk": dict(mode="attn_qat", rotate_qk=True, shift_k=True),
+                "attn_qat_qk_distill": dict(mode="attn_qat", rotate_qk=True, shift_k=True)}
+# Arms that learn from a bf16 teacher fine-tuned in lockstep rather than from the data alone.
+DISTILLED_ARMS = frozenset({"attn_qat_qk_distill"})
 # Entries of a report, in table order. "base" and "base_ptq*" have no seed (stored as seed "base").
 ENTRIES = ("base", "base_ptq", "base_ptq_qk", "bf16", "ptq", "ptq_qk") + FP4_ARMS
 BASE_ENTRIES = ("base", "base_ptq", "base_ptq_qk")
@@ -70,6 +80,7 @@ DESCRIPTIONS = {
     "high_precision_p": "QAT, dV from the unquantized P (breaks principle 1)",
     "low_precision_o": "QAT, D = dO·O (breaks principle 2)",
     "attn_qat_qk": "Attn-QAT fine-tune, Q/K rotated and K shifted (numerics.md §9)",
+    "attn_qat_qk_distill": "attn_qat_qk distilled from the bf16 fine-tune, trained in lockstep",
 }
 CURVE_FIELDS = ("step", "train_loss", "grad_norm", "lr", "val_loss", "val_loss_fp4", "elapsed_s")
 BASE_SEED = "base"
@@ -210,10 +221,11 @@ class Deadline:
         return self.limit is None or self.elapsed() + 1.25 * self.longest <= self.limit
 
 
-def train(task, model, arm, seed, args, log, generator=None, weight_decay=None):
+def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, teacher=None):
     """Fine-tunes `model` (prepared for `arm`) in place for args.steps steps (schedule: args.lr, args.warmup_steps;
     evaluations every args.eval_every); returns the curve rows (CURVE_FIELDS). Batches come from `generator`
-    (default: task.batch_generator(seed)).
+    (default: task.batch_generator(seed)). With a `teacher` (a bf16 model), the teacher takes the bf16 arm's step on
+    each batch and `model` learns from the teacher's output on it (task.distillation_loss) instead of the data.
 
     The gradient norm and loss stay on the device until an evaluation, so the host does not wait for the device at
     every step. At each evaluation the held-out curve subset is evaluated; the bf16 arm also evaluates it with FP4
@@ -221,6 +233,9 @@ def train(task, model, arm, seed, args, log, generator=None, weight_decay=None):
     """
     weight_decay = task.weight_decay if weight_decay is None else weight_decay
     optimizer = MasterWeightAdamW(model.parameters(), lr=args.lr, weight_decay=weight_decay)
+    if teacher is not None:
+        teacher_optimizer = MasterWeightAdamW(teacher.parameters(), lr=args.lr, weight_decay=weight_decay)
+        teacher.train()
     generator = task.batch_generator(seed) if generator is None else generator
     rows, pending = [], []
     sync = (lambda: torch.cuda.synchronize(model_device(model))) if task.device.type == "cuda" else (lambda: None)
@@ -230,11 +245,26 @@ def train(task, model, arm, seed, args, log, generator=None, weight_decay=None):
     for step in range(1, args.steps + 1):
         batch = task.train_batch(generator)
         lr = lr_at(step, args.steps, args.warmup_steps, args.lr)
-        with task.autocast():
-            loss = task.loss(model, batch)
-        loss.backward()
+        if teacher is None:
+            with task.autocast():
+                loss = task.loss(model, batch)
+            loss.backward()
+            data_loss = loss.detach()
+        else:
+            with task.autocast():
+                target = task.output(teacher, batch)
+                teacher_loss = task.loss_from_output(target, batch)
+            teacher_loss.backward()
+            teacher_optimizer.step(lr)
+            with task.autocast():
+                output = task.output(model, batch)
+                loss = task.distillation_loss(output, target.detach())
+            loss.backward()
+            with torch.no_grad():
+                data_loss = task.loss_from_output(output.detach(), batch)
+            del target, output
         norm = optimizer.step(lr)
-        pending.append((step, loss.detach(), norm, lr))
+        pending.append((step, data_loss, norm, lr))
         if step % args.eval_every == 0 or step == args.steps:
             values = torch.stack([torch.stack((l.float(), n.float())) for _, l, n, _ in pending]).tolist()
             for (s, _, _, r), (l, n) in zip(pending, values):
@@ -268,8 +298,12 @@ def finetune(task, arm, seed, args, log):
     else:
         # strict: an attention call attn_qat cannot take raises instead of quietly running bf16 SDPA.
         prepare_arm(task, model, arm)
+    teacher = None
+    if arm in DISTILLED_ARMS:
+        teacher = task.fresh_model()
+        attn_qat.disable(attn_qat.convert(attn_qat.prepare(teacher, task.qat_config("bf16"))))
     t0 = time.perf_counter()
-    rows = train(task, model, arm, seed, args, log)
+    rows = train(task, model, arm, seed, args, log, teacher=teacher)
     train_s = time.perf_counter() - t0
     payloads = {}
     if arm == "bf16":
@@ -278,6 +312,11 @@ def finetune(task, arm, seed, args, log):
     else:
         attn_qat.convert(model)  # the inference forward (numerics.md §3), as a deployed model runs it
         payloads[arm] = task.evaluate(model, fp4=True, entry=arm, seed=seed)
+    if teacher is not None:
+        teacher.eval()
+        # the bf16 arm of this seed again, up to the GPU's nondeterminism: the report can compare the two
+        payloads[arm]["teacher_loss"] = float(task.heldout_losses(teacher).mean())
+        del teacher
     for payload in payloads.values():
         payload.update(train_s=train_s, steps=args.steps, tokens_per_step=task.tokens_per_step)
     del model

@@ -15,8 +15,9 @@ installed packages' Python sources to the training text (never a copy of a held-
 repeat the standard library. summary.json records hashes of both file lists
 and of the held-out tokens, so runs on different Pythons can be told apart.
 
-The protocol (examples/finetune_common.py): arms bf16, attn_qat, drop_in, high_precision_p, low_precision_o, all
-fine-tuned from the same weights with the same steps, batches and schedule; base / base_ptq / ptq are the
+The protocol (examples/finetune_common.py): arms bf16, attn_qat, drop_in, high_precision_p, low_precision_o,
+attn_qat_qk (the Q/K transforms of numerics.md §9) and attn_qat_qk_distill (the same, distilled from the bf16 arm
+trained in lockstep), all fine-tuned from the same weights with the same steps, batches and schedule; base / base_ptq / ptq are the
 pretrained and the bf16 fine-tuned models evaluated with FP4 attention, untrained. Reported per entry: held-out
 loss (nats per token) with paired bootstrap intervals, the gap to bf16, the fraction of the PTQ gap recovered,
 (PTQ - arm) / (PTQ - bf16), gradient-norm curves, and greedy-generation agreement with the bf16 fine-tune of the
@@ -449,9 +450,21 @@ class LMTask:
         starts = torch.randint(0, len(self.train_stream) - args.seq_len - 1, (args.batch_size,), generator=generator)
         return gather_windows(self.train_stream, starts, args.seq_len + 1).to(self.device, non_blocking=True)
 
-    def loss(self, model, windows):
-        logits = model(input_ids=windows[:, :-1], use_cache=False).logits
+    def output(self, model, windows):
+        return model(input_ids=windows[:, :-1], use_cache=False).logits
+
+    def loss_from_output(self, logits, windows):
         return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
+
+    def loss(self, model, windows):
+        return self.loss_from_output(self.output(model, windows), windows)
+
+    @staticmethod
+    def distillation_loss(logits, teacher_logits):
+        """KL(teacher || student) of the next-token distributions, a mean over tokens (nats)."""
+        student = F.log_softmax(logits.float().flatten(0, 1), dim=-1)
+        teacher = F.log_softmax(teacher_logits.float().flatten(0, 1), dim=-1)
+        return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
 
     @torch.no_grad()
     def window_losses(self, model, starts):
@@ -463,6 +476,9 @@ class LMTask:
                 logits = model(input_ids=windows[:, :-1], use_cache=False).logits
             out.append(F.cross_entropy(logits.float().transpose(1, 2), windows[:, 1:], reduction="none").mean(1))
         return torch.cat(out).double().cpu()
+
+    def heldout_losses(self, model):
+        return self.window_losses(model, self.eval_starts)
 
     def curve_loss(self, model):
         was_training = model.training
@@ -476,7 +492,7 @@ class LMTask:
     @torch.no_grad()
     def evaluate(self, model, fp4, entry, seed):
         """The payload of one entry: per-window held-out losses, greedy generations, and for FP4 the real path."""
-        losses = self.window_losses(model, self.eval_starts)
+        losses = self.heldout_losses(model)
         with self.autocast():
             tokens, logits = greedy(model, self.prompts, self.args.new_tokens)
         payload = {"numerics": "fp4" if fp4 else "bf16", "item_losses": losses.tolist(), "loss": float(losses.mean()),

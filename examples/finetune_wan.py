@@ -5,7 +5,7 @@ The model and data are examples/train_wan.py's: diffusers' WanTransformer3DModel
 their parameters, trained by rectified flow matching (predict v = noise - x0). It is pretrained once with bf16
 attention (PyTorch SDPA) and its weights are kept in a checkpoint (--pretrained); every arm is then fine-tuned from
 it with the protocol of examples/finetune_common.py (the one finetune_lm.py follows): arms bf16, attn_qat, drop_in,
-high_precision_p, low_precision_o with the same steps, batches and schedule; base / base_ptq / ptq are the
+high_precision_p, low_precision_o, attn_qat_qk and attn_qat_qk_distill with the same steps, batches and schedule; base / base_ptq / ptq are the
 pretrained and the bf16 fine-tuned models evaluated with FP4 attention, untrained.
 
 Held-out set: a fixed set of videos with their noise (its own seed, the same for every arm and seed), each video's
@@ -281,13 +281,31 @@ class WanTask:
     def velocity(self, model, x_t, t, captions):
         return model(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=captions).sample
 
-    def per_video_loss(self, model, videos, noise, t, captions):
+    def output(self, model, batch):
+        """The predicted velocity at the batch's noised videos."""
+        videos, noise, t, captions = batch
         tb = t.view(-1, 1, 1, 1, 1)
-        pred = self.velocity(model, (1 - tb) * videos + tb * noise, t, captions)
+        return self.velocity(model, (1 - tb) * videos + tb * noise, t, captions)
+
+    @staticmethod
+    def per_video_loss_from_output(pred, batch):
+        videos, noise = batch[:2]
         return (pred.float() - (noise - videos)).square().mean(dim=(1, 2, 3, 4))
+
+    def per_video_loss(self, model, videos, noise, t, captions):
+        batch = (videos, noise, t, captions)
+        return self.per_video_loss_from_output(self.output(model, batch), batch)
+
+    def loss_from_output(self, pred, batch):
+        return self.per_video_loss_from_output(pred, batch).mean()
 
     def loss(self, model, batch):
         return self.per_video_loss(model, *batch).mean()
+
+    @staticmethod
+    def distillation_loss(pred, teacher_pred):
+        """The MSE between the student's and the teacher's velocities."""
+        return (pred.float() - teacher_pred.float()).square().mean()
 
     @torch.no_grad()
     def video_losses(self, model, count=None):
@@ -304,6 +322,9 @@ class WanTask:
                                                  captions)
             out.append(total / len(self.args.val_times))
         return torch.cat(out).double().cpu()
+
+    def heldout_losses(self, model):
+        return self.video_losses(model)
 
     def curve_loss(self, model):
         was_training = model.training
