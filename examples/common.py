@@ -286,9 +286,17 @@ def plot(results, out, loss_label, title):
 
 
 def git_commit():
+    """ATTN_QAT_COMMIT wins (the GPU machine gets a copy of the working tree without this .git), else git."""
+    commit = os.environ.get("ATTN_QAT_COMMIT")
+    if commit:
+        return commit
+    here = pathlib.Path(__file__).resolve().parent
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=pathlib.Path(__file__).resolve().parent).stdout.strip()
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, text=True,
+                                        stderr=subprocess.DEVNULL).strip()
+        return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return None
 

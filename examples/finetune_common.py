@@ -45,7 +45,6 @@ import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -54,7 +53,7 @@ import torch
 import attn_qat
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import smooth  # noqa: E402
+from common import git_commit, smooth  # noqa: E402
 
 ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o", "attn_qat_qk", "attn_qat_qk_distill")
 FP4_ARMS = ARMS[1:]
@@ -562,22 +561,6 @@ def grad_norm_stats(curves, arm):
 
 
 # ------------------------------------------------------------------------------------------ report
-
-def git_commit():
-    """ATTN_QAT_COMMIT wins (the GPU machine gets a copy of the working tree without this .git), else git."""
-    commit = os.environ.get("ATTN_QAT_COMMIT")
-    if commit:
-        return commit
-    here = pathlib.Path(__file__).resolve().parent
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, text=True,
-                                        stderr=subprocess.DEVNULL).strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
 
 def environment(device):
     device = torch.device(device)

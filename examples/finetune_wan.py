@@ -5,8 +5,8 @@ The model and data are examples/train_wan.py's: diffusers' WanTransformer3DModel
 their parameters, trained by rectified flow matching (predict v = noise - x0). It is pretrained once with bf16
 attention (PyTorch SDPA) and its weights are kept in a checkpoint (--pretrained); every arm is then fine-tuned from
 it with the protocol of examples/finetune_common.py (the one finetune_lm.py follows): arms bf16, attn_qat, drop_in,
-high_precision_p, low_precision_o, attn_qat_qk and attn_qat_qk_distill with the same steps, batches and schedule; base / base_ptq / ptq are the
-pretrained and the bf16 fine-tuned models evaluated with FP4 attention, untrained.
+high_precision_p, low_precision_o, attn_qat_qk and attn_qat_qk_distill with the same steps, batches and schedule;
+base / base_ptq / ptq are the pretrained and the bf16 fine-tuned models evaluated with FP4 attention, untrained.
 
 Held-out set: a fixed set of videos with their noise (its own seed, the same for every arm and seed), each video's
 loss the flow-matching MSE averaged over t = 0.1, ..., 0.9: the bootstrap's items. Samples: the captions of the first
@@ -42,9 +42,9 @@ from finetune_common import (BASE_ENTRIES, Bootstrap, add_protocol_args, finish_
 from train_wan import MODEL_KEYS, PATCH_SIZE, SIZES, VAL_TIMES, VideoSource  # noqa: E402
 
 PRESETS = {
-    # One H100, estimated from train_wan.py's ~20 steps/s at this size: pretraining ~80 s, 15 fine-tunes of ~15 s and
-    # ~3 s of evaluation and sampling each: ~6 min in all. Under a per-command time limit, add --max-minutes and run
-    # the same command again for what is left (the pretrained checkpoint is reused).
+    # Measured on an H100 (docs/results.md): pretraining 65 s, a fine-tune 16-23 s with its evaluation and sampling
+    # (the distilled arm ~30 s), one seed's eight arms ~3 min. Under a per-command time limit, add --max-minutes and
+    # run the same command again for what is left (the pretrained checkpoint is reused).
     "h100": dict(size="default", pretrain_steps=1500, pretrain_lr=5e-4, pretrain_warmup=75, steps=300, lr=2e-4,
                  warmup_steps=30, batch_size=8, eval_every=100, curve_videos=16, eval_videos=64, sample_videos=32,
                  sample_steps=20, val_times=VAL_TIMES, seeds="0,1,2", max_minutes=None),
