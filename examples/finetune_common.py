@@ -14,7 +14,8 @@ steps, the same batches in the same order and the same learning-rate schedule; t
                       each step the student's loss is task.distillation_loss against the teacher's output on that
                       batch before the teacher's update (the LM: KL(teacher || student) of the next-token
                       distributions; Wan: the MSE to the teacher's velocity). Its curve's train_loss is the
-                      student's loss on the data, as every arm's; the teacher's final held-out loss is in the payload.
+                      student's loss on the data, as every arm's, its distill_loss the objective, whose gradient
+                      grad_norm is; the teacher's final held-out loss is in the payload and the summary.
 
 Evaluations without training (post-training quantization, PTQ):
 
@@ -81,7 +82,8 @@ DESCRIPTIONS = {
     "attn_qat_qk": "Attn-QAT fine-tune, Q/K rotated and K shifted (numerics.md §9)",
     "attn_qat_qk_distill": "attn_qat_qk distilled from the bf16 fine-tune, trained in lockstep",
 }
-CURVE_FIELDS = ("step", "train_loss", "grad_norm", "lr", "val_loss", "val_loss_fp4", "elapsed_s")
+# distill_loss: the distilled arms' objective (task.distillation_loss), whose gradient grad_norm is
+CURVE_FIELDS = ("step", "train_loss", "distill_loss", "grad_norm", "lr", "val_loss", "val_loss_fp4", "elapsed_s")
 BASE_SEED = "base"
 RESAMPLES = 10_000
 
@@ -203,7 +205,7 @@ class MasterWeightAdamW:
 
 class Deadline:
     """Decides whether another run fits in --max-minutes, from the longest run so far (plus 25%: an FP4 arm can take
-    longer than the bf16 arm before it)."""
+    longer than the bf16 arm before it; a distilled arm 2.5 times it)."""
 
     def __init__(self, minutes):
         self.start = time.perf_counter()
@@ -216,8 +218,9 @@ class Deadline:
     def record(self, seconds):
         self.longest = max(self.longest, seconds)
 
-    def allows(self):
-        return self.limit is None or self.elapsed() + 1.25 * self.longest <= self.limit
+    def allows(self, arm):
+        factor = 2.5 if arm in DISTILLED_ARMS else 1.25  # a distilled arm also trains its teacher
+        return self.limit is None or self.elapsed() + factor * self.longest <= self.limit
 
 
 def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, teacher=None):
@@ -248,7 +251,7 @@ def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, 
             with task.autocast():
                 loss = task.loss(model, batch)
             loss.backward()
-            data_loss = loss.detach()
+            data_loss = distill_loss = loss.detach()
         else:
             with task.autocast():
                 target = task.output(teacher, batch)
@@ -259,16 +262,17 @@ def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, 
                 output = task.output(model, batch)
                 loss = task.distillation_loss(output, target.detach())
             loss.backward()
+            distill_loss = loss.detach()
             with torch.no_grad():
                 data_loss = task.loss_from_output(output.detach(), batch)
             del target, output
         norm = optimizer.step(lr)
-        pending.append((step, data_loss, norm, lr))
+        pending.append((step, data_loss, distill_loss, norm, lr))
         if step % args.eval_every == 0 or step == args.steps:
-            values = torch.stack([torch.stack((l.float(), n.float())) for _, l, n, _ in pending]).tolist()
-            for (s, _, _, r), (l, n) in zip(pending, values):
-                rows.append({"step": s, "train_loss": l, "grad_norm": n, "lr": r, "val_loss": "", "val_loss_fp4": "",
-                             "elapsed_s": ""})
+            values = torch.stack([torch.stack((l.float(), d.float(), n.float())) for _, l, d, n, _ in pending]).tolist()
+            for (s, *_, r), (l, d, n) in zip(pending, values):
+                rows.append({"step": s, "train_loss": l, "distill_loss": d if teacher is not None else "",
+                             "grad_norm": n, "lr": r, "val_loss": "", "val_loss_fp4": "", "elapsed_s": ""})
             pending = []
             row = rows[-1]
             row["val_loss"] = task.curve_loss(model)
@@ -313,7 +317,7 @@ def finetune(task, arm, seed, args, log):
         payloads[arm] = task.evaluate(model, fp4=True, entry=arm, seed=seed)
     if teacher is not None:
         teacher.eval()
-        # the bf16 arm of this seed again, up to the GPU's nondeterminism: the report can compare the two
+        # the bf16 arm of this seed again, up to the GPU's nondeterminism (the report gives both)
         payloads[arm]["teacher_loss"] = float(task.heldout_losses(teacher).mean())
         del teacher
     for payload in payloads.values():
@@ -435,7 +439,7 @@ def run_experiment(task, args, log=print):
             log(f"base model evaluated in {time.perf_counter() - t0:.0f} s")
         skipped = []
         for seed, arm in todo:
-            if not deadline.allows():
+            if not deadline.allows(arm):
                 skipped.append(f"{arm} seed {seed}")
                 continue
             t0 = time.perf_counter()
@@ -530,6 +534,9 @@ def loss_report(runs, curves, item_key="item_losses"):
                                  for i, s in enumerate(common)}}
         if entry in curves:
             info["grad_norm"] = grad_norm_stats(curves, entry)
+        if entry in DISTILLED_ARMS:
+            # the lockstep teacher's held-out loss beside the bf16 arm's of the same seed (equal on the CPU)
+            info["teacher_loss_per_seed"] = {str(s): runs[entry][s].get("teacher_loss") for s in seeds}
         out[entry] = info
     return out, boot
 

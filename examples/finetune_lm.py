@@ -79,8 +79,8 @@ HELDOUT_FILES = (
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings"})
 
 PRESETS = {
-    # Measured on an H100 shared by two such runs (docs/results.md): 48-75 s per fine-tune with its evaluations, twice
-    # that for the distilled arm, ~60 s of loading and the base evaluations. Under a per-command time limit, add
+    # Measured on an H100 shared by two such runs (docs/results.md): 48-75 s per fine-tune with its evaluations (the
+    # distilled arm, measured at 600 steps only, about twice that), ~60 s of loading and the base evaluations. Under a per-command time limit, add
     # --max-minutes and run the same command again for what is left.
     "h100": dict(seq_len=1024, batch_size=8, steps=200, warmup_steps=20, lr=1e-4, eval_every=50, curve_windows=32,
                  eval_windows=256, prompts=32, prompt_len=64, new_tokens=32, seeds="0,1,2", max_minutes=None,

@@ -257,6 +257,9 @@ def check_report(out, extra_keys, arms=ARMS, entries=ENTRIES):
         # The distilled arm's lockstep teacher is the bf16 arm again: on the CPU bit for bit.
         teacher = json.loads((out / "runs" / "attn_qat_qk_distill_seed0.json").read_text())["teacher_loss"]
         assert teacher == json.loads((out / "runs" / "bf16_seed0.json").read_text())["loss"]
+        assert summary["entries"]["attn_qat_qk_distill"]["teacher_loss_per_seed"] == {"0": teacher}
+        with open(out / "runs" / "attn_qat_qk_distill_seed0.csv", newline="") as f:
+            assert all(math.isfinite(float(r["distill_loss"])) for r in csv.DictReader(f))
     return summary
 
 
