@@ -18,10 +18,10 @@ and of the held-out tokens, so runs on different Pythons can be told apart.
 The protocol (examples/finetune_common.py): arms bf16, attn_qat, drop_in, high_precision_p, low_precision_o,
 attn_qat_qk (the Q/K transforms of numerics.md §9) and attn_qat_qk_distill (the same, distilled from the bf16 arm
 trained in lockstep), all fine-tuned from the same weights with the same steps, batches and schedule; base /
-base_ptq / ptq are the pretrained and the bf16 fine-tuned models evaluated with FP4 attention, untrained. Reported per entry: held-out
-loss (nats per token) with paired bootstrap intervals, the gap to bf16, the fraction of the PTQ gap recovered,
-(PTQ - arm) / (PTQ - bf16), gradient-norm curves, and greedy-generation agreement with the bf16 fine-tune of the
-same seed on held-out prompts.
+base_ptq / ptq are the pretrained and the bf16 fine-tuned models evaluated with FP4 attention, untrained. Reported
+per entry: held-out loss (nats per token) with paired bootstrap intervals, the gap to bf16, the fraction of the PTQ
+gap recovered, (PTQ - arm) / (PTQ - bf16), gradient-norm curves, and greedy-generation agreement with the bf16
+fine-tune of the same seed on held-out prompts.
 
 Every model evaluated with FP4 attention is evaluated twice, through the fake-quant forward (attn_qat.convert: the
 training kernels' forward without autograd) and through the real NVFP4 path: the held-out loss through the packed
@@ -80,8 +80,8 @@ EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-
 
 PRESETS = {
     # Measured on an H100 shared by two such runs (docs/results.md): 48-75 s per fine-tune with its evaluations (the
-    # distilled arm, measured at 600 steps only, about twice that), ~60 s of loading and the base evaluations. Under a per-command time limit, add
-    # --max-minutes and run the same command again for what is left.
+    # distilled arm, measured at 600 steps only, about twice that), ~60 s of loading and the base evaluations. Under
+    # a per-command time limit, add --max-minutes and run the same command again for what is left.
     "h100": dict(seq_len=1024, batch_size=8, steps=200, warmup_steps=20, lr=1e-4, eval_every=50, curve_windows=32,
                  eval_windows=256, prompts=32, prompt_len=64, new_tokens=32, seeds="0,1,2", max_minutes=None,
                  max_train_mb=None, max_heldout_mb=None, site_packages_mb=0.0),
