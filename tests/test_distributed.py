@@ -21,7 +21,10 @@ from conftest import rel_error
 # (Frobenius) on random inputs, whatever the mode. That is the floor, not an error of the merge, whose
 # float32 arithmetic is checked on its own below, and which reproduces the LSE to float32 rounding.
 MERGE_TOL = 4e-3
-LSE_TOL = 1e-5
+# bf16 mode: float32 rounding. FP4: a chunk's frame M differs from the full row's, so t - M + 11 rounds to float32 at
+# another magnitude and a key's w = fp16(2^x) can move by one fp16 ulp (numerics.md §3), up to 2^-10 of l for the
+# largest key: measured up to 3.0e-5 in 1 call in 10 at these shapes (float32 alone: 9.5e-7).
+LSE_TOL = {"bf16": 1e-5, "attn_qat": 2.0 ** -10}
 
 
 def qkv(b, hq, hkv, nq, nk, d, device):
@@ -61,7 +64,7 @@ def test_ring_attention_from_lse(device, mode):
     full, full_lse = attn_qat.attention(q, k, v, mode=mode, return_lse=True)
     out, lse = ring(q, k, v, 64, mode)
     assert rel_error(out, full) < MERGE_TOL
-    assert (lse - full_lse).abs().max() < LSE_TOL
+    assert (lse - full_lse).abs().max() < LSE_TOL[mode]
     if mode == "attn_qat":
         assert rel_error(full, attn_qat.attention(q, k, v, mode="bf16")) > 10 * MERGE_TOL
 
@@ -74,7 +77,7 @@ def test_causal_ring_attention(device, mode):
     full, full_lse = attn_qat.attention(q, k, v, causal=True, mode=mode, return_lse=True)
     out, lse = ring(q, k, v, 48, mode, causal_last=True)
     assert rel_error(out, full) < MERGE_TOL
-    assert (lse - full_lse).abs().max() < LSE_TOL
+    assert (lse - full_lse).abs().max() < LSE_TOL[mode]
 
 
 def test_chunks_off_the_block_grid_change_fp4_results(device):
