@@ -31,18 +31,12 @@ def main():
     task = fw.WanTask(args)
     task.setup()
 
-    def bf16(model):
-        return attn_qat.disable(attn_qat.convert(attn_qat.prepare(model, task.qat_config("bf16"))))
-
-    base = bf16(task.fresh_model()).eval()
+    base = fc.fresh_bf16_model(task).eval()
     print(f"pretrained: held-out loss {task.heldout_losses(base).mean().item():.5f}")
     for name in ("bf16", "attn_qat_qk"):
         torch.manual_seed(0)
-        teacher, student = bf16(task.fresh_model()), task.fresh_model()
-        if name == "bf16":
-            bf16(student)
-        else:
-            fc.prepare_arm(task, student, name)
+        teacher = fc.fresh_bf16_model(task)
+        student = fc.fresh_bf16_model(task) if name == "bf16" else fc.prepare_arm(task, task.fresh_model(), name)
         rows = fc.train(task, student, "attn_qat_qk_distill", 0, args, lambda message: None, teacher=teacher)
         teacher.eval()
         if name != "bf16":

@@ -294,17 +294,12 @@ def model_device(model):
 
 def finetune(task, arm, seed, args, log):
     """One fine-tune and its evaluations: {entry: payload} ("bf16" also gives "ptq"), and the curve rows."""
-    model = task.fresh_model()
     if arm == "bf16":
-        # Train with the library's attention (a disabled attn_qat runs it); enable only to evaluate in FP4.
-        attn_qat.disable(attn_qat.convert(attn_qat.prepare(model, task.qat_config("bf16"))))
+        model = fresh_bf16_model(task)
     else:
         # strict: an attention call attn_qat cannot take raises instead of quietly running bf16 SDPA.
-        prepare_arm(task, model, arm)
-    teacher = None
-    if arm in DISTILLED_ARMS:
-        teacher = task.fresh_model()
-        attn_qat.disable(attn_qat.convert(attn_qat.prepare(teacher, task.qat_config("bf16"))))
+        model = prepare_arm(task, task.fresh_model(), arm)
+    teacher = fresh_bf16_model(task) if arm in DISTILLED_ARMS else None
     t0 = time.perf_counter()
     rows = train(task, model, arm, seed, args, log, teacher=teacher)
     train_s = time.perf_counter() - t0
@@ -328,6 +323,12 @@ def finetune(task, arm, seed, args, log):
     return payloads, rows
 
 
+def fresh_bf16_model(task):
+    """The pretrained model with the library's attention: attn_qat prepared, converted and disabled (a disabled
+    attn_qat runs bf16 SDPA), so that enabling it evaluates the same model in FP4."""
+    return attn_qat.disable(attn_qat.convert(attn_qat.prepare(task.fresh_model(), task.qat_config("bf16"))))
+
+
 def prepare_arm(task, model, arm):
     """attn_qat.prepare for `arm`; with the K shift or the Q/K balance, calibrated on `model` as it is now
     (task.calibrate)."""
@@ -349,8 +350,7 @@ def evaluate_ptq(task, model, entry, seed):
 
 
 def evaluate_base(task):
-    model = task.fresh_model()
-    attn_qat.disable(attn_qat.convert(attn_qat.prepare(model, task.qat_config("bf16"))))
+    model = fresh_bf16_model(task)
     model.eval()
     payloads = {"base": task.evaluate(model, fp4=False, entry="base", seed=BASE_SEED)}
     payloads.update(evaluate_ptq(task, model, "base_ptq", BASE_SEED))
