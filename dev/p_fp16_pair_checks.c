@@ -25,18 +25,6 @@
 
 #include "format/nvfp4.h"
 
-static uint32_t bits_of(float x) {
-    uint32_t b;
-    memcpy(&b, &x, 4);
-    return b;
-}
-
-static float float_of(uint32_t b) {
-    float x;
-    memcpy(&x, &b, 4);
-    return x;
-}
-
 /* fp16 bits of the double v rounded once to nearest even (subnormals, Inf past the top), NaN -> 0x7E00 */
 static uint16_t f16_round(double v) {
     if (v != v) return 0x7E00;
@@ -53,16 +41,6 @@ static double f16_value(uint16_t b) {
 }
 
 static int f16_is_nan(uint16_t b) { return (b & 0x7C00) == 0x7C00 && (b & 0x3FF); }
-
-/* bf16 bits of the float x rounded to nearest even (x finite or NaN) */
-static uint16_t bf16_round(float x) {
-    uint32_t b = bits_of(x);
-    if (x != x) return 0x7FC0;
-    b += 0x7FFFu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
-
-static float bf16_value(uint16_t b) { return float_of((uint32_t)b << 16); }
 
 /* PTX min/max.f16 (no .NaN): a NaN operand gives the other */
 static uint16_t f16_min(uint16_t a, uint16_t b) {
@@ -117,7 +95,7 @@ int main(void) {
     long bad2 = 0, n2 = 0;
     for (int c = 0; c <= 0x7F; c++) {
         const float s = c == 0x7F ? NAN : aq_e4m3_decode((uint8_t)c);
-        const uint16_t s_bf = bf16_round(s * 0x1p112f), s_h = f16_round(s);
+        const uint16_t s_bf = aq_float_to_bf16(s * 0x1p112f), s_h = f16_round(s);
         for (int i = 0; i < 8; i++)
             for (int k = 0; k < 8; k++) {
                 const uint32_t q = (uint32_t)f16_round(grid[i]) | (uint32_t)f16_round(grid[k]) << 16;
@@ -126,10 +104,10 @@ int main(void) {
                     const float qv = h ? grid[k] : grid[i];
                     const uint16_t half = (uint16_t)(shifted >> (16 * h));
                     /* mul.rn.bf16x2: the exact product of two bf16 values (<= 16 bits) rounded once */
-                    const uint16_t got_bf = bf16_round(bf16_value(half) * bf16_value(s_bf));
+                    const uint16_t got_bf = aq_float_to_bf16(aq_bf16_to_float(half) * aq_bf16_to_float(s_bf));
                     const uint16_t got_h = f16_round(f16_value((uint16_t)(q >> (16 * h))) * f16_value(s_h));
                     /* the fp32 path: min(q, 6) * s rounded to DT, exact */
-                    const uint16_t want_bf = bf16_round(qv * s), want_h = f16_round((double)qv * s);
+                    const uint16_t want_bf = aq_float_to_bf16(qv * s), want_h = f16_round((double)qv * s);
                     n2++;
                     if (got_bf != want_bf || got_h != want_h) {
                         if (bad2 < 5) printf("2. q = %g s = %g: bf16 %#x/%#x fp16 %#x/%#x\n", qv, s, got_bf, want_bf,
@@ -146,10 +124,10 @@ int main(void) {
     long bad3 = 0, n3 = 0;
     for (uint32_t w = 0; w < 0x7C00; w++) {
         const float wf = (float)f16_value((uint16_t)w), phat = wf * 0x1p-11f; /* exact */
-        const uint16_t got_bf = bf16_round(bf16_value(bf16_round(wf)) * 0x1p-11f);
+        const uint16_t got_bf = aq_float_to_bf16(aq_bf16_to_float(aq_float_to_bf16(wf)) * 0x1p-11f);
         const uint16_t got_h = f16_round(f16_value((uint16_t)w) * 0x1p-11);
         n3++;
-        if (got_bf != bf16_round(phat) || got_h != f16_round((double)phat)) bad3++;
+        if (got_bf != aq_float_to_bf16(phat) || got_h != f16_round((double)phat)) bad3++;
     }
     printf("3. p_hat_pair on %ld fp16 w >= 0: %ld differ\n", n3, bad3);
     bad += bad3;
@@ -166,7 +144,7 @@ int main(void) {
                 const float want = l + (p0 + p1);
                 const float got = fmaf(w0 + w1, 0x1p-11f, l);
                 n4++;
-                if (bits_of(got) != bits_of(want)) bad4++;
+                if (aq_float_bits(got) != aq_float_bits(want)) bad4++;
             }
         }
     printf("4. l's update on %ld (w0, w1, l): %ld differ\n", n4, bad4);
@@ -182,9 +160,9 @@ int main(void) {
             const uint16_t m = f16_is_nan((uint16_t)a) || f16_is_nan((uint16_t)b) ? 0x7FFF : f16_max(a, b);
             const float got = (float)f16_value(m) * 0x1p-11f;
             const float pa = (float)f16_value((uint16_t)a) * 0x1p-11f, pb = (float)f16_value((uint16_t)b) * 0x1p-11f;
-            const uint32_t want = bits_of(pa) > bits_of(pb) ? bits_of(pa) : bits_of(pb);
+            const uint32_t want = aq_float_bits(pa) > aq_float_bits(pb) ? aq_float_bits(pa) : aq_float_bits(pb);
             n5++;
-            if (!(got != got ? want >= 0x7F800001u : bits_of(got) == want)) bad5++;
+            if (!(got != got ? want >= 0x7F800001u : aq_float_bits(got) == want)) bad5++;
         }
     }
     printf("5. D = 64 amax on %ld pairs: %ld differ\n", n5, bad5);
@@ -197,7 +175,7 @@ int main(void) {
         const float q0 = w * sixth, v = fmaf(fmaf(-q0, 6.0f, w), sixth, q0);
         const float q0h = phat * sixth_hat, vh = fmaf(fmaf(-q0h, 6.0f / 2048.0f, phat), sixth_hat, q0h);
         n6++;
-        if (bits_of(v) != bits_of(vh)) bad6++;
+        if (aq_float_bits(v) != aq_float_bits(vh)) bad6++;
     }
     printf("6. amax / 6 in w's units on %ld fp16 w: %ld differ\n", n6, bad6);
     bad += bad6;
@@ -222,7 +200,7 @@ int main(void) {
     int k8 = 0;
     inv_ls[k8++] = 0.0f, inv_ls[k8++] = INFINITY, inv_ls[k8++] = NAN;
     for (int e = -115; e <= 3; e++)
-        for (uint32_t m = 0; m < (1u << 23); m += 16411u) inv_ls[k8++] = float_of((uint32_t)(e + 127) << 23 | m);
+        for (uint32_t m = 0; m < (1u << 23); m += 16411u) inv_ls[k8++] = aq_bits_float((uint32_t)(e + 127) << 23 | m);
     for (int i = 0; i < k8; i++) {
         const float inv_l = inv_ls[i];
         volatile float inv_l_hat = inv_l * 0x1p-11f;
@@ -232,7 +210,7 @@ int main(void) {
             volatile float phat = w * 0x1p-11f;
             const float want = phat * inv_l, got = w * inv_l_hat;
             n8++;
-            if (bits_of(got) != bits_of(want) && !(got != got && want != want)) {
+            if (aq_float_bits(got) != aq_float_bits(want) && !(got != got && want != want)) {
                 if (bad8 < 5) printf("8. w = %g inv_l = %a: got %a want %a\n", w, inv_l, got, want);
                 bad8++;
             }
