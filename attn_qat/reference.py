@@ -143,6 +143,21 @@ def e2m1_round(y: Tensor) -> Tensor:
 # The NVFP4 block rule (numerics.md §1)
 # ----------------------------------------------------------------------------------------------
 
+def _blocks_and_scales(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x (..., n) cut into zero-padded blocks of 16 along its last axis, (..., ceil(n / 16), 16) in x's dtype, with
+    §1's block scales e4m3(fp32(amax / 6)) (float32; NaN where the block holds a NaN or Inf) and whether each block
+    is quantized (a finite, nonzero scale). Zero padding leaves a partial block's amax unchanged."""
+    n = x.shape[-1]
+    num_blocks = -(-n // BLOCK)
+    padding = x.new_zeros(*x.shape[:-1], num_blocks * BLOCK - n)
+    blocks = torch.cat([x, padding], dim=-1).reshape(*x.shape[:-1], num_blocks, BLOCK)
+    amax = blocks.abs().amax(dim=-1).float()  # NaN propagates through amax
+    finite = torch.isfinite(amax)
+    scale = e4m3_round(_fp32_div(torch.where(finite, amax, 0.0), torch.full_like(amax, 6.0)))
+    scale = torch.where(finite, scale, torch.nan)
+    return blocks, scale, finite & (scale > 0)
+
+
 def quantize_blocks(
     x: Tensor, block_axis: int = -1, *, partial_last_block: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -164,23 +179,14 @@ def quantize_blocks(
             f"block axis has {n} elements, not a multiple of {BLOCK}; pass partial_last_block=True "
             "to allow a trailing partial block"
         )
-    num_blocks = -(-n // BLOCK)
-    # Zero padding leaves amax of the partial block unchanged; the padded codes are dropped below.
-    padding = torch.zeros(*x32.shape[:-1], num_blocks * BLOCK - n, dtype=torch.float32, device=x32.device)
-    blocks = torch.cat([x32, padding], dim=-1).reshape(*x32.shape[:-1], num_blocks, BLOCK)
-
-    amax = blocks.abs().amax(dim=-1)  # NaN propagates through amax
-    finite = torch.isfinite(amax)
-    scale = e4m3_round(_fp32_div(torch.where(finite, amax, 0.0), torch.full_like(amax, 6.0)))
-    scale = torch.where(finite, scale, torch.nan)
-    quantized = finite & (scale > 0)
+    blocks, scale, quantized = _blocks_and_scales(x32)
 
     reciprocal = _fp32_div(torch.ones_like(scale), torch.where(quantized, scale, 1.0))
     y = _fp32_mul(blocks, reciprocal.unsqueeze(-1))
     codes = torch.signbit(y).long() * 8 + _e2m1_magnitude_code(y)
     codes = torch.where(quantized.unsqueeze(-1), codes, 0)
 
-    codes = codes.reshape(*x32.shape[:-1], num_blocks * BLOCK)[..., :n]
+    codes = codes.reshape(*x32.shape[:-1], blocks.shape[-2] * BLOCK)[..., :n]
     return codes.to(torch.uint8).movedim(-1, block_axis), scale.movedim(-1, block_axis)
 
 
@@ -224,22 +230,14 @@ def p_quantize_blocks_f16(w: Tensor) -> tuple[Tensor, Tensor]:
     """
     w64 = w.double()
     n = w64.shape[-1]
-    num_blocks = -(-n // BLOCK)
-    padding = w64.new_zeros(*w64.shape[:-1], num_blocks * BLOCK - n)
-    blocks = torch.cat([w64, padding], dim=-1).reshape(*w64.shape[:-1], num_blocks, BLOCK)
-
-    amax = blocks.abs().amax(dim=-1)  # NaN propagates
-    finite = torch.isfinite(amax)
-    scale = e4m3_round(_fp32_div(torch.where(finite, amax, 0.0).float(), torch.full_like(amax, 6.0).float()))
-    scale = torch.where(finite, scale, torch.nan)
-    quantized = finite & (scale > 0)
+    blocks, scale, quantized = _blocks_and_scales(w64)  # amax, an fp16 value, is exact in fp32
 
     # fp16(fp32(1 / s)) is fp16(1 / s) for every E4M3 s (checked for all 126 by tests/test_reference.py).
     reciprocal = fp16_round(_fp32_div(torch.ones_like(scale), torch.where(quantized, scale, 1.0)))
     y = fp16_round(blocks * reciprocal.unsqueeze(-1))
     codes = torch.signbit(y).long() * 8 + _e2m1_magnitude_code(y)
     codes = torch.where(quantized.unsqueeze(-1), codes, 0)
-    codes = codes.reshape(*w64.shape[:-1], num_blocks * BLOCK)[..., :n]
+    codes = codes.reshape(*w64.shape[:-1], blocks.shape[-2] * BLOCK)[..., :n]
     return codes.to(torch.uint8), scale
 
 
