@@ -81,6 +81,17 @@ AQ_D uint32_t pack2(float lo, float hi) {
     return r;
 }
 
+/* The two halves of a and b multiplied pairwise, each product rounded once to nearest even in DT. */
+template <aq_dtype DT>
+AQ_D uint32_t mul2(uint32_t a, uint32_t b) {
+    uint32_t r;
+    if constexpr (DT == AQ_BFLOAT16)
+        asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+    else
+        asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
 template <aq_dtype DT>
 AQ_D float to_float(uint16_t h) {
     if constexpr (DT == AQ_BFLOAT16)

@@ -294,12 +294,7 @@ AQ_D uint32_t p_round_pair(uint32_t w, uint32_t r) {
    reach the low one), and the scale pair holds s * 2^112. */
 template <aq_dtype DT>
 AQ_D uint32_t scale_rounded_pair(uint32_t q, uint32_t scale_pair) {
-    uint32_t r;
-    if constexpr (DT == AQ_BFLOAT16)
-        asm("{\n .reg .b32 t;\n shr.b32 t, %1, 3;\n mul.rn.bf16x2 %0, t, %2;\n}\n" : "=r"(r) : "r"(q), "r"(scale_pair));
-    else
-        asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(q), "r"(scale_pair));
-    return r;
+    return mul2<DT>(DT == AQ_BFLOAT16 ? q >> 3 : q, scale_pair);
 }
 
 /* P̂ = w * 2^-11 in DT for a pair of w (w_lo, w_hi: its halves as floats), the values pack2<DT>(P̂) gives, in two
@@ -312,12 +307,7 @@ AQ_D uint32_t unscaled_hat_pair(uint32_t w, float w_lo, float w_hi) {
 }
 template <aq_dtype DT>
 AQ_D uint32_t scale_hat_pair(uint32_t h) {
-    uint32_t r;
-    if constexpr (DT == AQ_BFLOAT16)
-        asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(h), "r"(AQ_BF16X2_HEADROOM_INV));
-    else
-        asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(h), "r"(AQ_F16X2_HEADROOM_INV));
-    return r;
+    return mul2<DT>(h, DT == AQ_BFLOAT16 ? AQ_BF16X2_HEADROOM_INV : AQ_F16X2_HEADROOM_INV);
 }
 template <aq_dtype DT>
 AQ_D uint32_t p_hat_pair(uint32_t w, float w_lo, float w_hi) {
