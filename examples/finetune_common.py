@@ -16,6 +16,10 @@ steps, the same batches in the same order and the same learning-rate schedule; t
                       distributions; Wan: the MSE to the teacher's velocity). Its curve's train_loss is the
                       student's loss on the data, as every arm's, its distill_loss the objective, whose gradient
                       grad_norm is; the teacher's final held-out loss is in the payload and the summary.
+    attn_qat_qk_distill_frozen
+                      the same, but the teacher is fine-tuned first (the bf16 arm: the whole schedule on the same
+                      batches), then frozen: every step the student matches the finished teacher's output on the
+                      batch. It tests whether the lockstep arm lags only because its teacher moves.
 
 Evaluations without training (post-training quantization, PTQ):
 
@@ -56,13 +60,15 @@ import attn_qat
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import git_commit, smooth  # noqa: E402
 
-ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o", "attn_qat_qk", "attn_qat_qk_distill")
+ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o", "attn_qat_qk", "attn_qat_qk_distill",
+        "attn_qat_qk_distill_frozen")
 FP4_ARMS = ARMS[1:]
 # What each arm sets in its QATConfig (every other arm: mode=arm).
-ARM_SETTINGS = {"attn_qat_qk": dict(mode="attn_qat", rotate_qk=True, shift_k=True),
-                "attn_qat_qk_distill": dict(mode="attn_qat", rotate_qk=True, shift_k=True)}
-# Arms that learn from a bf16 teacher fine-tuned in lockstep rather than from the data alone.
-DISTILLED_ARMS = frozenset({"attn_qat_qk_distill"})
+ARM_SETTINGS = {arm: dict(mode="attn_qat", rotate_qk=True, shift_k=True)
+                for arm in ("attn_qat_qk", "attn_qat_qk_distill", "attn_qat_qk_distill_frozen")}
+# Arms that learn from a bf16 teacher rather than from the data alone: fine-tuned in lockstep, or first and frozen.
+DISTILLED_ARMS = frozenset({"attn_qat_qk_distill", "attn_qat_qk_distill_frozen"})
+FROZEN_TEACHER_ARMS = frozenset({"attn_qat_qk_distill_frozen"})
 # Entries of a report, in table order. "base" and "base_ptq*" have no seed (stored as seed "base").
 ENTRIES = ("base", "base_ptq", "base_ptq_qk", "bf16", "ptq", "ptq_qk") + FP4_ARMS
 BASE_ENTRIES = ("base", "base_ptq", "base_ptq_qk")
@@ -81,6 +87,7 @@ DESCRIPTIONS = {
     "low_precision_o": "QAT, D = dO·O (breaks principle 2)",
     "attn_qat_qk": "Attn-QAT fine-tune, Q/K rotated and K shifted (numerics.md §9)",
     "attn_qat_qk_distill": "attn_qat_qk distilled from the bf16 fine-tune, trained in lockstep",
+    "attn_qat_qk_distill_frozen": "attn_qat_qk distilled from the finished bf16 fine-tune, frozen",
 }
 # distill_loss: the distilled arms' objective (task.distillation_loss), whose gradient grad_norm is
 CURVE_FIELDS = ("step", "train_loss", "distill_loss", "grad_norm", "lr", "val_loss", "val_loss_fp4", "elapsed_s")
@@ -223,11 +230,12 @@ class Deadline:
         return self.limit is None or self.elapsed() + factor * self.longest <= self.limit
 
 
-def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, teacher=None):
+def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, teacher=None, teacher_learns=True):
     """Fine-tunes `model` (prepared for `arm`) in place for args.steps steps (schedule: args.lr, args.warmup_steps;
     evaluations every args.eval_every); returns the curve rows (CURVE_FIELDS). Batches come from `generator`
-    (default: task.batch_generator(seed)). With a `teacher` (a bf16 model), the teacher takes the bf16 arm's step on
-    each batch and `model` learns from the teacher's output on it (task.distillation_loss) instead of the data.
+    (default: task.batch_generator(seed)). With a `teacher` (a bf16 model), `model` learns from the teacher's output
+    on each batch (task.distillation_loss) instead of the data; unless teacher_learns=False (a finished teacher,
+    frozen), the teacher takes the bf16 arm's step on each batch first.
 
     The gradient norm and loss stay on the device until an evaluation, so the host does not wait for the device at
     every step. At each evaluation the held-out curve subset is evaluated; the bf16 arm also evaluates it with FP4
@@ -235,7 +243,7 @@ def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, 
     """
     weight_decay = task.weight_decay if weight_decay is None else weight_decay
     optimizer = MasterWeightAdamW(model.parameters(), lr=args.lr, weight_decay=weight_decay)
-    if teacher is not None:
+    if teacher is not None and teacher_learns:
         teacher_optimizer = MasterWeightAdamW(teacher.parameters(), lr=args.lr, weight_decay=weight_decay)
         teacher.train()
     generator = task.batch_generator(seed) if generator is None else generator
@@ -253,11 +261,15 @@ def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, 
             loss.backward()
             data_loss = distill_loss = loss.detach()
         else:
-            with task.autocast():
-                target = task.output(teacher, batch)
-                teacher_loss = task.loss_from_output(target, batch)
-            teacher_loss.backward()
-            teacher_optimizer.step(lr)
+            if teacher_learns:
+                with task.autocast():
+                    target = task.output(teacher, batch)
+                    teacher_loss = task.loss_from_output(target, batch)
+                teacher_loss.backward()
+                teacher_optimizer.step(lr)
+            else:
+                with torch.no_grad(), task.autocast():
+                    target = task.output(teacher, batch)
             with task.autocast():
                 output = task.output(model, batch)
                 loss = task.distillation_loss(output, target.detach())
@@ -301,7 +313,11 @@ def finetune(task, arm, seed, args, log):
         model = prepare_arm(task, task.fresh_model(), arm)
     teacher = fresh_bf16_model(task) if arm in DISTILLED_ARMS else None
     t0 = time.perf_counter()
-    rows = train(task, model, arm, seed, args, log, teacher=teacher)
+    frozen = arm in FROZEN_TEACHER_ARMS
+    if frozen:  # the bf16 arm of this seed, fine-tuned first; its curve is the bf16 arm's and is not kept
+        train(task, teacher, "bf16", seed, args, lambda message: log(f"  teacher: {message.strip()}"))
+        teacher.requires_grad_(False)
+    rows = train(task, model, arm, seed, args, log, teacher=teacher, teacher_learns=not frozen)
     train_s = time.perf_counter() - t0
     payloads = {}
     if arm == "bf16":
@@ -535,7 +551,7 @@ def loss_report(runs, curves, item_key="item_losses"):
         if entry in curves:
             info["grad_norm"] = grad_norm_stats(curves, entry)
         if entry in DISTILLED_ARMS:
-            # the lockstep teacher's held-out loss beside the bf16 arm's of the same seed (equal on the CPU)
+            # the teacher's held-out loss beside the bf16 arm's of the same seed (equal on the CPU)
             info["teacher_loss_per_seed"] = {str(s): runs[entry][s].get("teacher_loss") for s in seeds}
         out[entry] = info
     return out, boot
@@ -689,7 +705,7 @@ def plot(task, out, runs, curves, losses):
         print("matplotlib not installed: no plots")
         return
     colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
-    colors.update(ptq="C7", ptq_qk="C8")
+    colors.update(ptq="C8", ptq_qk="C9")
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(13, 5))
     for arm, seeds in curves.items():

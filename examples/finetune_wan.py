@@ -5,7 +5,8 @@ The model and data are examples/train_wan.py's: diffusers' WanTransformer3DModel
 their parameters, trained by rectified flow matching (predict v = noise - x0). It is pretrained once with bf16
 attention (PyTorch SDPA) and its weights are kept in a checkpoint (--pretrained); every arm is then fine-tuned from
 it with the protocol of examples/finetune_common.py (the one finetune_lm.py follows): arms bf16, attn_qat, drop_in,
-high_precision_p, low_precision_o, attn_qat_qk and attn_qat_qk_distill with the same steps, batches and schedule;
+high_precision_p, low_precision_o, attn_qat_qk, attn_qat_qk_distill and attn_qat_qk_distill_frozen (distilled
+from a bf16 teacher in lockstep, or from the finished one) with the same steps, batches and schedule;
 base / base_ptq / ptq are the pretrained and the bf16 fine-tuned models evaluated with FP4 attention, untrained.
 
 Held-out set: a fixed set of videos with their noise (its own seed, the same for every arm and seed), each video's

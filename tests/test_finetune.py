@@ -23,7 +23,7 @@ ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o")
 ENTRIES = ("base", "base_ptq", "bf16", "ptq") + ARMS[1:]
 # with the arms of numerics.md §9's Q/K transforms (trained on the data, and distilled from a bf16 teacher), and their
 # PTQ entries (both experiments run them by default)
-LM_ARMS = ARMS + ("attn_qat_qk", "attn_qat_qk_distill")
+LM_ARMS = ARMS + ("attn_qat_qk", "attn_qat_qk_distill", "attn_qat_qk_distill_frozen")
 LM_ENTRIES = ("base", "base_ptq", "base_ptq_qk", "bf16", "ptq", "ptq_qk") + LM_ARMS[1:]
 # A few merges, so the vocabulary is a real byte-level BPE one (each merge's result is a token).
 MERGES = ("Ġ Ġ", "ĠĠ ĠĠ", "e r", "i n", "s e", "l f", "se lf", "r e", "o n", "d e", "Ġ t", "a t", "e n")
@@ -253,12 +253,14 @@ def check_report(out, extra_keys, arms=ARMS, entries=ENTRIES):
         assert [int(r["step"]) for r in rows] == [1, 2, 3]
     if importlib.util.find_spec("matplotlib"):
         assert all((out / name).exists() for name in ("loss.png", "grad_norm.png", "gaps.png"))
-    if "attn_qat_qk_distill" in arms:
-        # The distilled arm's lockstep teacher is the bf16 arm again: on the CPU bit for bit.
-        teacher = json.loads((out / "runs" / "attn_qat_qk_distill_seed0.json").read_text())["teacher_loss"]
-        assert teacher == json.loads((out / "runs" / "bf16_seed0.json").read_text())["loss"]
-        assert summary["entries"]["attn_qat_qk_distill"]["teacher_loss_per_seed"] == {"0": teacher}
-        with open(out / "runs" / "attn_qat_qk_distill_seed0.csv", newline="") as f:
+    for arm in ("attn_qat_qk_distill", "attn_qat_qk_distill_frozen"):
+        if arm not in arms:
+            continue
+        # A distilled arm's teacher, in lockstep or fine-tuned first, is the bf16 arm again: on the CPU bit for bit.
+        teacher = json.loads((out / "runs" / f"{arm}_seed0.json").read_text())["teacher_loss"]
+        assert teacher == json.loads((out / "runs" / "bf16_seed0.json").read_text())["loss"], arm
+        assert summary["entries"][arm]["teacher_loss_per_seed"] == {"0": teacher}
+        with open(out / "runs" / f"{arm}_seed0.csv", newline="") as f:
             assert all(math.isfinite(float(r["distill_loss"])) for r in csv.DictReader(f))
     return summary
 
