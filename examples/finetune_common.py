@@ -211,8 +211,9 @@ class MasterWeightAdamW:
 
 
 class Deadline:
-    """Decides whether another run fits in --max-minutes, from the longest run so far (plus 25%: an FP4 arm can take
-    longer than the bf16 arm before it; a distilled arm 2.5 times it)."""
+    """Decides whether another run fits in --max-minutes, from the longest run so far in bf16-arm units (plus 25%: an
+    FP4 arm can take longer than the bf16 arm before it; a distilled arm, which also trains or runs its teacher,
+    2.5 times it)."""
 
     def __init__(self, minutes):
         self.start = time.perf_counter()
@@ -222,12 +223,15 @@ class Deadline:
     def elapsed(self):
         return time.perf_counter() - self.start
 
-    def record(self, seconds):
-        self.longest = max(self.longest, seconds)
+    @staticmethod
+    def factor(arm):
+        return 2.5 if arm in DISTILLED_ARMS else 1.25
+
+    def record(self, arm, seconds):
+        self.longest = max(self.longest, seconds * 1.25 / self.factor(arm))  # a distilled run counts as ~2 plain ones
 
     def allows(self, arm):
-        factor = 2.5 if arm in DISTILLED_ARMS else 1.25  # a distilled arm also trains its teacher
-        return self.limit is None or self.elapsed() + factor * self.longest <= self.limit
+        return self.limit is None or self.elapsed() + self.factor(arm) * self.longest <= self.limit
 
 
 def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, teacher=None, teacher_learns=True):
@@ -314,8 +318,8 @@ def finetune(task, arm, seed, args, log):
     teacher = fresh_bf16_model(task) if arm in DISTILLED_ARMS else None
     t0 = time.perf_counter()
     frozen = arm in FROZEN_TEACHER_ARMS
-    if frozen:  # the bf16 arm of this seed, fine-tuned first; its curve is the bf16 arm's and is not kept
-        train(task, teacher, "bf16", seed, args, lambda message: log(f"  teacher: {message.strip()}"))
+    if frozen:  # the bf16 arm of this seed, fine-tuned first (without the bf16 arm's FP4 curve); its curve is not kept
+        train(task, teacher, "teacher", seed, args, log)
         teacher.requires_grad_(False)
     rows = train(task, model, arm, seed, args, log, teacher=teacher, teacher_learns=not frozen)
     train_s = time.perf_counter() - t0
@@ -465,7 +469,7 @@ def run_experiment(task, args, log=print):
             for entry, payload in payloads.items():
                 store.save(entry, seed, payload)
             seconds = time.perf_counter() - t0
-            deadline.record(seconds)
+            deadline.record(arm, seconds)
             log(f"{arm} seed {seed}: {seconds:.0f} s, held-out loss " + ", ".join(
                 f"{e} {p['loss']:.4f}" for e, p in payloads.items()))
         if skipped:

@@ -262,6 +262,13 @@ def check_report(out, extra_keys, arms=ARMS, entries=ENTRIES):
         assert summary["entries"][arm]["teacher_loss_per_seed"] == {"0": teacher}
         with open(out / "runs" / f"{arm}_seed0.csv", newline="") as f:
             assert all(math.isfinite(float(r["distill_loss"])) for r in csv.DictReader(f))
+    if {"attn_qat_qk_distill", "attn_qat_qk_distill_frozen"} <= set(arms):
+        # The frozen arm learns from the finished teacher, the lockstep one from a moving one: their objectives differ.
+        curves = []
+        for arm in ("attn_qat_qk_distill", "attn_qat_qk_distill_frozen"):
+            with open(out / "runs" / f"{arm}_seed0.csv", newline="") as f:
+                curves.append([float(r["distill_loss"]) for r in csv.DictReader(f)])
+        assert curves[0] != curves[1]
     return summary
 
 
