@@ -1,5 +1,6 @@
 """Attention speed: attn_qat's training forward (with O'), inference forward, backward, the `low_precision_o` mode
-(D from O, so no O' in its forward: numerics.md §5) and `bf16` mode, against torch SDPA's cuDNN and FlashAttention-2 backends on the same tensors, in one process.
+(D from O, so no O' in its forward: numerics.md §5) and `bf16` mode, against torch SDPA's cuDNN and FlashAttention-2
+backends on the same tensors, in one process.
 
 FLOPs: forward 4·B·H·Nq·Nk·D, backward 2.5× that, halved when causal. Times are medians of back-to-back calls
 timed between CUDA events (common.median_ms); inputs alternate between two sets so no run reads the previous run's inputs from L2.
@@ -104,8 +105,8 @@ def bench_shape(name, shape, repeat):
         "attn_qat fwd+bwd / cuDNN fwd+bwd": ratio(["attn_qat fwd (training, with O')", "attn_qat bwd"],
                                                   ["cuDNN fwd", "cuDNN bwd"]),
         "attn_qat inference fwd / cuDNN fwd": ratio(["attn_qat fwd (inference)"], ["cuDNN fwd"]),
-        "low_precision_o fwd+bwd / cuDNN fwd+bwd": ratio(["low_precision_o fwd (training, no O')", "low_precision_o bwd"],
-                                                         ["cuDNN fwd", "cuDNN bwd"]),
+        "low_precision_o fwd+bwd / cuDNN fwd+bwd": ratio(
+            ["low_precision_o fwd (training, no O')", "low_precision_o bwd"], ["cuDNN fwd", "cuDNN bwd"]),
         "bf16 mode fwd+bwd / cuDNN fwd+bwd": ratio(["bf16 mode fwd", "bf16 mode bwd"], ["cuDNN fwd", "cuDNN bwd"]),
     }
     return {"shape": name, "dims": dict(zip(("B", "Hq", "Hkv", "Nq", "Nk", "D", "causal"), shape)),
