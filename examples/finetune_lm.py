@@ -18,10 +18,10 @@ and of the held-out tokens, so runs on different Pythons can be told apart.
 The protocol (examples/finetune_common.py): arms bf16, attn_qat, drop_in, high_precision_p, low_precision_o,
 attn_qat_qk (the Q/K transforms of numerics.md §9), attn_qat_qk_distill (the same, distilled from the bf16 arm
 trained in lockstep) and attn_qat_qk_distill_frozen (distilled from the finished bf16 fine-tune), all fine-tuned
-from the same weights with the same steps, batches and schedule; base / base_ptq / ptq are the pretrained and the bf16 fine-tuned models evaluated with FP4 attention, untrained. Reported
-per entry: held-out loss (nats per token) with paired bootstrap intervals, the gap to bf16, the fraction of the PTQ
-gap recovered, (PTQ - arm) / (PTQ - bf16), gradient-norm curves, and greedy-generation agreement with the bf16
-fine-tune of the same seed on held-out prompts.
+from the same weights with the same steps, batches and schedule; base / base_ptq / ptq are the pretrained and the
+bf16 fine-tuned models evaluated with FP4 attention, untrained. Reported per entry: held-out loss (nats per token)
+with paired bootstrap intervals, the gap to bf16, the fraction of the PTQ gap recovered, (PTQ - arm) / (PTQ - bf16),
+gradient-norm curves, and greedy-generation agreement with the bf16 fine-tune of the same seed on held-out prompts.
 
 Every model evaluated with FP4 attention is evaluated twice, through the fake-quant forward (attn_qat.convert: the
 training kernels' forward without autograd) and through the real NVFP4 path: the held-out loss through the packed
