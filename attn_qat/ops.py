@@ -56,8 +56,7 @@ class kernel_options:
     "auto" (3); decode_chunk: the keys a decode CTA takes, a multiple of 64 up to 4096, or "auto" (planned): both
     for A/B runs and tests. work_order: "lpt" (the default) hands packed calls' work items to the Hopper kernels
     longest first where there is no causal limit (attn_qat/varlen.py's tables), "index" in index order as dense
-    calls (A/B runs: bench_varlen.py
-    --orders); the outputs are the same either way. None leaves an option as it is.
+    calls (A/B runs: bench_varlen.py --orders); the outputs are the same either way. None leaves an option as it is.
 
     The call sets the options at once; as a context manager it restores, on exit, the ones in force before it. With
     no arguments it changes nothing, and its attributes tell the options in force. The environment variables

@@ -301,7 +301,7 @@ class WanTask:
         return self.per_video_loss_from_output(pred, batch).mean()
 
     def loss(self, model, batch):
-        return self.per_video_loss(model, *batch).mean()
+        return self.loss_from_output(self.output(model, batch), batch)
 
     @staticmethod
     def distillation_loss(pred, teacher_pred):
