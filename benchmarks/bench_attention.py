@@ -108,6 +108,7 @@ def bench_shape(name, shape, repeat):
         "low_precision_o fwd+bwd / cuDNN fwd+bwd": ratio(
             ["low_precision_o fwd (training, no O')", "low_precision_o bwd"], ["cuDNN fwd", "cuDNN bwd"]),
         "bf16 mode fwd+bwd / cuDNN fwd+bwd": ratio(["bf16 mode fwd", "bf16 mode bwd"], ["cuDNN fwd", "cuDNN bwd"]),
+        "FA2 fwd+bwd / cuDNN fwd+bwd": ratio(["FA2 fwd", "FA2 bwd"], ["cuDNN fwd", "cuDNN bwd"]),
     }
     return {"shape": name, "dims": dict(zip(("B", "Hq", "Hkv", "Nq", "Nk", "D", "causal"), shape)),
             "results": rows, "ratios": ratios}
