@@ -3,11 +3,14 @@
 backends on the same tensors, in one process.
 
 FLOPs: forward 4·B·H·Nq·Nk·D, backward 2.5× that, halved when causal. Times are medians of back-to-back calls
-timed between CUDA events (common.median_ms); inputs alternate between two sets so no run reads the previous run's inputs from L2.
+timed between CUDA events (common.median_ms); inputs alternate between two sets so no run reads the previous run's
+inputs from L2. Each shape's cases run in --rounds rounds, one after another in each, and a case's time is its median
+over the rounds.
 
-    python benchmarks/bench_attention.py [--out benchmarks/results/attention.json] [--quick]
+    python benchmarks/bench_attention.py [--out benchmarks/results/attention.json] [--quick] [--rounds 3]
 """
 import os
+import statistics
 import sys
 
 import torch
@@ -24,10 +27,11 @@ SHAPES = {
     "wan14b_cross": (1, 40, 40, 32760, 512, 128, False),
     "b2_h16_16k": (2, 16, 16, 16384, 16384, 128, False),
     "b8_h16_4k": (8, 16, 16, 4096, 4096, 128, False),
+    "b16_h16_1k": (16, 16, 16, 1024, 1024, 128, False),
     "qwen_gqa_causal": (4, 32, 8, 4096, 4096, 128, True),
     "b8_h16_4k_d64": (8, 16, 16, 4096, 4096, 64, False),
 }
-QUICK = ("b8_h16_4k", "qwen_gqa_causal", "b8_h16_4k_d64")
+QUICK = ("b8_h16_4k", "b16_h16_1k", "qwen_gqa_causal", "b8_h16_4k_d64")
 
 
 def make_sets(b, hq, hkv, nq, nk, d):
@@ -39,7 +43,7 @@ def make_sets(b, hq, hkv, nq, nk, d):
     return [one(), one()]
 
 
-def bench_shape(name, shape, repeat):
+def bench_shape(name, shape, repeat, rounds):
     b, hq, hkv, nq, nk, d, causal = shape
     sets = make_sets(b, hq, hkv, nq, nk, d)
     fwd_flops = forward_flops(b, hq, nq, nk, d, causal)
@@ -88,13 +92,26 @@ def bench_shape(name, shape, repeat):
         ("FA2 fwd", sdpa(SDPBackend.FLASH_ATTENTION, False), fwd_flops),
         ("FA2 bwd", sdpa(SDPBackend.FLASH_ATTENTION, True), 2.5 * fwd_flops),
     ]
-    for label, make, flops in cases:
-        try:
-            ms = timed(make, sets, repeat)
-            rows[label] = {"ms": ms, "TFLOP/s": flops / ms / 1e9}
-        except RuntimeError as e:  # a backend that does not take this shape
-            rows[label] = {"ms": None, "TFLOP/s": None, "error": str(e).splitlines()[0][:200]}
-        torch.cuda.empty_cache()
+    # Rounds over all the cases, each case's median over them: times drift within a process (one backward took
+    # 21.3 ms, then 24.0 ms seconds later, at b2_h16_16k on the H100), and cases timed one after the other
+    # would carry that drift into their ratios.
+    times = {label: [] for label, _, _ in cases}
+    errors = {}
+    for _ in range(rounds):
+        for label, make, _ in cases:
+            if label in errors:
+                continue
+            try:
+                times[label].append(timed(make, sets, repeat))
+            except RuntimeError as e:  # a backend that does not take this shape
+                errors[label] = str(e).splitlines()[0][:200]
+            torch.cuda.empty_cache()
+    for label, _, flops in cases:
+        if label in errors:
+            rows[label] = {"ms": None, "TFLOP/s": None, "error": errors[label]}
+        else:
+            ms = statistics.median(times[label])
+            rows[label] = {"ms": ms, "ms_rounds": times[label], "TFLOP/s": flops / ms / 1e9}
 
     def ratio(ours_labels, ref_labels):
         a = [rows[x]["ms"] for x in ours_labels]
@@ -134,10 +151,11 @@ def plot(results, path):
 
 
 def main():
-    args = parse_bench_args("attention", __doc__, 10, "only the 4k shapes")
+    args = parse_bench_args("attention", __doc__, 10, "only the 4k and 1k shapes", lambda parser: parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds over every case of a shape (median over them)"))
     results = []
     for name, shape in selected_shapes(args, SHAPES, QUICK):
-        results.append(bench_shape(name, shape, args.repeat))
+        results.append(bench_shape(name, shape, args.repeat, args.rounds))
         r = results[-1]
         print(f"\n{name} {r['dims']}")
         for label, row in r["results"].items():
@@ -153,7 +171,8 @@ def main():
         cells = [("n/a" if r["results"][x]["ms"] is None else f"{r['results'][x]['ms']:.2f} ms / "
                   f"{r['results'][x]['TFLOP/s']:.0f}") for x in labels]
         print(f"| {r['shape']} | " + " | ".join(cells) + " |")
-    write_json(args.out, {**meta, "flops": "forward 4*B*H*Nq*Nk*D, backward 2.5x, halved when causal",
+    write_json(args.out, {**meta, "rounds": args.rounds,
+                          "flops": "forward 4*B*H*Nq*Nk*D, backward 2.5x, halved when causal",
                           "shapes": results})
     plot(results, os.path.splitext(args.out)[0] + ".png")
 
