@@ -4,8 +4,8 @@ backends on the same tensors, in one process.
 
 FLOPs: forward 4·B·H·Nq·Nk·D, backward 2.5× that, halved when causal. Times are medians of back-to-back calls
 timed between CUDA events (common.median_ms); inputs alternate between two sets so no run reads the previous run's
-inputs from L2. Each shape's cases run in --rounds rounds, one after another in each, and a case's time is its median
-over the rounds.
+inputs from L2. Each shape's cases run in --rounds rounds, one after another in each (in reverse order every other
+round), and a case's time is its median over the rounds.
 
     python benchmarks/bench_attention.py [--out benchmarks/results/attention.json] [--quick] [--rounds 3]
 """
@@ -92,23 +92,23 @@ def bench_shape(name, shape, repeat, rounds):
         ("FA2 fwd", sdpa(SDPBackend.FLASH_ATTENTION, False), fwd_flops),
         ("FA2 bwd", sdpa(SDPBackend.FLASH_ATTENTION, True), 2.5 * fwd_flops),
     ]
-    # Rounds over all the cases, each case's median over them: times drift within a process (one backward took
-    # 21.3 ms, then 24.0 ms seconds later, at b2_h16_16k on the H100), and cases timed one after the other
-    # would carry that drift into their ratios.
+    # Rounds over all the cases, each case's median over them, the order reversed every other round: times drift
+    # within a process as the GPU heats (at its power cap, one backward took 21.3 ms, then 24.0 ms seconds later,
+    # at b2_h16_16k on the H100), and cases timed one after the other would carry that drift into their ratios.
     times = {label: [] for label, _, _ in cases}
     errors = {}
-    for _ in range(rounds):
-        for label, make, _ in cases:
+    for r in range(rounds):
+        for label, make, _ in (cases if r % 2 == 0 else cases[::-1]):
             if label in errors:
                 continue
             try:
                 times[label].append(timed(make, sets, repeat))
-            except RuntimeError as e:  # a backend that does not take this shape
+            except RuntimeError as e:  # a backend that does not take this shape (or ran out of memory)
                 errors[label] = str(e).splitlines()[0][:200]
             torch.cuda.empty_cache()
     for label, _, flops in cases:
-        if label in errors:
-            rows[label] = {"ms": None, "TFLOP/s": None, "error": errors[label]}
+        if label in errors:  # no time, even if earlier rounds had one: the rounds' times stay for inspection
+            rows[label] = {"ms": None, "ms_rounds": times[label], "TFLOP/s": None, "error": errors[label]}
         else:
             ms = statistics.median(times[label])
             rows[label] = {"ms": ms, "ms_rounds": times[label], "TFLOP/s": flops / ms / 1e9}
@@ -142,7 +142,8 @@ def plot(results, path):
         vals = [r["ratios"][key] or 0 for r in results]
         ax.bar([x + i * width for x in range(len(results))], vals, width, label=key)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([x + width for x in range(len(results))], [r["shape"] for r in results], rotation=20)
+    ax.set_xticks([x + width * (len(keys) - 1) / 2 for x in range(len(results))], [r["shape"] for r in results],
+                  rotation=20)
     ax.set_ylabel("time / cuDNN time (lower is better)")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -152,7 +153,10 @@ def plot(results, path):
 
 def main():
     args = parse_bench_args("attention", __doc__, 10, "only the 4k and 1k shapes", lambda parser: parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds over every case of a shape (median over them)"))
+        "--rounds", type=int, default=3, help="rounds over every case of a shape, each case's median over them "
+        "(default 3)"))
+    if args.rounds < 1:
+        sys.exit("bench_attention: --rounds must be at least 1")
     results = []
     for name, shape in selected_shapes(args, SHAPES, QUICK):
         results.append(bench_shape(name, shape, args.repeat, args.rounds))
