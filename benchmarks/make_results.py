@@ -36,10 +36,9 @@ def attention_section(d):
     lines = [f"## Attention (`bench_attention.py`)\n",
              f"{d['gpu']}, {d['date']}, commit {d['commit']}, torch {d['torch']}. FLOPs: {d['flops']}. "
              "Times are medians of back-to-back calls timed between CUDA events (common.median_ms: the host's launch "
-             "time is not counted once the GPU has work queued)"
-             + (f", each case's median over {d['rounds']} rounds of all a shape's cases" if d.get("rounds") else "") +
-             "; cuDNN and FA2 are torch SDPA's backends on the same tensors in the "
-             "same process (with K/V expanded for grouped heads). Cells: ms / TFLOP/s.\n"]
+             f"time is not counted once the GPU has work queued), each case's median over {d['rounds']} rounds of all a "
+             "shape's cases; cuDNN and FA2 are torch SDPA's backends on the same tensors in the same process (with K/V "
+             "expanded for grouped heads). Cells: ms / TFLOP/s.\n"]
     labels = list(d["shapes"][0]["results"])
     lines += ["| shape (B, Hq, Hkv, Nq, Nk, D, causal) | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for s in d["shapes"]:
