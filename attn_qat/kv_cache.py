@@ -6,7 +6,7 @@ Storage (numerics.md §2: a decoding query does not see every key, so K and V ar
 
 - K: ``k_codes`` (num_pages, Hkv, page_size, D/2) uint8 (channel 2i in the low nibble, 2i+1 in the high one) and
   ``k_scales`` (num_pages, Hkv, page_size, D/16) uint8 E4M3 bytes.
-- V: the same per-token codes and scales, arranged for the decode kernel (csrc/binding/attn_qat.h): ``v_codes``
+- V: the same per-token codes and scales, arranged for the decode kernel (csrc/attn_qat.h): ``v_codes``
   (num_pages, Hkv, page_size/2, D) holds tokens 2p and 2p+1 in row p, interleaved by 16-bit halves (half 0 of
   token 2p, half 0 of token 2p+1, half 1 of token 2p, ...), and ``v_scales`` (num_pages, Hkv, page_size/16, D)
   holds each 16-token unit's scales block-major, its tokens in the order 0, 1, 8, 9, 2, 3, 10, 11, ....

@@ -38,7 +38,7 @@ def _delta_from_out_prime(mode: int) -> bool:
     return MODES[mode] in ("attn_qat", "high_precision_p")
 
 
-# csrc/binding/attn_qat.h's aq_tail_split_mode
+# csrc/attn_qat.h's aq_tail_split_mode
 _TAIL_AUTO, _TAIL_OFF, _TAIL_FORCED = 0, 1, 2
 # kernel_options' work_order: packed calls' items longest first without a causal limit (attn_qat/varlen.py), or index
 # order
@@ -133,7 +133,7 @@ def _float32(x: float) -> float:
         return math.inf
 
 
-_LOG2E_F32 = _float32(math.log2(math.e))  # csrc/binding/attn_qat.h's AQ_LOG2E
+_LOG2E_F32 = _float32(math.log2(math.e))  # csrc/attn_qat.h's AQ_LOG2E
 
 
 def check_softmax_scale(scale, name: str, fn: str) -> float:
@@ -274,7 +274,7 @@ def _attention_backward(ctx, grad_out, *unused_grads):
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     # Like PyTorch's own attention backward: dQ summed by atomics (fast) unless deterministic algorithms are
-    # asked for (torch.use_deterministic_algorithms), then bit-identical run to run (csrc/binding/attn_qat.h).
+    # asked for (torch.use_deterministic_algorithms), then bit-identical run to run (csrc/attn_qat.h).
     # The gradients of Q^F, K^F, V^F are those of q, k, v: the straight-through estimator (numerics.md §4).
     dq, dk, dv = ops.attention_backward(grad_out.to(q.dtype), q, k, v, out, out_prime, mask, frame, row_sum,
                                         ctx.scale, ctx.causal, ctx.mode, torch.are_deterministic_algorithms_enabled(),

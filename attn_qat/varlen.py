@@ -6,7 +6,7 @@ through `attn_qat.attention` (numerics.md §2, "Packed sequences"): the keys of 
 and the 16-element blocks of P and V are counted from each sequence's first key.
 
 How it runs. The kernels see the packed tensors as a batch of one and learn which keys each token sees from two
-small int32 tables (`_Plan`: the spans of csrc/binding/attn_qat.h), so a query tile visits only the key tiles of its own
+small int32 tables (`_Plan`: the spans of csrc/attn_qat.h), so a query tile visits only the key tiles of its own
 sequence and the cost is that of the sequences run as a batch. P and V are blocked along the keys' axis in blocks of
 16 counted from key 0, so each sequence's keys must start at a multiple of 16: when every cu_seqlens_k entry is one,
 the call runs on the tensors in place; otherwise K and V are copied into a packed layout whose sequences are padded
@@ -142,7 +142,7 @@ def _lpt_order(work: torch.Tensor, heads: int, device: torch.device) -> Optional
 
 
 class _Plan:
-    """How one packing runs: the spans the kernels read (csrc/binding/attn_qat.h) and, when K and V must be padded, where
+    """How one packing runs: the spans the kernels read (csrc/attn_qat.h) and, when K and V must be padded, where
     their rows go. Built on the host from the cumulative lengths, once per packing (functools.lru_cache)."""
 
     def __init__(self, cu_q: Tuple[int, ...], cu_k: Tuple[int, ...], alignment: Optional[str], pad: bool,
@@ -192,7 +192,7 @@ class _Plan:
             self.k_rows, self.pad_rows = k_rows.to(device), is_pad.nonzero().squeeze(1).to(device)
 
     def orders(self, heads_q: int, heads_kv: int, fwd_tiles: Tuple[int, int]):
-        """(forward order, dK/dV order) for the ops (csrc/binding/attn_qat.h's work_order), each None where every
+        """(forward order, dK/dV order) for the ops (csrc/attn_qat.h's work_order), each None where every
         item has the same work, and both None under a causal limit. Cached per (heads, tiles)."""
         if self._causal:  # longest first was slower than index order there on the H100 (performance.md)
             return None, None

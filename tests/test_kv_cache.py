@@ -278,7 +278,7 @@ def test_paged_prefix_reused_pages_train_equals_infer(device):
 
 def test_storage_is_the_nvfp4_format():
     # K and V blocked along head_dim per token (numerics.md §2), as attn_qat.quantize packs them; V's bytes arranged
-    # as csrc/binding/attn_qat.h says (tokens 2p, 2p + 1 interleaved by 16-bit halves; each unit's scales block-major).
+    # as csrc/attn_qat.h says (tokens 2p, 2p + 1 interleaved by 16-bit halves; each unit's scales block-major).
     g = fresh_generator()
     k = torch.randn(1, 2, 40, 64, generator=g).bfloat16()
     v = torch.randn(1, 2, 40, 64, generator=g).bfloat16()

@@ -5,7 +5,7 @@
 #include <stdint.h>
 
 #include "attention/scheduler.cuh"
-#include "binding/attn_qat.h"
+#include "attn_qat.h"
 
 /* ------------------------------------------------------------------------------------------------
    sm80/: the mma.sync kernels, any CUDA GPU. only_if: NULL, or a device flag without which the kernels exit at once

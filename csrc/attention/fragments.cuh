@@ -4,7 +4,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "binding/attn_qat.h"
+#include "attn_qat.h"
 #include "format/nvfp4.h"
 
 #define AQ_FULL_MASK 0xFFFFFFFFu

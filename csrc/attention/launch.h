@@ -6,7 +6,7 @@
 
 #include <type_traits>
 
-#include "binding/attn_qat.h"
+#include "attn_qat.h"
 
 /* f(std::integral_constant<int, D>()) for a head dim that aq_head_dim_supported accepts (checked before), and
    with_head_dim_and_dtype likewise with the dtype: where the call's sizes become the kernels' template arguments. */

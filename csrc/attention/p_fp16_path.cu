@@ -1,6 +1,6 @@
 /* The op p_fp16_path on the GPU: the kernels' own device functions for P's fp16 path (numerics.md §3), run on given
    exponent arguments, so that tests can hold them to attn_qat.reference bit for bit (tests/test_p_fp16.py). */
-#include "binding/attn_qat.h"
+#include "attn_qat.h"
 #include "attention/softmax.cuh"
 
 /* p_fp16_path_kernel's block as the sm90 forward computes it, in f16x2 pairs (p_quant.cuh: p_block_scale_pairs,

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <mutex>
 
-#include "binding/attn_qat.h"
+#include "attn_qat.h"
 
 namespace {
 

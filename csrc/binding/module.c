@@ -4,7 +4,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "binding/attn_qat.h"
+#include "attn_qat.h"
 
 #ifdef AQ_WITH_CUDA
 #define AQ_HAS_CUDA_KERNELS 1

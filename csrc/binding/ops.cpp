@@ -22,7 +22,7 @@
 #include <tuple>
 #include <vector>
 
-#include "binding/attn_qat.h"
+#include "attn_qat.h"
 
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "binding/attn_qat.h"
+#include "attn_qat.h"
 #include "format/nvfp4.h"
 
 static float load_half(const void *base, aq_dtype dtype, int64_t offset) {

@@ -1,6 +1,6 @@
 /* NVFP4 quantize / fake-quantize / dequantize on the CPU, in C.
    Bit-identical to the CUDA kernels: both apply nvfp4.h's block rule to the same fp32 values. */
-#include "binding/attn_qat.h"
+#include "attn_qat.h"
 #include "format/nvfp4.h"
 
 static float load_element(const void *base, aq_dtype dtype, int64_t offset) {

@@ -4,7 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "binding/attn_qat.h"
+#include "attn_qat.h"
 #include "format/nvfp4.h"
 
 // ----------------------------------------------------------------------------------------------

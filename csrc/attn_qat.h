@@ -1,4 +1,4 @@
-/* attn_qat kernel interface: the parameter structs and launchers that ops.cpp calls.
+/* attn_qat kernel interface (as FlashAttention-3's flash.h): the parameter structs and launchers that binding/ calls.
    Plain C, so the CPU kernels (C), the CUDA kernels (CUDA C) and the op glue (C++) share one definition.
    Every launcher returns NULL on success, else a static message saying what went wrong. */
 #pragma once
