@@ -421,7 +421,7 @@ def test_autocast_casts_fp32_inputs():
 def test_autocast_casts_the_float32_ones_of_mixed_inputs():
     """transformers' Qwen3 (5.2x, float32 weights under autocast) hands over q and k in float32 and v in bfloat16;
     autocast would cast all three for PyTorch's SDPA, and so does attn_qat, in the integrations' check too."""
-    from attn_qat.integrations.config import unsupported_reason
+    from attn_qat.integrations.routing import unsupported_reason
     q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 64, torch.float32, "cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert unsupported_reason(q, k, v.bfloat16(), None, 0.0, True, False) is None

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import attn_qat
 from attn_qat import AttnQATFallbackWarning, QATConfig, patch_sdpa
 from attn_qat.attention import Problem, input_problem, unsupported_reason
-from attn_qat.integrations import config as integration_config
+from attn_qat.integrations import routing as integration_routing
 
 
 def _x(*shape, dtype=torch.bfloat16):
@@ -86,7 +86,7 @@ def test_public_function_raises_the_reason(name):
 def _run_sdpa(args, kwargs, **config):
     """The integrations' common path (patch_sdpa, transformers, diffusers): torch's SDPA arguments in order."""
     bound = dict(zip(("query", "key", "value"), args), **kwargs)
-    return integration_config.run_sdpa(
+    return integration_routing.run_sdpa(
         bound["query"], bound["key"], bound["value"], bound.get("attn_mask"), bound.get("dropout_p", 0.0),
         bound.get("is_causal", False), None, bound.get("enable_gqa", False), config=QATConfig(**config), warned=set(),
         where="attn_qat (test)")
@@ -96,7 +96,7 @@ def _run_sdpa(args, kwargs, **config):
 def test_integrations_fall_back_on_the_same_reason(name):
     args, kwargs, _, _ = _case(name)
     reason = unsupported_reason(*args, **kwargs)
-    assert integration_config.unsupported_reason is unsupported_reason
+    assert integration_routing.unsupported_reason is unsupported_reason
     with pytest.raises(NotImplementedError) as raised:
         _run_sdpa(args, kwargs, strict=True)
     assert str(raised.value) == f"attn_qat (test): {reason} (strict=True forbids falling back to PyTorch SDPA)"

@@ -367,4 +367,4 @@ def test_empty_inputs_run_attn_qat(nq, nk):
     with recording() as rec, patch_sdpa(QATConfig(strict=True)):
         out = F.scaled_dot_product_attention(q, k, k)
     assert not rec.fallbacks and out.shape == (2, 2, nq, 64) and not out.any()
-    assert attn_qat.integrations.config.unsupported_reason(q, k, k) is None
+    assert attn_qat.integrations.routing.unsupported_reason(q, k, k) is None

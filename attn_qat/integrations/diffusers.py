@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from . import qk_transforms
-from .config import (DIFFUSERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version, run_sdpa,
-                     torch_sdpa)
+from .config import DIFFUSERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version
+from .routing import run_sdpa, torch_sdpa
 
 BACKEND = "attn_qat"
 

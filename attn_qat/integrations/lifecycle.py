@@ -1,36 +1,11 @@
 """The model lifecycle, after torchao's quantize-aware training flow: `prepare` installs FP4 attention,
 the model trains, `convert` switches it to inference; `disable` / `enable` toggle it in between."""
-import sys
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from .config import QATConfig, module_state
-
-FilterFn = Callable[[torch.nn.Module, str], bool]
-
-
-def _is_transformers_model(model: torch.nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
-
-
-def _is_diffusers_model(model: torch.nn.Module) -> bool:
-    diffusers = sys.modules.get("diffusers")
-    return diffusers is not None and isinstance(model, diffusers.ModelMixin)
-
-
-def _unwrap_peft(model: torch.nn.Module, filter_fn: Optional[FilterFn]):
-    """The model a PEFT `PeftModel` wraps (`get_base_model()`: for LoRA, the transformers or diffusers model
-    whose linear layers carry the adapters) and `filter_fn` adapted so that it still sees names in `model`."""
-    peft = sys.modules.get("peft")
-    if peft is None or not isinstance(model, peft.PeftModel):
-        return model, filter_fn
-    base = model.get_base_model()
-    prefix = next(name for name, module in model.named_modules() if module is base)
-    if filter_fn is None or not prefix:
-        return base, filter_fn
-    return base, lambda module, name: filter_fn(module, f"{prefix}.{name}" if name else prefix)
+from .models import FilterFn, is_diffusers_model, is_transformers_model, unwrap_peft
 
 
 def prepare(model: torch.nn.Module, config: Optional[QATConfig] = None,
@@ -52,11 +27,11 @@ def prepare(model: torch.nn.Module, config: Optional[QATConfig] = None,
     """
     config = config if config is not None else QATConfig()
     warned = set()
-    base, base_filter_fn = _unwrap_peft(model, filter_fn)
-    if _is_transformers_model(base):
+    base, base_filter_fn = unwrap_peft(model, filter_fn)
+    if is_transformers_model(base):
         from .transformers import prepare_transformers
         prepare_transformers(base, config, base_filter_fn, warned)
-    elif _is_diffusers_model(base):
+    elif is_diffusers_model(base):
         from .diffusers import prepare_diffusers
         prepare_diffusers(base, config, base_filter_fn, warned)
     else:

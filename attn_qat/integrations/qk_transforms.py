@@ -9,6 +9,7 @@ import torch
 from ..host_cache import HostCache
 from ..transforms import transform_qk
 from .config import QATConfig, module_state
+from .models import unwrap_peft
 
 # The buffers of an attention module that hold its calibrated K shift and Q/K balance scales, (H_kv, D) float32.
 K_SHIFT_BUFFER = "attn_qat_k_shift"
@@ -153,9 +154,8 @@ def calibrate_k_shift(model, batches, run=None):
     one rank's buffers everywhere; DDP's default broadcast_buffers sends rank 0's): the shift is part of the
     model's numerics.
     """
-    from .lifecycle import _unwrap_peft
 
-    base, _ = _unwrap_peft(model, None)
+    base, _ = unwrap_peft(model, None)
     targets = [(m, s) for m in base.modules() if (s := module_state(m)) is not None and s.selected and
                s.config.calibrated_qk]
     if not targets:

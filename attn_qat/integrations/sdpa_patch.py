@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from .config import QATConfig, passing_through, run_sdpa
+from .config import QATConfig
+from .routing import passing_through, run_sdpa
 
 # The function every spelling of SDPA is: torch.nn.functional's attribute, a name imported from it, torch._C._nn's.
 _SDPA = torch._C._nn.scaled_dot_product_attention

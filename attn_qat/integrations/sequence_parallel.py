@@ -12,7 +12,7 @@ key 0, the per-row softmax frame) are those of the unsharded call; ring attentio
   sharded over `group` and its self-attention through the all-to-all; `all_reduce_gradients` then sums the
   parameter gradients over the group.
 
-The attention of a module under `ulysses_wan` goes through the all-to-all inside `run_sdpa` (config.py), the one
+The attention of a module under `ulysses_wan` goes through the all-to-all inside `run_sdpa` (routing.py), the one
 routine through which every integration calls attn_qat: the module's forward hooks mark the call (a per-thread
 flag, `current`), and `run_sdpa` hands a marked call to `UlyssesCall.sdpa`. The processor itself is not changed.
 See docs/integrations.md, "Sequence parallel (Ulysses)".

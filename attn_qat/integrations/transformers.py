@@ -19,8 +19,8 @@ import torch
 
 from ..host_cache import HostCache
 from . import qk_transforms
-from .config import (TRANSFORMERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version, run_sdpa,
-                     unsupported_reason, warn_once)
+from .config import TRANSFORMERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version
+from .routing import run_sdpa, unsupported_reason, warn_once
 
 IMPLEMENTATION = "attn_qat"
 # The tag an `attn_qat.NVFP4Cache` puts on the keys it returns (kv_cache_transformers.CACHE_LAYER_ATTR; kept
