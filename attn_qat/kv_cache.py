@@ -120,7 +120,7 @@ class NVFP4KVCache:
             if self.paged:
                 self._free.extend(reversed(self._pages[b]))
                 self._pages[b] = []
-        self._lengths.copy_(torch.tensor(self._host_lengths, dtype=torch.long))
+        self._lengths.copy_(self._staged(self._host_lengths, torch.long), non_blocking=True)
         self._sync_block_table()
 
     @property
@@ -130,7 +130,14 @@ class NVFP4KVCache:
 
     def _sync_block_table(self) -> None:
         rows = [pages + [-1] * (self.block_table.shape[1] - len(pages)) for pages in self._pages]
-        self.block_table.copy_(torch.tensor(rows, dtype=torch.int32))
+        self.block_table.copy_(self._staged(rows, torch.int32), non_blocking=True)
+
+    def _staged(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """`values` as a host tensor to copy to the cache's device. On a GPU it is pinned, so that the copy is queued
+        on the stream: from pageable memory CUDA first waits for the stream to drain, which stalled every decode
+        step of every layer (torch's pinned-memory allocator keeps the buffer alive until the copy is done)."""
+        host = torch.tensor(values, dtype=dtype)
+        return host.pin_memory() if self.device.type == "cuda" else host
 
     @property
     def nbytes(self) -> int:
@@ -210,7 +217,7 @@ class NVFP4KVCache:
             self._sync_block_table()
         try:
             with torch.no_grad():
-                self._store(k, v, counts)
+                self._store(k, v, self._slots(counts, k.shape[2]))
         except BaseException:  # a failed store (out of memory, say) gives its pages back: the append changed nothing
             if any(new_pages):
                 for pages, extra in zip(self._pages, new_pages):
@@ -219,19 +226,34 @@ class NVFP4KVCache:
                 self._sync_block_table()
             raise
         self._host_lengths = [n + c for n, c in zip(self._host_lengths, counts)]
-        self._lengths.copy_(torch.tensor(self._host_lengths, dtype=torch.long))
+        if all(c == k.shape[2] for c in counts):
+            self._lengths += k.shape[2]  # on the device: a decode step copies nothing from the host
+        else:
+            self._lengths.copy_(self._staged(self._host_lengths, torch.long), non_blocking=True)
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, counts: list) -> None:
-        held, ps = self._host_lengths, self.page_size
-        # Every real (sequence, token) pair: its place in k / v, and in the cache (page, token in the page).
+    def _slots(self, counts: list, tokens: int):
+        """(b_idx, t_idx, page, slot), int64 on the cache's device: every real (sequence, token) pair's place in the
+        appended k / v and in the cache (page, token in the page). When every sequence appends all `tokens` (a decode
+        step) they are computed on the device from `lengths` and `block_table`, without a host-to-device copy."""
+        ps = self.page_size
+        if all(c == tokens for c in counts):
+            t = torch.arange(tokens, device=self.device)
+            position = self._lengths[:, None] + t  # (batch, tokens)
+            page = self.block_table.gather(1, position // ps).long()
+            b_idx = torch.arange(self.batch, device=self.device)[:, None].expand_as(position)
+            return b_idx.reshape(-1), t.expand_as(position).reshape(-1), page.reshape(-1), (position % ps).reshape(-1)
+        held = self._host_lengths
         pairs = [(b, t, self._pages[b][(held[b] + t) // ps], (held[b] + t) % ps)
                  for b, c in enumerate(counts) for t in range(c)]
-        b_idx, t_idx, page, slot = torch.tensor(pairs, dtype=torch.long).t().to(self.device).unbind(0)
+        return self._staged(pairs, torch.long).to(self.device, non_blocking=True).t().unbind(0)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slots) -> None:
+        b_idx, t_idx, page, slot = slots
         codes, scales = ops.nvfp4_quantize(k, 3)
         self.k_codes[page, :, slot] = codes[b_idx, :, t_idx]
         self.k_scales[page, :, slot] = scales.view(torch.uint8)[b_idx, :, t_idx]
         codes, scales = ops.nvfp4_quantize(v, 3)
-        n, h, d = len(pairs), self.heads_kv, self.head_dim
+        n, h, d = b_idx.shape[0], self.heads_kv, self.head_dim
         self._v_codes_by_half()[page, :, slot // 2, :, slot % 2] = codes[b_idx, :, t_idx].view(n, h, d // 4, 2)
         r = slot % BLOCK  # token r of its unit sits at 4 * ((r % 8) // 2) + 2 * (r // 8) + r % 2 of each block's row
         self._v_scales_by_unit()[page, :, slot // BLOCK, :, r % 8 // 2, r // 8, r % 2] = \

@@ -419,6 +419,25 @@ def test_paged_reset_returns_pages_for_reuse(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [None, 16], ids=["unpaged", "paged"])
+def test_decode_steps_copy_nothing_from_the_host(device, page_size, monkeypatch):
+    # Steps in which every sequence appends the same tokens into pages it already holds find their slots on the
+    # device: a host-to-device copy from pageable memory waits for the stream to drain, once per layer and step.
+    paging = {} if page_size is None else {"page_size": page_size}
+    f = fill(3, 2, 64, [(37, [37, 16, 5])], device=device, capacity=64, **paging)
+    staged = []
+    monkeypatch.setattr(f.cache, "_staged", lambda *args: staged.append(args) or NVFP4KVCache._staged(f.cache, *args))
+    for tokens in (1, 1, 3, 1):  # 37 -> 43, 16 -> 22 (a new page at 17 once paged), 5 -> 11
+        before = len(staged)
+        f.append(tokens)
+        lengths = f.cache.lengths.tolist()
+        new_page = page_size is not None and any(-(-n // page_size) > -(-(n - tokens) // page_size) for n in lengths)
+        assert len(staged) - before == (1 if new_page else 0), f"after {tokens} tokens: {staged[before:]}"
+    assert f.cache.lengths.tolist() == [43, 22, 11]
+    check(f, f.query(4, 3), label="after device-side appends")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_paged_failed_store_gives_pages_back(device, monkeypatch):
     # An append that fails after taking its pages (the store runs out of memory, say) leaves the pool as it was.
     f = Filled(2, 1, 64, 64, torch.bfloat16, device, page_size=16, num_pages=4)

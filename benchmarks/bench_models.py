@@ -1,0 +1,196 @@
+"""The step a user pays: whole models with attn_qat against the same models on torch SDPA (cuDNN, and FlashAttention-2
+through SDPA's flash backend), in one process, with peak memory.
+
+- qwen3_train_4k / qwen3_train_8k: one training step (forward, backward, AdamW step) of a Qwen3-1.7B-shaped
+  `Qwen3ForCausalLM` (28 layers, 16 / 8 heads of head_dim 128, random weights, bf16) on one sequence of 4096 /
+  8192 tokens; attn_qat through `attn_qat.prepare` (mode attn_qat), the others through attn_implementation="sdpa"
+  under `sdpa_kernel` (cuDNN, FLASH).
+- generate_b8: `generate` at batch 8, a 4096-token prompt and 128 new tokens (greedy, no early stop): attn_qat
+  through `prepare` + `convert` + `attn_qat.NVFP4Cache`, against SDPA with transformers' default cache. Reports
+  tokens per second (new tokens over the whole call, prefill included) and the decode steps alone (the call minus
+  a 1-token call).
+- wan13b_train (when diffusers is installed): one training step of Wan 2.1 1.3B's DiT (`WanTransformer3DModel`
+  with its real config, random weights, bf16, 480x832x81 frames = 32760 tokens) with diffusers' gradient
+  checkpointing; attn_qat through `attn_qat.prepare`, the others through diffusers' native attention (SDPA).
+
+Each case's time is the median of --repeat steps in each of --rounds rounds (cases in reverse order every other
+round), then the median over rounds, as bench_attention.py does (the lent H100s run at their power cap).
+
+    python benchmarks/bench_models.py [--out benchmarks/results/models.json] [--only qwen3_train_4k,...]
+"""
+import contextlib
+import copy
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attn_qat  # noqa: E402
+from common import metadata, parse_bench_args, write_json  # noqa: E402
+
+QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                  rope_theta=1000000.0, tie_word_embeddings=True)
+CASES = ("qwen3_train_4k", "qwen3_train_8k", "generate_b8", "wan13b_train")
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
+
+
+def wall_ms(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def rounds_of(arms: dict, repeat: int, rounds: int) -> dict:
+    """{arm: (median ms, peak GiB)}: each arm's fn timed `repeat` times a round, the arms in reverse order every other
+    round; an arm that raises gets None."""
+    times, peaks, failed = {a: [] for a in arms}, {a: 0.0 for a in arms}, {}
+    order = list(arms)
+    for r in range(rounds):
+        for arm in (order if r % 2 == 0 else order[::-1]):
+            if arm in failed:
+                continue
+            try:
+                arms[arm](warm=True)
+                torch.cuda.reset_peak_memory_stats()
+                times[arm].append(statistics.median(wall_ms(arms[arm]) for _ in range(repeat)))
+                peaks[arm] = max(peaks[arm], torch.cuda.max_memory_allocated() / 2 ** 30)
+            except Exception as e:  # noqa: BLE001 (out of memory, a backend that declines the shape)
+                failed[arm] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                print(f"  {arm}: failed: {failed[arm]}")
+            gc.collect()
+            torch.cuda.empty_cache()
+    return {a: {"ms": statistics.median(times[a]) if times[a] else None, "peak_gib": peaks[a] if times[a] else None,
+                "rounds_ms": times[a], "error": failed.get(a)} for a in arms}
+
+
+def qwen3_model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    config = Qwen3Config(**QWEN3_1_7B, attn_implementation="sdpa")
+    return Qwen3ForCausalLM(config).to("cuda", torch.bfloat16)
+
+
+def qwen3_train(tokens: int, repeat: int, rounds: int) -> dict:
+    base = qwen3_model()
+    ids = torch.randint(0, QWEN3_1_7B["vocab_size"], (1, tokens), device="cuda")
+    models = {"attn_qat": attn_qat.prepare(copy.deepcopy(base)), "sdpa": base}
+
+    def step(model, backend=None):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+
+        def run(warm=False):
+            for _ in range(2 if warm else 1):
+                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                    loss = model(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return run
+
+    arms = {"attn_qat": step(models["attn_qat"])}
+    arms.update({name: step(models["sdpa"], b) for name, b in BACKENDS.items()})
+    return rounds_of(arms, repeat, rounds)
+
+
+def generate_b8(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, new: int = 128) -> dict:
+    import transformers
+    from packaging.version import Version
+    cache_kw = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+    base = qwen3_model().eval()
+    ids = torch.randint(0, QWEN3_1_7B["vocab_size"], (batch, prompt), device="cuda")
+    fp4 = attn_qat.convert(attn_qat.prepare(copy.deepcopy(base))).eval()
+
+    def gen(model, steps, nvfp4, backend=None):
+        def run(warm=False):
+            kwargs = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+            if nvfp4:
+                kwargs[cache_kw] = attn_qat.NVFP4Cache(model.config, max_cache_len=prompt + steps)
+            with torch.no_grad(), sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        return run
+
+    arms = {}
+    for steps in (new, 1):
+        arms[f"attn_qat_nvfp4cache_{steps}"] = gen(fp4, steps, True)
+        arms[f"sdpa_default_{steps}"] = gen(base, steps, False)
+    result = rounds_of(arms, repeat, rounds)
+    for arm in ("attn_qat_nvfp4cache", "sdpa_default"):
+        full, one = result[f"{arm}_{new}"]["ms"], result[f"{arm}_1"]["ms"]
+        if full is not None and one is not None:
+            result[f"{arm}_{new}"]["tokens_per_s"] = batch * new / (full / 1e3)
+            result[f"{arm}_{new}"]["decode_ms_per_step"] = (full - one) / (new - 1)
+    return result
+
+
+def wan13b_train(repeat: int, rounds: int) -> dict:
+    from diffusers import WanTransformer3DModel
+    torch.manual_seed(0)
+    # Wan 2.1 T2V 1.3B's transformer config
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                                  out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30,
+                                  cross_attn_norm=True, eps=1e-6, rope_max_seq_len=1024).to("cuda", torch.bfloat16)
+    model.enable_gradient_checkpointing()
+    frames, height, width = 21, 60, 104  # latents of 81 x 480 x 832: 21 x 30 x 52 patches = 32760 tokens
+    x = torch.randn(1, 16, frames, height, width, device="cuda", dtype=torch.bfloat16)
+    text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16)
+    t = torch.tensor([500], device="cuda")
+    fp4 = attn_qat.prepare(copy.deepcopy(model))
+
+    def step(m, backend=None):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-6, foreach=True)
+
+        def run(warm=False):
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                out = m(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+                out.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return run
+
+    arms = {"attn_qat": step(fp4)}
+    arms.update({name: step(model, b) for name, b in BACKENDS.items()})
+    return rounds_of(arms, repeat, rounds)
+
+
+def main():
+    args = parse_bench_args("models", __doc__, 3, "the Qwen3 cases only", lambda p: p.add_argument(
+        "--rounds", type=int, default=3, help="rounds over the cases (>= 1)"))
+    if args.rounds < 1:
+        sys.exit("--rounds must be at least 1")
+    unknown = [x for x in args.only if x not in CASES]
+    if unknown:
+        sys.exit(f"--only: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    chosen = [c for c in CASES if (not args.only or c in args.only) and (not args.quick or c.startswith("qwen3"))]
+    results = {}
+    for case in chosen:
+        print(f"{case} ...", flush=True)
+        if case == "wan13b_train":
+            try:
+                import diffusers  # noqa: F401
+            except ImportError:
+                print("  skipped: diffusers is not installed")
+                continue
+            results[case] = wan13b_train(args.repeat, args.rounds)
+        elif case == "generate_b8":
+            results[case] = generate_b8(args.repeat, args.rounds)
+        else:
+            results[case] = qwen3_train(int(case.split("_")[-1][:-1]) * 1024, args.repeat, args.rounds)
+        gc.collect()
+        torch.cuda.empty_cache()
+        for arm, r in results[case].items():
+            extra = "".join(f", {k} {r[k]:.2f}" for k in ("tokens_per_s", "decode_ms_per_step") if k in r)
+            ms = "failed" if r["ms"] is None else f"{r['ms']:.1f} ms, peak {r['peak_gib']:.1f} GiB"
+            print(f"  {arm}: {ms}{extra}", flush=True)
+    write_json(args.out, {"meta": metadata(), "rounds": args.rounds, "repeat": args.repeat, "results": results})
+
+
+if __name__ == "__main__":
+    main()
