@@ -49,8 +49,8 @@ def wall_ms(fn) -> float:
 
 
 def rounds_of(arms: dict, repeat: int, rounds: int) -> dict:
-    """{arm: (median ms, peak GiB)}: each arm's fn timed `repeat` times a round, the arms in reverse order every other
-    round; an arm that raises gets None."""
+    """{arm: (median ms, peak GiB)}: each arm's fn warmed up in the first round, then timed `repeat` times a round,
+    the arms in reverse order every other round; an arm that raises gets None."""
     times, peaks, failed = {a: [] for a in arms}, {a: 0.0 for a in arms}, {}
     order = list(arms)
     for r in range(rounds):
@@ -58,7 +58,8 @@ def rounds_of(arms: dict, repeat: int, rounds: int) -> dict:
             if arm in failed:
                 continue
             try:
-                arms[arm](warm=True)
+                if r == 0:
+                    arms[arm](warm=True)
                 torch.cuda.reset_peak_memory_stats()
                 times[arm].append(statistics.median(wall_ms(arms[arm]) for _ in range(repeat)))
                 peaks[arm] = max(peaks[arm], torch.cuda.max_memory_allocated() / 2 ** 30)
