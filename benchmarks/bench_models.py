@@ -190,7 +190,7 @@ def main():
             extra = "".join(f", {k} {r[k]:.2f}" for k in ("tokens_per_s", "decode_ms_per_step") if k in r)
             ms = "failed" if r["ms"] is None else f"{r['ms']:.1f} ms, peak {r['peak_gib']:.1f} GiB"
             print(f"  {arm}: {ms}{extra}", flush=True)
-    write_json(args.out, {"meta": metadata(), "rounds": args.rounds, "repeat": args.repeat, "results": results})
+    write_json(args.out, {**metadata(), "rounds": args.rounds, "repeat": args.repeat, "results": results})
 
 
 if __name__ == "__main__":

@@ -156,12 +156,46 @@ def varlen_section(d):
                      f"{fmt(fa_ratio, '.2f') + 'x' if fa_ratio is not None else 'n/a'} |")
     return "\n".join(lines) + "\n"
 
+MODEL_CASES = {
+    "qwen3_train_4k": "Qwen3-1.7B-shaped training step, 4096 tokens",
+    "qwen3_train_8k": "Qwen3-1.7B-shaped training step, 8192 tokens",
+    "wan13b_train": "Wan 2.1 1.3B DiT training step, 32760 tokens (gradient checkpointing)",
+    "generate_b8": "generate, batch 8, 4096-token prompt, 128 new tokens",
+}
+
+
+def models_section(d):
+    lines = [f"## Whole models (`bench_models.py`)\n",
+             f"{d['gpu']}, {d['date']}, commit {d['commit']}, torch {d['torch']}. Random weights, bf16. Each cell is the "
+             f"median over {d['rounds']} rounds of the arms (order reversed every other round) of the median of "
+             f"{d['repeat']} call(s), wall time between device synchronisations; peak is torch's max_memory_allocated. "
+             "Training: attn_qat through `attn_qat.prepare`, cuDNN and FA2 through torch SDPA's backends in the "
+             "model's own attention. generate: attn_qat through `prepare` + `convert` + `NVFP4Cache`, SDPA with "
+             "transformers' default cache; decode ms per step is (128-token call - 1-token call) / 127.\n",
+             "| case | arm | ms | peak GiB | ratio to the SDPA baseline | tokens/s | decode ms per step |",
+             "|---|---|---|---|---|---|---|"]
+    for case, title in MODEL_CASES.items():
+        arms = d["results"].get(case)
+        if not arms:
+            continue
+        base = arms.get("cudnn") or next((a for name, a in arms.items() if name.startswith("sdpa_default_")
+                                          and "tokens_per_s" in a), None)
+        for name, a in arms.items():
+            if case == "generate_b8" and "tokens_per_s" not in a and a["ms"] is not None:
+                continue  # the 1-token calls only serve the decode-step difference
+            ratio = a["ms"] / base["ms"] if base and base["ms"] and a["ms"] else None
+            lines.append(f"| {title} | {name} | {fmt(a['ms'], '.1f')} | {fmt(a['peak_gib'], '.1f')} | "
+                         f"{fmt(ratio, '.3f')} | {fmt(a.get('tokens_per_s'), '.0f')} | "
+                         f"{fmt(a.get('decode_ms_per_step'), '.2f')} |")
+    return "\n".join(lines) + "\n"
+
 
 def main():
     parts = [HEADER]
     for name, section in (("quant.json", quant_section), ("attention.json", attention_section),
                           ("v_block_axis.json", v_block_axis_section), ("prefill.json", prefill_section),
-                          ("decode.json", decode_section), ("varlen.json", varlen_section)):
+                          ("decode.json", decode_section), ("varlen.json", varlen_section),
+                          ("models.json", models_section)):
         path = os.path.join(RESULTS, name)
         if os.path.exists(path):
             parts.append(section(json.load(open(path))))
