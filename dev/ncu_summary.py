@@ -10,8 +10,8 @@ On the GPU machine (Firecracker kinds have ncu; leave the clocks alone):
 
 For each kernel in the CSV: the stall reasons over all samples; the stretches between wgmma commits, wgmma
 waits, branches and mbarrier waits that hold at least 1% of the samples, with their instructions per visit; and
-the 25 instructions with the most samples and their two main reasons. docs/performance.md ("How to measure")
-shows what it finds.
+the 25 instructions with the most samples and their two main reasons. docs/performance.md ("What bounds each kernel
+now") shows what it finds; dev/README.md ("How to measure") where it fits.
 """
 import csv
 import sys

@@ -407,7 +407,7 @@ def measure_tiling(args):
 
 
 def summary(result):
-    """Markdown tables of a `measure` run (docs/numerics.md §3 quotes them)."""
+    """Markdown tables of a `measure` run (docs/results/p_fp16/README.md quotes them)."""
     rows = result["rows"]
     names = list(rows[0]["designs"])
     chosen = names[0]
