@@ -37,7 +37,7 @@ def main():
         torch.manual_seed(0)
         teacher = fc.fresh_bf16_model(task)
         student = fc.fresh_bf16_model(task) if name == "bf16" else fc.prepare_arm(task, task.fresh_model(), name)
-        rows = fc.train(task, student, "attn_qat_qk_distill", 0, args, lambda message: None, teacher=teacher)
+        rows = fc.train(task, student, "attn_qat_qk_distill", 0, args, progress=False, teacher=teacher)
         teacher.eval()
         if name != "bf16":
             attn_qat.convert(student)

@@ -72,12 +72,24 @@ def finish_args(parser, args):
     return args
 
 
-def lr_at(step, args):
-    """Linear warmup to args.lr, then cosine decay to 10% of it (step counts from 1)."""
-    if step <= args.warmup_steps:
-        return args.lr * step / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+def warmup_cosine_schedule(optimizer, warmup_steps, steps):
+    """transformers' schedule: linear warmup to the optimizer's lr, then cosine decay to 10% of it. Update k (from 1)
+    trains at the schedule's value for step k: last_epoch=0 starts it one step in, so the first update does not
+    train at step 0's lr of 0. Call step() after each optimizer step."""
+    try:
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+    except ImportError as e:
+        raise ImportError('the learning-rate schedule is transformers\' (the examples extra: python -m pip install '
+                          '-e ".[examples]")') from e
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])  # what a schedule resumed at last_epoch >= 0 decays from
+    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup_steps, steps, min_lr_rate=0.1, last_epoch=0)
+
+
+def progress_bar(total, desc):
+    """A tqdm bar over `total` steps; off a terminal (a log file) it redraws at most every 30 s."""
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
 
 # -------------------------------------------------------------------------------------------- runner
@@ -112,13 +124,6 @@ class ArmRunner:
                 raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of WORLD_SIZE {self.world}")
         self.device_type = torch.device(args.device).type
         self.amp_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-        self.tqdm = None
-        if self.is_main:
-            try:
-                from tqdm.auto import tqdm
-                self.tqdm = tqdm
-            except ImportError:
-                print("tqdm not installed: no progress bars")
 
     def log(self, message):
         if self.is_main:
@@ -160,23 +165,22 @@ class ArmRunner:
                 model, device_ids=[torch.device(args.device).index] if self.device_type == "cuda" else None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                       fused=self.device_type == "cuda")
+        schedule = warmup_cosine_schedule(optimizer, args.warmup_steps, args.steps)
         scaler = torch.amp.GradScaler(self.device_type, enabled=self.amp_dtype == torch.float16)
         # Same generator seed for every arm: identical batches in identical order.
         batch_gen = self.batch_generator()
         rows = {arm: []}
         if fp4_eval:
             rows["fp4_inference"] = []
-        # A bar redrawn in a log file floods it: off a terminal, each evaluation prints a line instead.
-        bar = self.tqdm(total=args.steps, desc=arm, dynamic_ncols=True) if self.tqdm and sys.stderr.isatty() else None
+        bar = progress_bar(args.steps, arm) if self.is_main else None
+        shown = {}  # the bar's numbers: the last step's, and the last evaluation's
         if self.device_type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         model.train()
         for step in range(1, args.steps + 1):
             batch = self.train_batch(batch_gen)
-            lr = lr_at(step, args)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = schedule.get_last_lr()[0]
             loss = self.loss(train_model, self.local_rows(batch))
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
@@ -185,6 +189,7 @@ class ArmRunner:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)
             scaler.update()
+            schedule.step()
             row = {"step": step, "train_loss": self.mean_over_ranks(loss).item(), "grad_norm": grad_norm.item(),
                    "lr": lr, "val_loss": ""}
             elapsed = time.perf_counter() - start
@@ -201,18 +206,19 @@ class ArmRunner:
                     rows["fp4_inference"].append({"step": step, "train_loss": "", "grad_norm": "", "lr": "",
                                                   "val_loss": self.evaluate(model), "elapsed_s": elapsed})
                     attn_qat.disable(model)
-                if not bar:
-                    self.log(f"{arm}: step {step}/{args.steps}, train loss {row['train_loss']:.4f}, "
-                             f"val loss {row['val_loss']:.4f}, {elapsed:.0f} s")
+                shown["val"] = f"{row['val_loss']:.4f}"
+                if fp4_eval:
+                    shown["val_fp4"] = f"{rows['fp4_inference'][-1]['val_loss']:.4f}"
             row["elapsed_s"] = time.perf_counter() - start
             rows[arm].append(row)
-            if bar:
+            if bar is not None:
+                shown.update(loss=f"{row['train_loss']:.3f}", gnorm=f"{row['grad_norm']:.2f}",
+                             tok_s=f"{step * self.tokens_per_step / elapsed:,.0f}")
+                bar.set_postfix(shown, refresh=False)
                 bar.update()
-                bar.set_postfix(loss=f"{row['train_loss']:.3f}", gnorm=f"{row['grad_norm']:.2f}",
-                                tok_s=f"{step * self.tokens_per_step / elapsed:,.0f}")
             if out_of_time:
                 break
-        if bar:
+        if bar is not None:
             bar.close()
         elapsed = rows[arm][-1]["elapsed_s"]
         steps_done = rows[arm][-1]["step"]

@@ -30,12 +30,14 @@ Evaluations without training (post-training quantization, PTQ):
 
 Every entry is evaluated item by item on one fixed held-out set (the same items for every arm and seed), so
 entries are compared pairwise over the items: 95% intervals are percentile intervals of a paired bootstrap over
-the held-out items (10,000 resamples, one set of resamples for every statistic of a report). An interval covers
-the variation of the held-out sample, not that of the seeds: the seeds are reported one by one next to it.
+the held-out items (scipy.stats.bootstrap, 10,000 resamples, one set of resamples for every statistic of a
+report). An interval covers the variation of the held-out sample, not that of the seeds: the seeds are reported
+one by one next to it.
 
 Training: AdamW on fp32 master copies of the bf16 weights (a bf16 weight rounds away updates below half its
 last bit, which at fine-tuning learning rates are most of them), bf16 autocast, linear warmup then cosine decay
-to 10% of the peak, gradient clipping at 1.0; the logged gradient norm is before clipping.
+to 10% of the peak (transformers' get_cosine_with_min_lr_schedule_with_warmup), gradient clipping at 1.0; the
+logged gradient norm is before clipping.
 
 Outputs under --out: runs/<entry>_seed<k>.json (per-item held-out losses and the task's extras) and
 runs/<arm>_seed<k>.csv (the training curve), each written as its run ends, so a timeout loses at most the run in
@@ -53,16 +55,19 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 import attn_qat
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import git_commit, smooth  # noqa: E402
+from common import git_commit, progress_bar, smooth, warmup_cosine_schedule  # noqa: E402
 
 ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o", "attn_qat_qk", "attn_qat_qk_distill",
         "attn_qat_qk_distill_frozen")
 FP4_ARMS = ARMS[1:]
+# Arms that break one of the paper's two principles (docs/numerics.md §5): compared with attn_qat pairwise.
+PRINCIPLE_ABLATIONS = ("high_precision_p", "low_precision_o")
 # What each arm sets in its QATConfig (every other arm: mode=arm).
 ARM_SETTINGS = {arm: dict(mode="attn_qat", rotate_qk=True, shift_k=True)
                 for arm in ("attn_qat_qk", "attn_qat_qk_distill", "attn_qat_qk_distill_frozen")}
@@ -160,14 +165,6 @@ def finish_args(parser, args):
     return args
 
 
-def lr_at(step, steps, warmup, peak):
-    """Linear warmup to `peak`, then cosine decay to 10% of it (step counts from 1)."""
-    if step <= warmup:
-        return peak * step / max(1, warmup)
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 # ------------------------------------------------------------------------------------------ training
 
 def to_bf16_weights(model):
@@ -193,8 +190,9 @@ class MasterWeightAdamW:
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
 
     @torch.no_grad()
-    def step(self, lr, clip=1.0):
-        """One step from the model's gradients; returns the gradient norm before clipping (a 0-d tensor)."""
+    def step(self, clip=1.0):
+        """One step from the model's gradients at the optimizer's learning rate (self.optimizer's, which a schedule
+        sets); returns the gradient norm before clipping (a 0-d tensor)."""
         with_grad = [(m.grad, p.grad) for m, p in zip(self.master, self.params) if p.grad is not None]
         for m, p in zip(self.master, self.params):
             if p.grad is None:
@@ -203,8 +201,6 @@ class MasterWeightAdamW:
         if with_grad:
             torch._foreach_copy_(*map(list, zip(*with_grad)))  # one launch per dtype group, not per tensor
         norm = torch.nn.utils.clip_grad_norm_(self.master, clip)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         self.optimizer.step()
         torch._foreach_copy_(self.params, self.master)
         return norm
@@ -234,12 +230,14 @@ class Deadline:
         return self.limit is None or self.elapsed() + self.factor(arm) * self.longest <= self.limit
 
 
-def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, teacher=None, teacher_learns=True):
+def train(task, model, arm, seed, args, progress=True, generator=None, weight_decay=None, teacher=None,
+          teacher_learns=True):
     """Fine-tunes `model` (prepared for `arm`) in place for args.steps steps (schedule: args.lr, args.warmup_steps;
-    evaluations every args.eval_every); returns the curve rows (CURVE_FIELDS). Batches come from `generator`
-    (default: task.batch_generator(seed)). With a `teacher` (a bf16 model), `model` learns from the teacher's output
-    on each batch (task.distillation_loss) instead of the data; unless teacher_learns=False (a finished teacher,
-    frozen), the teacher takes the bf16 arm's step on each batch first.
+    evaluations every args.eval_every); returns the curve rows (CURVE_FIELDS). A tqdm bar shows the progress and the
+    last evaluation (`progress`: its label, True for "<arm> seed <seed>", False for no bar). Batches come from
+    `generator` (default: task.batch_generator(seed)). With a `teacher` (a bf16 model), `model` learns from the
+    teacher's output on each batch (task.distillation_loss) instead of the data; unless teacher_learns=False (a
+    finished teacher, frozen), the teacher takes the bf16 arm's step on each batch first.
 
     The gradient norm and loss stay on the device until an evaluation, so the host does not wait for the device at
     every step. At each evaluation the held-out curve subset is evaluated; the bf16 arm also evaluates it with FP4
@@ -247,18 +245,21 @@ def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, 
     """
     weight_decay = task.weight_decay if weight_decay is None else weight_decay
     optimizer = MasterWeightAdamW(model.parameters(), lr=args.lr, weight_decay=weight_decay)
+    schedule = warmup_cosine_schedule(optimizer.optimizer, args.warmup_steps, args.steps)
     if teacher is not None and teacher_learns:
         teacher_optimizer = MasterWeightAdamW(teacher.parameters(), lr=args.lr, weight_decay=weight_decay)
+        teacher_schedule = warmup_cosine_schedule(teacher_optimizer.optimizer, args.warmup_steps, args.steps)
         teacher.train()
     generator = task.batch_generator(seed) if generator is None else generator
     rows, pending = [], []
     sync = (lambda: torch.cuda.synchronize(model_device(model))) if task.device.type == "cuda" else (lambda: None)
+    bar = progress_bar(args.steps, f"{arm} seed {seed}" if progress is True else progress) if progress else None
     sync()
     start = time.perf_counter()
     model.train()
     for step in range(1, args.steps + 1):
         batch = task.train_batch(generator)
-        lr = lr_at(step, args.steps, args.warmup_steps, args.lr)
+        lr = schedule.get_last_lr()[0]
         if teacher is None:
             with task.autocast():
                 loss = task.loss(model, batch)
@@ -270,7 +271,8 @@ def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, 
                     target = task.output(teacher, batch)
                     teacher_loss = task.loss_from_output(target, batch)
                 teacher_loss.backward()
-                teacher_optimizer.step(lr)
+                teacher_optimizer.step()
+                teacher_schedule.step()
             else:
                 with torch.no_grad(), task.autocast():
                     target = task.output(teacher, batch)
@@ -282,7 +284,8 @@ def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, 
             with torch.no_grad():
                 data_loss = task.loss_from_output(output.detach(), batch)
             del target, output
-        norm = optimizer.step(lr)
+        norm = optimizer.step()
+        schedule.step()
         pending.append((step, data_loss, distill_loss, norm, lr))
         if step % args.eval_every == 0 or step == args.steps:
             values = torch.stack([torch.stack((l.float(), d.float(), n.float())) for _, l, d, n, _ in pending]).tolist()
@@ -297,9 +300,16 @@ def train(task, model, arm, seed, args, log, generator=None, weight_decay=None, 
                 row["val_loss_fp4"] = task.curve_loss(model)
                 attn_qat.disable(model)
             row["elapsed_s"] = time.perf_counter() - start
-            fp4 = f", FP4 {row['val_loss_fp4']:.4f}" if arm == "bf16" else ""
-            log(f"  {arm} seed {seed}: step {step}/{args.steps}, train loss {row['train_loss']:.4f}, |g| "
-                f"{row['grad_norm']:.3f}, held-out (curve subset) {row['val_loss']:.4f}{fp4}, {row['elapsed_s']:.0f} s")
+            if bar is not None:  # the numbers of the last step before the evaluation, and the curve subset's loss
+                shown = {"train": f"{row['train_loss']:.4f}", "|g|": f"{row['grad_norm']:.3f}",
+                         "held-out": f"{row['val_loss']:.4f}"}
+                if arm == "bf16":
+                    shown["FP4"] = f"{row['val_loss_fp4']:.4f}"
+                bar.set_postfix(shown, refresh=False)
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     model.eval()
     return rows
 
@@ -308,7 +318,7 @@ def model_device(model):
     return next(model.parameters()).device
 
 
-def finetune(task, arm, seed, args, log):
+def finetune(task, arm, seed, args):
     """One fine-tune and its evaluations: {entry: payload} ("bf16" also gives "ptq"), and the curve rows."""
     if arm == "bf16":
         model = fresh_bf16_model(task)
@@ -319,9 +329,9 @@ def finetune(task, arm, seed, args, log):
     t0 = time.perf_counter()
     frozen = arm in FROZEN_TEACHER_ARMS
     if frozen:  # the bf16 arm of this seed, fine-tuned first (without the bf16 arm's FP4 curve); its curve is not kept
-        train(task, teacher, "teacher", seed, args, log)
+        train(task, teacher, "teacher", seed, args, progress=f"{arm} seed {seed}: its teacher")
         teacher.requires_grad_(False)
-    rows = train(task, model, arm, seed, args, log, teacher=teacher, teacher_learns=not frozen)
+    rows = train(task, model, arm, seed, args, teacher=teacher, teacher_learns=not frozen)
     train_s = time.perf_counter() - t0
     payloads = {}
     if arm == "bf16":
@@ -463,8 +473,7 @@ def run_experiment(task, args, log=print):
                 skipped.append(f"{arm} seed {seed}")
                 continue
             t0 = time.perf_counter()
-            log(f"fine-tuning {arm}, seed {seed} ({deadline.elapsed():.0f} s into this invocation)")
-            payloads, rows = finetune(task, arm, seed, args, log)
+            payloads, rows = finetune(task, arm, seed, args)
             store.save_curve(arm, seed, rows)
             for entry, payload in payloads.items():
                 store.save(entry, seed, payload)
@@ -482,31 +491,30 @@ def run_experiment(task, args, log=print):
 # --------------------------------------------------------------------------------------- statistics
 
 class Bootstrap:
-    """Paired bootstrap over `n` held-out items: one fixed set of resampled index vectors, used for every
-    statistic of a report, so that all intervals resample the same items together."""
+    """Paired bootstrap over `n` held-out items: scipy.stats.bootstrap (paired, 95% percentile intervals). Every
+    statistic's resamples come from the same seed, so all intervals of a report resample the same items together."""
 
     def __init__(self, n, resamples=RESAMPLES, seed=0):
-        generator = torch.Generator().manual_seed(seed)
-        self.n = n
-        self.index = torch.randint(0, n, (resamples, n), generator=generator)
+        self.n, self.resamples, self.seed = n, resamples, seed
 
-    @staticmethod
-    def _interval(values):
-        values = values[torch.isfinite(values)]
-        if values.numel() == 0:
-            return [float("nan"), float("nan")]
-        q = torch.quantile(values, torch.tensor([0.025, 0.975], dtype=values.dtype))
-        return [float(q[0]), float(q[1])]
+    def _interval(self, statistic, *samples):
+        from scipy.stats import bootstrap
+        samples = [s.double().cpu().numpy() for s in samples]
+        if any(len(s) != self.n for s in samples):
+            raise ValueError(f"the bootstrap is over {self.n} items; got samples of {[len(s) for s in samples]}")
+        with np.errstate(divide="ignore", invalid="ignore"):  # a degenerate resample gives a NaN interval instead
+            result = bootstrap(samples, statistic, n_resamples=self.resamples, paired=True, vectorized=True,
+                               method="percentile", rng=np.random.default_rng(self.seed))
+        return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
 
     def mean(self, x):
         """(mean, [low, high]) of the mean of x (n,)."""
-        x = x.double()
-        return float(x.mean()), self._interval(x[self.index].mean(1))
+        return float(x.double().mean()), self._interval(np.mean, x)
 
     def ratio(self, num, den):
         """(mean(num) / mean(den), interval) over the same resamples."""
-        num, den = num.double(), den.double()
-        return float(num.mean() / den.mean()), self._interval(num[self.index].mean(1) / den[self.index].mean(1))
+        value = float(num.double().mean() / den.double().mean())
+        return value, self._interval(lambda a, b, axis: a.mean(axis) / b.mean(axis), num, den)
 
 
 def stack_seeds(per_seed, seeds):
@@ -552,6 +560,15 @@ def loss_report(runs, curves, item_key="item_losses"):
                     "seeds": common, "mean": value, "ci": ci, "ptq_gap_resolved": gap_ci[0] > 0,
                     "per_seed": {str(s): dict(zip(("mean", "ci"), boot.ratio(ptq[i] - arm[i], ptq[i] - bf16[i])))
                                  for i, s in enumerate(common)}}
+        if entry in PRINCIPLE_ABLATIONS and "attn_qat" in items:
+            # each principle's cost, paired item by item (the recovered fractions' intervals overlap either way)
+            common = [s for s in seeds if s in items["attn_qat"]]
+            if common:
+                d = stack_seeds(items[entry], common) - stack_seeds(items["attn_qat"], common)
+                diff, diff_ci = boot.mean(d.mean(0))
+                info["diff_to_attn_qat"] = {
+                    "seeds": common, "mean": diff, "ci": diff_ci,
+                    "per_seed": {str(s): dict(zip(("mean", "ci"), boot.mean(d[i]))) for i, s in enumerate(common)}}
         if entry in curves:
             info["grad_norm"] = grad_norm_stats(curves, entry)
         if entry in DISTILLED_ARMS:
@@ -614,12 +631,15 @@ def report(task, store, args, log=print):
     config = setups[-1]["config"] if setups else task.config_summary()
     losses, boot = loss_report(runs, curves)
     extras = task.report_extras(runs, boot, config)  # {"columns": {entry: {column: value}}, ...}
-    # The data and model behind the runs must be the same in every invocation that added runs to this folder.
-    keys = [json.dumps({k: v for k, v in r["config"].items() if k in ("data", "pretrain", "gguf_sha256", "dims")},
-                       sort_keys=True) for r in setups]
+    # The data, its sampling and the model behind the runs must be the same in every invocation that added runs to
+    # this folder (runs recorded without "train_windows" drew their LM windows with replacement).
+    keys = [json.dumps({k: v for k, v in r["config"].items()
+                        if k in ("data", "train_windows", "pretrain", "gguf_sha256", "dims")}, sort_keys=True)
+            for r in setups]
     consistent = len(set(keys)) <= 1
     if not consistent:
-        log("WARNING: the invocations that wrote these runs saw different data or pretrained weights (runs/setup.json)")
+        log("WARNING: the invocations that wrote these runs saw different data, sampling or pretrained weights "
+            "(runs/setup.json)")
     all_seeds = sorted(set(args.seeds) | {s for r in setups for s in r["seeds"]})
     all_arms = [a for a in ARMS if a in set(args.arms) | {a for r in setups for a in r["arms"]}]
     summary = {

@@ -17,7 +17,8 @@ range), and with the video the caption was computed from. Models evaluated with 
 the real NVFP4 path (self-attention on packed NVFP4Tensors: attn_qat.quantize_qkv + attn_qat.nvfp4_attention), for
 the held-out loss and the samples, and compared with the fake-quant forward.
 
-Needs the `examples` extra: python -m pip install -e ".[examples]" (diffusers; matplotlib for the plots).
+Needs the `examples` extra: python -m pip install -e ".[examples]" (diffusers; transformers for the learning-rate
+schedule, scipy for the report's bootstrap, matplotlib for the plots).
 
 Usage:
     python examples/finetune_wan.py                                  # --preset h100: pretrain + every arm, 3 seeds
@@ -59,7 +60,7 @@ HELDOUT_SEED = 10_000    # the held-out videos, their noise and the sampling noi
 FINETUNE_SEED_BASE = 1_000  # fine-tuning batches of seed s come from generator seed 1000 + s
 CALIBRATION_SEED = 20_000  # the batches that calibrate the K shift (numerics.md §9), the same for every arm and seed
 CALIBRATION_BATCHES = 4
-EXTRA = 'needs the examples extra: python -m pip install -e ".[examples]" (diffusers)'
+EXTRA = 'needs the examples extra: python -m pip install -e ".[examples]" (diffusers, transformers, scipy)'
 
 
 def build_parser():
@@ -211,9 +212,7 @@ class WanTask:
                                               warmup_steps=args.pretrain_warmup,
                                               eval_every=max(1, args.pretrain_steps // 5))
         start = time.perf_counter()
-        rows = train(self, model, "bf16", "pretrain", pretrain_args, lambda m: print(m.replace("bf16 seed pretrain",
-                                                                                               "pretraining"),
-                                                                                     flush=True),
+        rows = train(self, model, "bf16", "pretrain", pretrain_args, progress="pretraining",
                      generator=self.generator(PRETRAIN_SEED), weight_decay=0.1)
         seconds = time.perf_counter() - start
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -445,7 +444,8 @@ def video_boot(n):
 
 def main(argv=None):
     args = parse_args(argv)
-    if importlib.util.find_spec("diffusers") is None:  # checked after parse_args: --help works without it
+    # checked after parse_args: --help works without them
+    if any(importlib.util.find_spec(m) is None for m in ("diffusers", "transformers", "scipy")):
         raise SystemExit(EXTRA)
     task = WanTask(args)
     dims = args.dims

@@ -19,8 +19,8 @@ loss and gradient-norm differences come from the attention alone. Self-attention
     attn_qat, high_precision_p, low_precision_o, drop_in
                       trained with attn_qat in that mode (docs/numerics.md §5)
 
-Needs the `examples` extra: python -m pip install -e ".[examples]" (diffusers; tqdm and matplotlib, for
-progress bars and plots, are optional).
+Needs the `examples` extra: python -m pip install -e ".[examples]" (diffusers; transformers for the learning-rate
+schedule, tqdm for the progress bars, matplotlib for the plots).
 
 Usage:
     python examples/train_wan.py                                  # all arms, default size (2048 tokens/video)
@@ -60,7 +60,7 @@ MODEL_KEYS = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_di
 GPU_DEFAULTS = dict(size="default", steps=2000, batch_size=8, eval_every=200, eval_batches=4)
 CPU_DEFAULTS = dict(size="tiny", steps=300, batch_size=8, eval_every=50, eval_batches=2)
 # --help's epilog; diffusers is imported only after parse_args, so --help works without it.
-EXTRA = 'needs the examples extra: python -m pip install -e ".[examples]" (diffusers)'
+EXTRA = 'needs the examples extra: python -m pip install -e ".[examples]" (diffusers, transformers)'
 
 
 def parse_args(argv=None):

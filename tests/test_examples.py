@@ -9,13 +9,24 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARMS = ("bf16", "fp4_inference", "attn_qat", "drop_in")
 
 
+def hand_written_lr(step, steps, warmup, peak):
+    """The schedule the runs in docs/results were trained with (before transformers' scheduler): linear warmup,
+    then cosine decay to 10% of the peak, step counting from 1."""
+    if step <= warmup:
+        return peak * step / max(1, warmup)
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def check_outputs(out, arms):
     """Per-arm CSVs with evaluations at steps 2 and 3, and a summary close to bf16 for every arm."""
+    summary = json.loads((out / "summary.json").read_text())
     for arm in arms:
         with open(out / f"{arm}.csv", newline="") as f:
             rows = list(csv.DictReader(f))
@@ -27,8 +38,9 @@ def check_outputs(out, arms):
         else:
             assert [r["step"] for r in rows] == ["1", "2", "3"]
             assert all(math.isfinite(float(r[k])) for r in rows for k in ("train_loss", "grad_norm"))
+            # 3 steps: warmup max(1, 3 // 20) = 1 step, the first update already at the peak
+            assert [float(r["lr"]) for r in rows] == [hand_written_lr(k, 3, 1, summary["lr"]) for k in (1, 2, 3)]
 
-    summary = json.loads((out / "summary.json").read_text())
     assert set(summary["arms"]) == set(arms)
     for arm, entry in summary["arms"].items():
         assert math.isfinite(entry["final_val_loss"]) and math.isfinite(entry["gap_to_bf16"])
@@ -94,7 +106,7 @@ def test_help_without_transformers_or_diffusers(script, library):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     help_text = " ".join(result.stdout.split())  # argparse wraps lines at the terminal width
     assert help_text.startswith("usage: ") and "on the CPU" in help_text
-    assert f'pip install -e ".[examples]" ({library})' in help_text
+    assert f'pip install -e ".[examples]" ({library}' in help_text
 
 
 def load_script(name):
@@ -117,3 +129,39 @@ def test_run_size_defaults(name, gpu, cpu):
     assert sizes(module.parse_args(["--device", "cuda"])) == gpu  # parsing only: needs no GPU
     assert sizes(module.parse_args(["--device", "cpu", "--size", "default", "--steps", "7"]))[:2] == ("default", 7)
     assert module.parse_args(["--device", "cpu"]).warmup_steps == cpu[1] // 20
+
+
+def schedules_in_use():
+    """(steps, warmup, peak lr) of every preset and default run of the examples, and of docs/results' 1200 steps."""
+    runs = {(1200, 20, 3e-4)}
+    for name in ("finetune_lm", "finetune_wan"):
+        for preset in load_script(name).PRESETS.values():
+            runs.add((preset["steps"], preset["warmup_steps"], preset["lr"]))
+            if "pretrain_steps" in preset:
+                runs.add((preset["pretrain_steps"], preset["pretrain_warmup"], preset["pretrain_lr"]))
+    for name in ("train_lm", "train_wan"):
+        for device in ("cpu", "cuda"):
+            args = load_script(name).parse_args(["--device", device])
+            runs.add((args.steps, args.warmup_steps, args.lr))
+    return sorted(runs)
+
+
+@pytest.mark.parametrize("steps, warmup, peak", schedules_in_use())
+def test_schedule_matches_the_hand_written_one(steps, warmup, peak):
+    """transformers' warmup + cosine schedule, as common.warmup_cosine_schedule sets it up, gives the hand-written
+    schedule's learning rate at every step: equal after warmup; in warmup within one unit in the last place of a
+    double (peak * (k / w) against (peak * k) / w), and equal as float32."""
+    pytest.importorskip("transformers")
+    common = load_script("common")
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    schedule = common.warmup_cosine_schedule(optimizer, warmup, steps)
+    for step in range(1, steps + 1):
+        lr, expected = schedule.get_last_lr()[0], hand_written_lr(step, steps, warmup, peak)
+        assert optimizer.param_groups[0]["lr"] == lr
+        if step < warmup:
+            assert abs(lr - expected) <= math.ulp(expected), step
+            assert torch.tensor(lr, dtype=torch.float32) == torch.tensor(expected, dtype=torch.float32), step
+        else:
+            assert lr == expected, step
+        optimizer.step()
+        schedule.step()

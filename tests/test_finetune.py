@@ -208,6 +208,7 @@ def test_site_package_files_leave_out_held_out_copies(tmp_path):
 
 
 def test_bootstrap_intervals():
+    pytest.importorskip("scipy")
     common = load_example("finetune_common")
     torch.manual_seed(0)
     boot = common.Bootstrap(400)
@@ -217,8 +218,72 @@ def test_bootstrap_intervals():
     assert abs((high - low) - 2 * 1.96 / 20) < 0.05  # about ±1.96 standard errors
     value, (low, high) = boot.ratio(2 * x, x)
     assert value == pytest.approx(2.0) and low == pytest.approx(2.0) and high == pytest.approx(2.0)
+    # Every statistic resamples the same items: the mean's interval is the ratio's over a denominator of ones.
+    assert boot.ratio(x, torch.ones_like(x))[1] == boot.mean(x)[1]
+    with pytest.raises(ValueError, match="400 items"):
+        boot.mean(x[:10])
     assert common.prefix_fraction(torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4]]),
                                   torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])).tolist() == [1.0, 0.25]
+
+
+def hand_written_bootstrap(n, resamples=10_000, seed=0):
+    """The paired percentile bootstrap the reports in docs/results were computed with (before scipy's): one fixed
+    matrix of resampled item indices, (interval of the mean, interval of a ratio of means)."""
+    index = torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(seed))
+    interval = lambda v: torch.quantile(v, torch.tensor([0.025, 0.975], dtype=v.dtype)).tolist()
+    return (lambda x: interval(x[index].mean(1)),
+            lambda num, den: interval(num[index].mean(1) / den[index].mean(1)))
+
+
+@pytest.mark.parametrize("n", [64, 256])
+def test_bootstrap_matches_the_hand_written_one(n):
+    """scipy.stats.bootstrap(paired=True) gives the hand-written bootstrap's intervals up to Monte-Carlo error (the
+    two draw different resamples): each end within 5% of the interval's width, on held-out-loss-like items (a PTQ
+    gap per item, and the fraction of it an arm recovers)."""
+    pytest.importorskip("scipy")
+    common = load_example("finetune_common")
+    generator = torch.Generator().manual_seed(n)
+    bf16 = 2.0 + 0.3 * torch.randn(n, generator=generator, dtype=torch.float64)
+    ptq = bf16 + 0.1 + 0.02 * torch.randn(n, generator=generator, dtype=torch.float64)
+    arm = bf16 + 0.06 + 0.02 * torch.randn(n, generator=generator, dtype=torch.float64)
+    old_mean, old_ratio = hand_written_bootstrap(n)
+    boot = common.Bootstrap(n)
+    for (value, new), old, point in ((boot.mean(ptq - bf16), old_mean(ptq - bf16), (ptq - bf16).mean()),
+                                     (boot.ratio(ptq - arm, ptq - bf16), old_ratio(ptq - arm, ptq - bf16),
+                                      (ptq - arm).mean() / (ptq - bf16).mean())):
+        assert value == float(point)  # the point estimate is the statistic itself
+        width = old[1] - old[0]
+        assert abs(new[0] - old[0]) < 0.05 * width and abs(new[1] - old[1]) < 0.05 * width, (new, old)
+
+
+def test_epoch_windows_draw_without_replacement():
+    """Training windows: every window once per epoch, a new order each epoch, the same order for the same seed."""
+    lm = load_example("finetune_lm")
+    stream_len, seq_len = 1000, 64  # 15 windows of 65 tokens, consecutive ones sharing a token
+    windows = lm.EpochWindows(stream_len, seq_len, seed=3)
+    starts = windows.starts
+    assert starts.tolist() == list(range(0, stream_len - seq_len, seq_len)) and int(starts[-1]) + seq_len < stream_len
+    taken = torch.cat([windows.take(4) for _ in range(15)])  # 60 = four epochs of 15, batches crossing epochs
+    epochs = taken.view(4, 15)
+    assert all(sorted(e.tolist()) == starts.tolist() for e in epochs) and windows.epoch == 3
+    assert len({tuple(e.tolist()) for e in epochs}) == 4  # reshuffled each epoch
+    again = lm.EpochWindows(stream_len, seq_len, seed=3)
+    assert torch.equal(torch.cat([again.take(6) for _ in range(10)]), taken)  # batch size does not change the order
+    assert not torch.equal(lm.EpochWindows(stream_len, seq_len, seed=4).take(15), epochs[0])
+    # In an epoch every token after the first is predicted once: the windows' targets tile the stream.
+    targets = torch.cat([torch.arange(s + 1, s + seq_len + 1) for s in epochs[0].tolist()])
+    assert sorted(targets.tolist()) == list(range(1, int(starts[-1]) + seq_len + 1))
+    with pytest.raises(ValueError, match="fewer than one window"):
+        lm.EpochWindows(seq_len, seq_len, seed=0)
+
+
+def hand_written_lr(step, steps, warmup, peak):
+    """The schedule the runs in docs/results were trained with (before transformers' scheduler): linear warmup,
+    then cosine decay to 10% of the peak, step counting from 1."""
+    if step <= warmup:
+        return peak * step / max(1, warmup)
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def run_script(args, timeout=600):
@@ -237,6 +302,10 @@ def check_report(out, extra_keys, arms=ARMS, entries=ENTRIES):
         assert math.isfinite(info["loss"]) and "recovered" in info and "gap_to_bf16" in info
         assert info["grad_norm"]["mean_over_seeds"]["nonfinite"] == 0
     assert all("gap_to_base" in summary["entries"][e] for e in entries if e.startswith("base_ptq"))
+    for entry in ("high_precision_p", "low_precision_o"):  # each principle's cost, paired with attn_qat
+        diff = summary["entries"][entry]["diff_to_attn_qat"]
+        assert diff["mean"] == pytest.approx(summary["entries"][entry]["loss"] - summary["entries"]["attn_qat"]["loss"])
+        assert diff["ci"][0] <= diff["mean"] <= diff["ci"][1] and set(diff["per_seed"]) == {"0"}
     for key in extra_keys:
         assert key in summary["extras"]
     # On the CPU, the packed prefill / packed attention and the NVFP4 cache compute what the fake-quant forward does,
@@ -247,10 +316,14 @@ def check_report(out, extra_keys, arms=ARMS, entries=ENTRIES):
     with open(out / "results.csv", newline="") as f:
         assert [r["entry"] for r in csv.DictReader(f)] == list(entries)
     assert (out / "table.md").read_text().startswith("| entry |")
+    config = summary["config"]
     for arm in arms:
         with open(out / "runs" / f"{arm}_seed0.csv", newline="") as f:
             rows = list(csv.DictReader(f))
         assert [int(r["step"]) for r in rows] == [1, 2, 3]
+        # the schedule the hand-written code gave: the first update already at the warmup's first step
+        assert [float(r["lr"]) for r in rows] == [hand_written_lr(k, 3, config["warmup_steps"], config["lr"])
+                                                  for k in (1, 2, 3)], arm
     if importlib.util.find_spec("matplotlib"):
         assert all((out / name).exists() for name in ("loss.png", "grad_norm.png", "gaps.png"))
     for arm in ("attn_qat_qk_distill", "attn_qat_qk_distill_frozen"):
@@ -273,6 +346,7 @@ def check_report(out, extra_keys, arms=ARMS, entries=ENTRIES):
 
 
 def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
+    pytest.importorskip("scipy")  # the report's bootstrap
     path, _ = tiny_gguf
     out = tmp_path / "lm"
     run_script(["examples/finetune_lm.py", "--preset", "smoke", "--device", "cpu", "--gguf", str(path),
@@ -283,10 +357,12 @@ def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
         for values in seeds.values():
             assert values["cache_token_agreement"] == 1.0 and values["cache_max_logit_difference"] == 0.0, entry
     assert summary["config"]["data"]["heldout"]["files"] >= 1
+    assert summary["config"]["train_windows"].startswith("without replacement")
     # A second invocation finds every run done and only rewrites the report.
-    result = run_script(["examples/finetune_lm.py", "--preset", "smoke", "--device", "cpu", "--gguf", str(path),
-                         "--gguf-sha256", sha256(path), "--out", str(out)])
-    assert "fine-tuning" not in result.stdout
+    written = {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()}
+    run_script(["examples/finetune_lm.py", "--preset", "smoke", "--device", "cpu", "--gguf", str(path),
+                "--gguf-sha256", sha256(path), "--out", str(out)])
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()} == written
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["invocations"]) == 1 and summary["invocations_consistent"]
     assert summary["config"]["data"]["heldout"]["tokens_sha256"]
@@ -294,6 +370,7 @@ def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
 
 def test_finetune_wan_smoke_cpu(tmp_path):
     pytest.importorskip("diffusers")
+    pytest.importorskip("scipy")  # the report's bootstrap
     out = tmp_path / "wan"
     run_script(["examples/finetune_wan.py", "--preset", "smoke", "--device", "cpu", "--out", str(out),
                 "--pretrained", str(tmp_path / "pretrained.pt")])
@@ -340,7 +417,7 @@ def test_master_weights_keep_small_updates():
     optimizer = common.MasterWeightAdamW([weight], lr=1e-4)
     for _ in range(30):  # Adam moves each step by ~lr; 1e-4 is far below half of bf16's spacing under 1.0 (2^-9)
         weight.grad = torch.ones_like(weight)
-        norm = optimizer.step(1e-4)
+        norm = optimizer.step()
     assert float(norm) == pytest.approx(2.0)
     assert optimizer.master[0].dtype == torch.float32 and torch.allclose(optimizer.master[0], torch.full((4,), 0.997),
                                                                          atol=1e-4)
