@@ -39,7 +39,8 @@ if "90" in archs:
     sys.exit("ATTN_QAT_CUDA_ARCHS: build Hopper as 90a (its kernels need wgmma), not 90")
 
 csrc = "csrc"
-sources = [f"{csrc}/{f}" for f in ("binding/module.c", "binding/ops.cpp", "binding/kernel_options.cpp",
+sources = [f"{csrc}/{f}" for f in ("binding/module.c", "binding/registry.cpp", "binding/quantize_ops.cpp",
+                                   "binding/attention_ops.cpp", "binding/decode_op.cpp", "binding/kernel_options.cpp",
                                    "cpu/quantize_cpu.c", "cpu/attention_cpu.c")]
 defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DTORCH_STABLE_ONLY"]
 cxx_flags = ["-O3", "-ffp-contract=off", "-fvisibility=hidden"] + defines

@@ -8,10 +8,11 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from . import _C
 from .ops import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, check_softmax_scale, mode_code, ops,
                   positive_scale, v_along_tokens)
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = _C.HEAD_DIMS  # the head dims the kernels are built for (csrc/attn_qat.h)
 _LN2 = math.log(2.0)
 
 

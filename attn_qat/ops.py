@@ -1,5 +1,6 @@
 """Python side of the attn_qat ops: loads the C extension, and registers the fake (meta) kernels
-for torch.compile and the autograd formulas. The ops themselves are declared in csrc/binding/ops.cpp."""
+for torch.compile and the autograd formulas. The ops themselves are declared in csrc/binding/registry.cpp; what they
+decide (the modes' flags, the causal codes, the layout of new tensors) comes from csrc/attn_qat.h through _C."""
 import math
 import numbers
 import struct
@@ -10,10 +11,10 @@ from . import _C  # loading the library registers torch.ops.attn_qat
 
 ops = torch.ops.attn_qat
 
-# numerics.md §5; the codes match csrc/binding/ops.cpp's Mode.
-MODES = ("attn_qat", "high_precision_p", "low_precision_o", "drop_in", "bf16")
-# Causal codes of csrc/binding/ops.cpp: none, top-left (SDPA), bottom-right (FlashAttention).
-CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+# numerics.md §5's modes by code, and what each one does (csrc/attn_qat.h's aq_mode_of)
+MODES = _C.MODES
+# The causal codes (csrc/attn_qat.h's aq_causal): none, top-left (SDPA), bottom-right (FlashAttention).
+CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = _C.CAUSAL_NONE, _C.CAUSAL_TOP_LEFT, _C.CAUSAL_BOTTOM_RIGHT
 # The axis V's blocks run along (numerics.md §2): "auto" picks by whether every query sees every key.
 V_BLOCK_AXES = ("auto", "tokens", "head_dim")
 
@@ -28,14 +29,14 @@ def v_along_tokens(v_block_axis: str, hides_keys: bool, fn: str) -> bool:
     return not hides_keys if v_block_axis == "auto" else v_block_axis == "tokens"
 
 
-def _quantized_backward(mode: int) -> bool:
-    """As csrc/binding/ops.cpp: whether the mode's backward differentiates through Q^F, K^F, V^F."""
-    return MODES[mode] in ("attn_qat", "high_precision_p", "low_precision_o")
+def mode_has(mode: int, flag: int) -> bool:
+    """Whether the mode of this code has one of csrc/attn_qat.h's flags (_C.QUANTIZES, _C.DELTA_FROM_O_PRIME, ...)."""
+    return bool(_C.MODE_FLAGS[mode] & flag)
 
 
-def _delta_from_out_prime(mode: int) -> bool:
-    """As csrc/binding/ops.cpp: whether the mode's backward takes delta from O', so that a training forward returns O'."""
-    return MODES[mode] in ("attn_qat", "high_precision_p")
+def makes_o_prime(mode: int, need_grad: bool) -> bool:
+    """Whether attention_forward makes O': for training (need_grad), when the mode's backward takes delta from it."""
+    return need_grad and mode_has(mode, _C.DELTA_FROM_O_PRIME)
 
 
 # csrc/attn_qat.h's aq_tail_split_mode
@@ -133,18 +134,15 @@ def _float32(x: float) -> float:
         return math.inf
 
 
-_LOG2E_F32 = _float32(math.log2(math.e))  # csrc/attn_qat.h's AQ_LOG2E
-
-
 def check_softmax_scale(scale, name: str, fn: str) -> float:
     """`scale` as a float, or a ValueError naming the argument `name` of `attn_qat.{fn}`: the kernels compute
-    scale * log2(e) in float32 (csrc/binding/ops.cpp's check_scale), so it must be finite and stay finite there."""
+    scale * log2(e) in float32 (csrc/binding/tensors.h's check_scale), so it must be finite and stay finite there."""
     try:
         value = float(scale)
     except (TypeError, ValueError):
         raise TypeError(f"attn_qat.{fn}: {name} must be a real number or None, got {scale!r}") from None
     # float32 * float32 is exact in a double, so rounding the product once gives the float32 product
-    if not math.isfinite(value) or not math.isfinite(_float32(_float32(abs(value)) * _LOG2E_F32)):
+    if not math.isfinite(value) or not math.isfinite(_float32(_float32(abs(value)) * _C.LOG2E)):
         raise ValueError(f"attn_qat.{fn}: {name}={value!r} cannot be used: it must be finite and below about 2.35e38 "
                          f"in magnitude ({name} * log2(e) must fit a float32); pass None for 1/sqrt(head_dim)")
     return value
@@ -160,13 +158,10 @@ def positive_scale(q: torch.Tensor, scale: float):
     return (-q, -scale) if scale < 0 else (q, scale)
 
 
-def _token_major(t: torch.Tensor) -> bool:
-    """Same rule as csrc/binding/ops.cpp: (B, H, N, D) views of (B, N, H, D) memory keep that layout."""
-    return t.size(1) > 1 and t.size(2) > 1 and t.stride(1) < t.stride(2)
-
-
 def _empty_like_layout(like: torch.Tensor, b: int, h: int, n: int, d: int) -> torch.Tensor:
-    if _token_major(like):
+    """As the ops make it: (B, H, N, D) views of (B, N, H, D) memory keep that layout (csrc/attn_qat.h's
+    aq_token_major)."""
+    if _C.token_major(like.size(1), like.size(2), like.stride(1), like.stride(2)):
         return like.new_empty(b, n, h, d).transpose(1, 2)
     return like.new_empty(b, h, n, d)
 
@@ -205,9 +200,9 @@ def _(q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens, q_span=None
       dkdv_order=None):
     b, h, n, d = q.shape
     out = _empty_like_layout(q, b, h, n, d)
-    out_prime = _empty_like_layout(q, b, h, n, d) if need_grad and _delta_from_out_prime(mode) else q.new_empty(0)
+    out_prime = _empty_like_layout(q, b, h, n, d) if makes_o_prime(mode, need_grad) else q.new_empty(0)
     frame = q.new_empty(b, h, n, dtype=torch.float32)
-    with_operands = need_grad and _quantized_backward(mode)
+    with_operands = need_grad and mode_has(mode, _C.BACKWARD_THROUGH_FQ)
     operands = tuple(_empty_like_layout(t, *t.shape) if with_operands else q.new_empty(0) for t in (q, k, v))
     return (out, out_prime, frame, q.new_empty(b, h, n, dtype=torch.float32)) + operands
 
@@ -255,8 +250,8 @@ def _attention_setup_context(ctx, inputs, output):
     # packed calls (attn_qat/varlen.py): the spans and the work orders; the backward takes the dK/dV kernel's
     q_span, k_span, _, dkdv_order = tuple(packed) + (None,) * (4 - len(packed))
     out, out_prime, frame, row_sum, q_fq, k_fq, v_fq = output
-    # The backward takes Q^F, K^F, V^F where the op returned them (as csrc/binding/ops.cpp decides).
-    ctx.operands_quantized = need_grad and _quantized_backward(mode)
+    # The backward takes Q^F, K^F, V^F where the op returned them (the mode's flag).
+    ctx.operands_quantized = need_grad and mode_has(mode, _C.BACKWARD_THROUGH_FQ)
     if ctx.operands_quantized:
         q, k, v = q_fq, k_fq, v_fq
     ctx.save_for_backward(q, k, v, out, out_prime, frame, row_sum, mask, q_span, k_span, dkdv_order)

@@ -21,17 +21,17 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import _C
 from .attention import _EmptyAttention, _check_qkv, lse_from_stats
 from .host_cache import version_of
-from .ops import CAUSAL_NONE, check_softmax_scale, mode_code, ops, positive_scale, v_along_tokens
+from .ops import (CAUSAL_NONE, check_softmax_scale, makes_o_prime, mode_code, mode_has, ops, positive_scale,
+                  v_along_tokens)
 
 BLOCK = 16  # numerics.md §1: the tokens of a P or V block
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
-# The Hopper kernels' tiles, as csrc/sm90 sizes them: the dK/dV kernel's items are 128-key tiles of a KV head, which
-# visit 64-query steps (attention_bwd_sm90.cu's BWD90_KEYS, BWD90_Q_STEP); the forward's are query tiles of 64 rows
-# a consumer warpgroup over key tiles of 64 or 128 (attention_fwd_sm90.cu's sm90_consumer_warpgroups and
-# sm90_keys_per_tile; _fwd_tiles).
-DKDV_KEYS, DKDV_Q_STEP = 128, 64
+# The Hopper kernels' tiles (csrc/sm90/tile_shapes.h): the dK/dV kernel's items are tiles of DKDV_KEYS keys of a KV
+# head, which visit DKDV_Q_STEP queries a step; the forward's are query tiles over key tiles (_fwd_tiles).
+DKDV_KEYS, DKDV_Q_STEP = _C.SM90_DKDV_KEYS, _C.SM90_DKDV_Q_STEP
 
 __all__ = ["attention_varlen"]
 
@@ -98,9 +98,9 @@ def _check_max(name: str, value: int, lengths: Sequence[int], fn: str) -> None:
 
 
 def _needs_padding(cu_k: Sequence[int], mode: str) -> bool:
-    """Blocks of P and V along the keys need every sequence's keys to start at a multiple of 16 (bf16 mode has
-    none): otherwise K and V run in the padded layout."""
-    return mode != "bf16" and any(c % BLOCK for c in cu_k)
+    """Blocks of P and V along the keys need every sequence's keys to start at a multiple of 16 (a mode that does not
+    quantize has none): otherwise K and V run in the padded layout."""
+    return mode_has(mode_code(mode), _C.QUANTIZES) and any(c % BLOCK for c in cu_k)
 
 
 def _round_up(n: int) -> int:
@@ -108,12 +108,10 @@ def _round_up(n: int) -> int:
 
 
 def _fwd_tiles(mode: str, head_dim: int, need_grad: bool) -> Tuple[int, int]:
-    """(query rows, keys) of the Hopper forward kernel's tiles for this call: three consumer warpgroups in bf16
-    mode at D = 128, else two; 64-key tiles with O' (a training forward whose backward takes delta from it) or three
-    warpgroups, else 128 (attention_fwd_sm90.cu)."""
-    warpgroups = 3 if mode == "bf16" and head_dim == 128 else 2
-    with_o_prime = need_grad and mode in ("attn_qat", "high_precision_p")
-    return 64 * warpgroups, 64 if with_o_prime or warpgroups == 3 else 128
+    """(query rows, keys) of the Hopper forward kernel's tiles for this call, which the kernel picks by head_dim,
+    whether the mode quantizes P, and whether the call makes O' (csrc/sm90/tile_shapes.h)."""
+    code = mode_code(mode)
+    return _C.SM90_FWD_TILES[(head_dim, int(mode_has(code, _C.QUANTIZES)), int(makes_o_prime(code, need_grad)))]
 
 
 def _tile_work(span: torch.Tensor, n_other: int, rows: int, cols: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
    Every launcher returns NULL on success, else a static message saying what went wrong. */
 #pragma once
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -15,11 +16,67 @@ typedef enum { AQ_FLOAT32 = 0, AQ_BFLOAT16 = 1, AQ_FLOAT16 = 2 } aq_dtype;
 #define AQ_LOG2E 1.4426950408889634f
 
 /* The head dims and dtypes the attention and decode kernels are built for: the ops check their inputs against these,
-   the CUDA launchers pick the kernels' template arguments from them (attention/launch.h). attn_qat/attention.py's
-   SUPPORTED_HEAD_DIMS says the same to Python callers. */
+   the CUDA launchers pick the kernels' template arguments from them (attention/launch.h), and attn_qat/attention.py's
+   SUPPORTED_HEAD_DIMS reads the head dims through the module. */
 #define AQ_HEAD_DIMS_TEXT "64 or 128"
 static inline int aq_head_dim_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 static inline int aq_attention_dtype_supported(aq_dtype dtype) { return dtype == AQ_BFLOAT16 || dtype == AQ_FLOAT16; }
+
+/* The sizes every attention kernel takes, CPU or CUDA (the CUDA grids add their own bounds, attention/dispatch.cu):
+   NULL, or what is wrong. The binding checks the tensors themselves (shapes agree, devices, strides). */
+static inline const char *aq_attention_sizes_problem(aq_dtype dtype, int64_t head_dim, int64_t batch, int64_t heads_q,
+                                                     int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k) {
+    if (!aq_attention_dtype_supported(dtype)) return "attention takes bfloat16 or float16 tensors";
+    if (!aq_head_dim_supported(head_dim)) return "attention takes head_dim " AQ_HEAD_DIMS_TEXT;
+    if (heads_kv <= 0 || heads_q <= 0 || heads_q % heads_kv != 0)
+        return "attention takes query heads that are a positive multiple of the key/value heads";
+    if (batch < 0 || seqlen_q < 0 || seqlen_k < 0) return "attention takes sizes >= 0";
+    return NULL;
+}
+
+/* The modes of numerics.md §5 by code (the ops' `mode` argument), and what each one's forward and backward do:
+   the binding acts on these flags, and attn_qat/ops.py reads the table through the module (MODES, MODE_FLAGS). */
+typedef enum {
+    AQ_MODE_ATTN_QAT = 0, AQ_MODE_HIGH_PRECISION_P, AQ_MODE_LOW_PRECISION_O, AQ_MODE_DROP_IN, AQ_MODE_BF16, AQ_MODES
+} aq_mode;
+enum {
+    AQ_QUANTIZES = 1,             /* the forward fake-quantizes Q, K, V (the pre-pass, numerics.md §2) and P */
+    AQ_BACKWARD_THROUGH_FQ = 2,   /* the backward differentiates through Q^F, K^F, V^F, its P̂ the fp16 one (§3) */
+    AQ_DELTA_FROM_O_PRIME = 4,    /* the backward takes delta from O' = P̂ V, so a training forward returns O' */
+    AQ_DV_FROM_P_FQ = 8,          /* dV sums P^F dO, else P dO */
+    AQ_BACKWARD_REDOES_STATS = 16 /* the backward reruns an unquantized forward for the frame and sums it needs */
+};
+typedef struct {
+    const char *name;
+    unsigned flags;
+} aq_mode_info;
+/* NULL for a code that is no mode. */
+static inline const aq_mode_info *aq_mode_of(int64_t code) {
+    static const aq_mode_info modes[AQ_MODES] = {
+        {"attn_qat", AQ_QUANTIZES | AQ_BACKWARD_THROUGH_FQ | AQ_DELTA_FROM_O_PRIME | AQ_DV_FROM_P_FQ},
+        {"high_precision_p", AQ_QUANTIZES | AQ_BACKWARD_THROUGH_FQ | AQ_DELTA_FROM_O_PRIME},
+        {"low_precision_o", AQ_QUANTIZES | AQ_BACKWARD_THROUGH_FQ | AQ_DV_FROM_P_FQ},
+        {"drop_in", AQ_QUANTIZES | AQ_BACKWARD_REDOES_STATS},
+        {"bf16", 0},
+    };
+    return code >= 0 && code < AQ_MODES ? &modes[code] : NULL;
+}
+
+/* The causal codes (the ops' `causal` argument; numerics.md §6): none, top-left (SDPA's), bottom-right
+   (FlashAttention's, aq_attention_fwd_params' causal_offset = Nk - Nq). */
+typedef enum { AQ_CAUSAL_NONE = 0, AQ_CAUSAL_TOP_LEFT, AQ_CAUSAL_BOTTOM_RIGHT } aq_causal;
+
+/* A (B, H, N, D) tensor is token-major when its memory is (B, N, H, D), as diffusers' and transformers' q/k/v
+   projections make it; the ops' new tensors take the layout of the one they mirror. The rule is written for any
+   number type, given its comparisons: binding/module.c applies it to Python's numbers for attn_qat/ops.py's fake
+   kernels, so that torch.compile's symbolic sizes stay symbolic. */
+#define AQ_TOKEN_MAJOR_RULE(greater, less, heads, tokens, head_stride, token_stride) \
+    (greater(heads, 1) && greater(tokens, 1) && less(head_stride, token_stride))
+#define AQ_GREATER(a, b) ((a) > (b))
+#define AQ_LESS(a, b) ((a) < (b))
+static inline int aq_token_major(int64_t heads, int64_t tokens, int64_t head_stride, int64_t token_stride) {
+    return AQ_TOKEN_MAJOR_RULE(AQ_GREATER, AQ_LESS, heads, tokens, head_stride, token_stride);
+}
 
 /* ---------------------------------------------------------------------------------------------
    NVFP4 quantization of a tensor viewed as (outer[0], outer[1], outer[2], axis_len, inner), blocked

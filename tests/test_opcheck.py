@@ -1,4 +1,4 @@
-"""torch.library.opcheck on every op of torch.ops.attn_qat (csrc/binding/ops.cpp's STABLE_TORCH_LIBRARY): the schema
+"""torch.library.opcheck on every op of torch.ops.attn_qat (csrc/binding/registry.cpp's registry): the schema
 (test_schema: no undeclared mutation or aliasing), the autograd registration, the fake kernels of attn_qat/ops.py
 against the real ones (test_faketensor: shapes, dtypes, strides) and AOT dispatch with dynamic shapes. Small shapes,
 a few seconds on the CPU; the same on CUDA under the gpu marker. An op without a CPU kernel (kv_cache_decode) is
@@ -138,7 +138,7 @@ def registered_ops():
 
 
 def test_every_op_has_cases():
-    assert registered_ops() == sorted(CASES), "an op of csrc/binding/ops.cpp has no opcheck cases here (or one went away)"
+    assert registered_ops() == sorted(CASES), "an op of csrc/binding/registry.cpp has no cases here (or one went away)"
     for name in registered_ops():
         on_cpu = torch._C._dispatch_has_kernel_for_dispatch_key(f"attn_qat::{name}", "CPU")
         assert on_cpu == (name not in CUDA_ONLY), f"{name}: a CPU kernel {'appeared' if on_cpu else 'is missing'}"
@@ -158,3 +158,35 @@ def test_opcheck(name, device):
         torch.library.opcheck(op, args, test_utils=test_utils)
         checked += 1
     assert checked
+
+
+def test_ops_reject_tensors_the_kernels_cannot_take():
+    """The ops are public: a direct call with tensors that disagree, or sizes no kernel takes, is a RuntimeError
+    from the binding's checks (csrc/binding/attention_ops.cpp, csrc/attn_qat.h), never a read out of bounds."""
+    q, k, v = _qkv(1, 2, 1, 20, 24, 64, "cpu", "bhsd")
+    fwd, bwd = ops.attention_forward, ops.attention_backward
+    out, out_prime, frame, row_sum, *_ = fwd(q, k, v, None, 0.125, 0, 0, True, True)
+    bad_forwards = {
+        "head_dim 64 or 128": (q[..., :32], k[..., :32], v[..., :32]),
+        "must agree": (q, k, v[:, :, :20]),
+        "same dtype": (q, k.half(), v),
+        "multiple of the key/value heads": (q[:, :1], torch.cat([k, k], 1)[:, :2], torch.cat([v, v], 1)[:, :2]),
+        "bfloat16 or float16": (q.float(), k.float(), v.float()),
+        "last dimension": (q, k.transpose(2, 3).contiguous().transpose(2, 3), v),
+    }
+    for match, (bq, bk, bv) in bad_forwards.items():
+        with pytest.raises(RuntimeError, match=match):
+            fwd(bq, bk, bv, None, 0.125, 0, 0, False, True)
+    with pytest.raises(RuntimeError, match="bad mode code"):
+        fwd(q, k, v, None, 0.125, 0, len(MODES), False, True)
+    with pytest.raises(RuntimeError, match="bad causal code"):
+        fwd(q, k, v, None, 0.125, 3, 0, False, True)
+    dout = torch.randn_like(out)
+    bad_backwards = {  # (dout, out_prime, frame)
+        "grad_output must have the output's shape": (dout[:, :, :10], out_prime, frame),
+        "out_prime must have the output's shape": (dout, out_prime.transpose(2, 3), frame),
+        "frame and row_sum": (dout, out_prime, frame[:, :, :10]),
+    }
+    for match, (bd, bp, bf) in bad_backwards.items():
+        with pytest.raises(RuntimeError, match=match):
+            bwd(bd, q, k, v, out, bp, None, bf, row_sum, 0.125, 0, 0, False, True)

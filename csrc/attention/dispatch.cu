@@ -7,16 +7,15 @@
 
 #include "attention/dispatch.h"
 
-/* NULL when the kernels take these sizes. */
+/* NULL when the kernels take these sizes: those every attention kernel takes (attn_qat.h), within the CUDA grids'
+   bounds. */
 static const char *check_attention_sizes(aq_dtype dtype, int64_t head_dim, int64_t batch, int64_t heads_q,
                                          int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k) {
-    if (!aq_attention_dtype_supported(dtype)) return "attention (CUDA): dtype must be bfloat16 or float16";
-    if (!aq_head_dim_supported(head_dim)) return "attention (CUDA): head_dim must be " AQ_HEAD_DIMS_TEXT;
-    if (heads_kv <= 0 || heads_q <= 0 || heads_q % heads_kv != 0)
-        return "attention (CUDA): heads_q must be a positive multiple of heads_kv";
-    if (batch < 0 || heads_q > 65535 || batch > 65535) return "attention (CUDA): batch and heads must be <= 65535";
-    if (seqlen_q < 0 || seqlen_k < 0 || seqlen_q > INT32_MAX - 256 || seqlen_k > INT32_MAX - 256)
-        return "attention (CUDA): sequence lengths must be in [0, 2^31 - 256]";
+    const char *problem = aq_attention_sizes_problem(dtype, head_dim, batch, heads_q, heads_kv, seqlen_q, seqlen_k);
+    if (problem) return problem;
+    if (heads_q > 65535 || batch > 65535) return "attention (CUDA): batch and heads must be <= 65535";
+    if (seqlen_q > INT32_MAX - 256 || seqlen_k > INT32_MAX - 256)
+        return "attention (CUDA): sequence lengths must be at most 2^31 - 256";
     return NULL;
 }
 

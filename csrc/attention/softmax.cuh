@@ -50,7 +50,7 @@ AQ_D void p_over_l_pair(const float (&u)[2], float exp_scale, float frame, float
 }
 
 /* A block's amax in w's units (p_block_scale_pairs) from its largest logit u: max_j w_j = w(u) exactly, because
-   fma(u, exp_scale, 11 - frame) is monotonic in u (exp_scale > 0, checked by ops.cpp) and so are ex2.approx.ftz.f32
+   fma(u, exp_scale, 11 - frame) is monotonic in u (exp_scale > 0: binding/tensors.h) and so are ex2.approx.ftz.f32
    (not promised by PTX; checked on the GPU for every fp32 input by tests/test_attention.py) and the fp16 rounding. */
 AQ_D float block_amax_w_from_logit(float u, float exp_scale, float frame) {
     return p_frame_value(fmaf(u, exp_scale, AQ_P_HEADROOM_LOG2 - frame));

@@ -1,10 +1,13 @@
 /* The Python module attn_qat._C. Importing it loads this library, whose static initializers
-   register the attn_qat ops with PyTorch's op registry (ops.cpp); the module says how it was built and holds the
-   kernel options (attn_qat.h; attn_qat.ops.kernel_options is their Python face). */
+   register the attn_qat ops with PyTorch's op registry (registry.cpp); the module says how it was built, holds the
+   kernel options (attn_qat.h; attn_qat.ops.kernel_options is their Python face) and exports the decisions the C side
+   makes that Python must know: the modes and their flags, the causal codes, the head dims, the layout rule of new
+   tensors and the Hopper kernels' tile shapes. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "attn_qat.h"
+#include "sm90/tile_shapes.h"
 
 #ifdef AQ_WITH_CUDA
 #define AQ_HAS_CUDA_KERNELS 1
@@ -41,9 +44,91 @@ static PyObject *set_kernel_options(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Python's a > b and a < b, for AQ_TOKEN_MAJOR_RULE: torch's symbolic sizes (torch.SymInt) answer them with a guard
+   on the relation, where reading their values would fix the sizes. An error sets *failed (then nothing is compared). */
+static int py_compare(PyObject *a, PyObject *b, int op, int *failed) {
+    const int r = *failed ? 0 : PyObject_RichCompareBool(a, b, op);
+    if (r < 0) *failed = 1;
+    return r > 0;
+}
+static PyObject *one;
+/* for token_major's body, whose `failed` they set; the rule compares only with 1 */
+#define PY_GREATER(a, literal_one) py_compare(a, one, Py_GT, &failed)
+#define PY_LESS(a, b) py_compare(a, b, Py_LT, &failed)
+
+/* token_major(heads, tokens, head_stride, token_stride) -> bool: attn_qat.h's rule on Python numbers, for the fake
+   kernels (which see torch.SymInt sizes under torch.compile). */
+static PyObject *token_major(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *heads, *tokens, *head_stride, *token_stride;
+    if (!PyArg_ParseTuple(args, "OOOO", &heads, &tokens, &head_stride, &token_stride)) return NULL;
+    int failed = 0;
+    const int result = AQ_TOKEN_MAJOR_RULE(PY_GREATER, PY_LESS, heads, tokens, head_stride, token_stride);
+    if (failed) return NULL;
+    return PyBool_FromLong(result);
+}
+
+/* A tuple of n objects from make(i), or NULL with the error set. */
+static PyObject *tuple_of(Py_ssize_t n, PyObject *(*make)(Py_ssize_t)) {
+    PyObject *t = PyTuple_New(n);
+    for (Py_ssize_t i = 0; t && i < n; i++) {
+        PyObject *item = make(i);
+        if (!item) Py_CLEAR(t);
+        else PyTuple_SetItem(t, i, item);
+    }
+    return t;
+}
+
+static PyObject *mode_name(Py_ssize_t code) { return PyUnicode_FromString(aq_mode_of(code)->name); }
+static PyObject *mode_flags(Py_ssize_t code) { return PyLong_FromUnsignedLong(aq_mode_of(code)->flags); }
+
+/* The head dims the kernels are built for, in increasing order (head dims are multiples of 16 up to 256). */
+static PyObject *head_dims(void) {
+    PyObject *dims = PyList_New(0);
+    for (int d = 16; dims && d <= 256; d += 16) {
+        if (!aq_head_dim_supported(d)) continue;
+        PyObject *item = PyLong_FromLong(d);
+        if (!item || PyList_Append(dims, item) < 0) Py_CLEAR(dims);
+        Py_XDECREF(item);
+    }
+    PyObject *t = dims ? PyList_AsTuple(dims) : NULL;
+    Py_XDECREF(dims);
+    return t;
+}
+
+/* {(head_dim, quantize_p, with_o_prime): (query rows, keys)} of the Hopper forward kernel's tiles. */
+static PyObject *sm90_fwd_tiles(PyObject *dims) {
+    PyObject *tiles = PyDict_New();
+    for (Py_ssize_t i = 0; tiles && i < PyTuple_Size(dims); i++) {
+        const int d = (int)PyLong_AsLong(PyTuple_GetItem(dims, i));
+        for (int quantize_p = 0; tiles && quantize_p < 2; quantize_p++) {
+            for (int with_o_prime = 0; tiles && with_o_prime < 2; with_o_prime++) {
+                const int nwg = sm90_consumer_warpgroups(d, quantize_p);
+                PyObject *key = Py_BuildValue("(iii)", d, quantize_p, with_o_prime);
+                PyObject *tile = Py_BuildValue("(ii)", 64 * nwg, sm90_keys_per_tile(d, with_o_prime, nwg));
+                if (!key || !tile || PyDict_SetItem(tiles, key, tile) < 0) Py_CLEAR(tiles);
+                Py_XDECREF(key);
+                Py_XDECREF(tile);
+            }
+        }
+    }
+    return tiles;
+}
+
+/* Adds value (a new reference, NULL for a failure) to m as name; -1 on failure. */
+static int add_object(PyObject *m, const char *name, PyObject *value) {
+    if (!value) return -1;
+    if (PyModule_AddObject(m, name, value) < 0) {
+        Py_DECREF(value);
+        return -1;
+    }
+    return 0;
+}
+
 static PyMethodDef attn_qat_methods[] = {
     {"kernel_options", kernel_options, METH_NOARGS, "The CUDA kernel options (sm90, tail_split mode, tail, splits, decode variant, decode chunk, index order)."},
     {"set_kernel_options", set_kernel_options, METH_VARARGS, "Set the CUDA kernel options (attn_qat.ops.kernel_options)."},
+    {"token_major", token_major, METH_VARARGS, "Whether (B, H, N, D) sizes and strides are token-major."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -53,12 +138,37 @@ static struct PyModuleDef attn_qat_module = {
 };
 
 PyMODINIT_FUNC PyInit__C(void) {
+    one = PyLong_FromLong(1);
+    if (!one) return NULL;
     PyObject *m = PyModule_Create(&attn_qat_module);
+    if (!m) return NULL;
+    /* the head dims, then each one's forward tiles (dims stays alive in the module) */
+    PyObject *dims = head_dims();
+    if (add_object(m, "HEAD_DIMS", dims) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     /* the decode options' bounds, for attn_qat.ops.kernel_options' checks and messages */
-    if (m && (PyModule_AddIntConstant(m, "with_cuda", AQ_HAS_CUDA_KERNELS) < 0 ||
-              PyModule_AddIntConstant(m, "DECODE_VARIANTS", AQ_DECODE_VARIANTS) < 0 ||
-              PyModule_AddIntConstant(m, "DECODE_CHUNK_STEP", AQ_DECODE_CHUNK_STEP) < 0 ||
-              PyModule_AddIntConstant(m, "DECODE_CHUNK_MAX", AQ_DECODE_CHUNK_MAX) < 0)) {
+    if (PyModule_AddIntConstant(m, "with_cuda", AQ_HAS_CUDA_KERNELS) < 0 ||
+        PyModule_AddIntConstant(m, "DECODE_VARIANTS", AQ_DECODE_VARIANTS) < 0 ||
+        PyModule_AddIntConstant(m, "DECODE_CHUNK_STEP", AQ_DECODE_CHUNK_STEP) < 0 ||
+        PyModule_AddIntConstant(m, "DECODE_CHUNK_MAX", AQ_DECODE_CHUNK_MAX) < 0 ||
+        /* the modes by code, and the flags of what each one does */
+        add_object(m, "MODES", tuple_of(AQ_MODES, mode_name)) < 0 ||
+        add_object(m, "MODE_FLAGS", tuple_of(AQ_MODES, mode_flags)) < 0 ||
+        PyModule_AddIntConstant(m, "QUANTIZES", AQ_QUANTIZES) < 0 ||
+        PyModule_AddIntConstant(m, "BACKWARD_THROUGH_FQ", AQ_BACKWARD_THROUGH_FQ) < 0 ||
+        PyModule_AddIntConstant(m, "DELTA_FROM_O_PRIME", AQ_DELTA_FROM_O_PRIME) < 0 ||
+        PyModule_AddIntConstant(m, "DV_FROM_P_FQ", AQ_DV_FROM_P_FQ) < 0 ||
+        PyModule_AddIntConstant(m, "BACKWARD_REDOES_STATS", AQ_BACKWARD_REDOES_STATS) < 0 ||
+        PyModule_AddIntConstant(m, "CAUSAL_NONE", AQ_CAUSAL_NONE) < 0 ||
+        PyModule_AddIntConstant(m, "CAUSAL_TOP_LEFT", AQ_CAUSAL_TOP_LEFT) < 0 ||
+        PyModule_AddIntConstant(m, "CAUSAL_BOTTOM_RIGHT", AQ_CAUSAL_BOTTOM_RIGHT) < 0 ||
+        /* the float32 log2(e) the kernels scale exponents by (attn_qat.ops.check_softmax_scale) */
+        add_object(m, "LOG2E", PyFloat_FromDouble(AQ_LOG2E)) < 0 ||
+        add_object(m, "SM90_FWD_TILES", sm90_fwd_tiles(dims)) < 0 ||
+        PyModule_AddIntConstant(m, "SM90_DKDV_KEYS", BWD90_KEYS) < 0 ||
+        PyModule_AddIntConstant(m, "SM90_DKDV_Q_STEP", BWD90_Q_STEP) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -21,16 +21,6 @@ static void *alloc_array(int64_t count, size_t elem_size) {
     return malloc((size_t)(count > 0 ? count : 1) * elem_size);
 }
 
-static const char *check_shapes(aq_dtype dtype, int64_t batch, int64_t heads_q, int64_t heads_kv,
-                                int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim) {
-    if (dtype != AQ_BFLOAT16 && dtype != AQ_FLOAT16) return "attention: dtype must be bfloat16 or float16";
-    if (batch < 0 || seqlen_q < 0 || seqlen_k < 0) return "attention: batch and sequence lengths must be >= 0";
-    if (head_dim < 1) return "attention: head_dim must be >= 1";
-    if (heads_kv < 1 || heads_q < 1 || heads_q % heads_kv != 0)
-        return "attention: heads_q must be a positive multiple of heads_kv";
-    return NULL;
-}
-
 /* One (batch, kv head) slice of K or V, (Nk, D) in fp32, converted once and shared by its query heads. */
 static void load_kv_head(const void *src, aq_dtype dtype, const int64_t *stride, int64_t b, int64_t h,
                          int64_t seqlen, int64_t head_dim, float *dst) {
@@ -171,8 +161,8 @@ const char *aq_p_fp16_path_cpu(const float *x, int64_t rows, int64_t n, float *w
 }
 
 const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
-    const char *err = check_shapes(p->dtype, p->batch, p->heads_q, p->heads_kv, p->seqlen_q, p->seqlen_k,
-                                   p->head_dim);
+    const char *err = aq_attention_sizes_problem(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv,
+                                                 p->seqlen_q, p->seqlen_k);
     if (err) return err;
     const int64_t nk = p->seqlen_k, dim = p->head_dim, group = p->heads_q / p->heads_kv;
 
@@ -247,8 +237,8 @@ const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
 }
 
 const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
-    const char *err = check_shapes(p->dtype, p->batch, p->heads_q, p->heads_kv, p->seqlen_q, p->seqlen_k,
-                                   p->head_dim);
+    const char *err = aq_attention_sizes_problem(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv,
+                                                 p->seqlen_q, p->seqlen_k);
     if (err) return err;
     const int64_t nk = p->seqlen_k, dim = p->head_dim, group = p->heads_q / p->heads_kv;
     const double scale = p->softmax_scale;

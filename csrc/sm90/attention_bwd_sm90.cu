@@ -25,11 +25,10 @@
 #include "sm90/hopper.cuh"
 #include "sm90/named_barriers.h"
 #include "sm90/tensor_map.h"
+#include "sm90/tile_shapes.h"
 
 #define BWD90_THREADS 384 /* producer warpgroup + 2 consumer warpgroups */
 #define BWD90_STAGES 3
-#define BWD90_KEYS 128    /* dK/dV: keys per CTA */
-#define BWD90_Q_STEP 64   /* dK/dV: queries per step */
 #define BWD90_ROWS 128    /* dQ: query rows per CTA */
 #define BWD90_K_STEP 64   /* dQ: keys per step */
 

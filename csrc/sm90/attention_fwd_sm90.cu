@@ -29,6 +29,7 @@
 #include "sm90/hopper.cuh"
 #include "sm90/named_barriers.h"
 #include "sm90/tensor_map.h"
+#include "sm90/tile_shapes.h"
 
 #define SM90_STAGES 2       /* K/V ring slots */
 /* The tail split (tail_split): the quantized kernels' query rows a CTA (aq_attention_fwd_sm90_tail_shape checks),
@@ -39,21 +40,6 @@
 
 /* A non-persistent CTA's index in its grid (query tiles fastest, then heads, batch): the order CTAs start in. */
 AQ_D int fwd_cta_index() { return (int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)); }
-
-/* Consumer warpgroups (64 query rows each). Three in bf16 mode at D = 128: a third warpgroup's softmax hides
-   more of the others' waits (H200, against two persistent warpgroups: Wan 1.3B 12.4 -> 11.9 ms, 16k 8.2 ->
-   7.9), and its 160 registers suffice at 64 keys a tile. Two for the quantized kernels, whose P fake-quant needs
-   the registers (three, at 64 keys a tile: 2-3% slower), and at D = 64 (three: 1.43 -> 1.52-1.57 ms at 4k). */
-static constexpr __host__ __device__ int sm90_consumer_warpgroups(int d, bool quantize_p) {
-    return !quantize_p && d == 128 ? 3 : 2;
-}
-
-/* Keys per tile. 128 fills the wgmma N for S; with the second accumulator O' and its P̂ register set, 64 keeps
-   the consumer within its 240 registers (at D=64 too: 128 spills and serializes the wgmma); 64 with three
-   consumer warpgroups (160 registers each). */
-static constexpr __host__ __device__ int sm90_keys_per_tile(int d, bool with_o_prime, int nwg) {
-    return with_o_prime || nwg == 3 ? 64 : 128;
-}
 
 /* Shared memory: Q (BM x D), then STAGES K tiles and STAGES V tiles (BN x D), each as D / 64 swizzled panels,
    then the mbarriers and, QUANTIZED, the consumer warps' P block scales (4 bytes x 2 x BN / 32 block pairs x 32
