@@ -421,12 +421,8 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, const aq_kernel_op
     p->variant = o->decode_variant >= 0 && o->decode_variant < DEC_VARIANTS ? o->decode_variant
                                                                            : DEC_LAST_CTA_MERGE | DEC_EARLY_START;
     /* The longest chunks (up to DEC_MAX_CHUNK keys) that still give every SM a CTA: a CTA's four warps already
-       keep enough loads in flight, and shorter chunks only add pipeline start-up and partial results. Measured on
-       the H100 (batch 8, 32 q / 8 kv heads, D = 128, one query token): 4k context 42.6 us with this rule against
-       121 us when aiming at 12 CTAs per SM; 32k context unchanged (1024-key chunks either way, 258-261 us).
-       Longer chunks amortize a CTA's start and merge (~70 of ~650 instructions a unit with 1024 keys): at 32k
-       context, kernel time under ncu 181 / 164 / 159 / 179 us for at most 1024 / 2048 / 4096 / 8192 keys with
-       one query token (8192: 256 CTAs, half the SMs' CTA slots idle), 289 / 246 / 245 / 232 us with four. */
+       keep enough loads in flight, and shorter chunks only add pipeline start-up and partial results; longer ones
+       amortize a CTA's start and merge (performance.md, "Kernel notes moved from the code"). */
     const int64_t ctas_per_split = p->batch * p->heads_kv * decode_m_tiles(p);
     int64_t chunk = DEC_MAX_CHUNK;
     while (chunk > DEC_MIN_CHUNK && ctas_per_split * ((p->max_length + chunk - 1) / chunk) < (int64_t)sms)
@@ -521,7 +517,7 @@ static const char *launch_decode(const aq_decode_params *p, cudaStream_t stream)
         return err == cudaSuccess ? NULL : cudaGetErrorString(err);
     }
     /* Programmatic dependent launch: the combine kernel's launch overlaps the decode kernel's last CTAs instead of
-       starting after them (~5 us of a 130 us decode at 32k context). */
+       starting after them (performance.md, "Kernel notes moved from the code"). */
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3((unsigned)rows);
     config.blockDim = dim3(DEC_COMBINE_THREADS);

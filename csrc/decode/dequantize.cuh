@@ -41,8 +41,8 @@ AQ_D uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
    values times 2^-14: out[i] = (n_i, n_{i+4}), n_i in the low half; -0 for code 8 (aq_e2m1_value's decode). A
    placed code fills one byte (sign at bit 7, magnitude at 3 .. 1, the rest 0), so the even codes are placed
    all at once in the bytes of `even`, the odd ones in `odd`, and one byte permute puts two of them in the high
-   bytes of an fp16 pair: two masks serve four codes, where masking each pair took two (11 instructions a word
-   instead of 16; bit-identical, checked over all 2^32 words). */
+   bytes of an fp16 pair: two masks serve four codes, where masking each pair took two (fewer instructions a word,
+   performance.md; bit-identical, checked over all 2^32 words). */
 AQ_D void e2m1x8_to_f16(uint32_t w, uint32_t (&out)[4]) {
     const uint32_t even = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u); /* byte k: n_{2k} */
     const uint32_t odd = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);        /* byte k: n_{2k+1} */

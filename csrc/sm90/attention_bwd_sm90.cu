@@ -74,8 +74,7 @@ struct DkdvLayout {
 };
 
 /* The dK/dV loop's next step: the next 64 queries of head h, or the first of head h + 1 once past q_end (counters
-   rather than a division of the step index, whose ~40 dependent instructions stood at the top of every step: 5% of
-   the stall samples under ncu). */
+   rather than a division of the step index, whose dependent chain stood at the top of every step: performance.md). */
 AQ_D void next_query_step(int *h, int *q0, int q_begin, int q_end) {
     *q0 += BWD90_Q_STEP;
     if (*q0 >= q_end) *q0 = q_begin, ++*h;
@@ -254,7 +253,7 @@ AQ_D void dkdv90_producer(const Bwd &bwd, const dkdv_item &it, float (&m)[Bwd::B
          step++, next_query_step(&h, &q0, it.q_begin, it.q_end)) {
         const int s = step % L::STAGES;
         /* the statistics first, into registers: their global-load latency then overlaps the wait for the
-           slot instead of delaying the step's TMA (consumers waited on it: 6-9% of their stall samples) */
+           slot instead of delaying the step's TMA, which the consumers wait on (performance.md v6) */
         const int64_t stat0 = ((int64_t)b * p.heads_q + h) * it.nq;
         bool dead = false;
 #pragma unroll
@@ -293,9 +292,8 @@ struct Dkdv90Consumer {
     static constexpr bool QUANTIZE_DV = Bwd::QUANTIZE_DV, FUSED_DQ = Bwd::FUSED_DQ;
     using L = typename Bwd::L;
     /* Ping-pong (unquantized only): the two consumer warpgroups take turns at the P part, so that one runs its
-       FP32 work while the other's products keep the tensor cores busy. Measured on the H100 at the Wan 14B shape:
-       bf16 mode dK/dV 74.4 -> 71.1 ms; with the P^F column quant, whose P part is three times as long, the turns
-       cost more than they gain (102.9 -> 119.0 ms). */
+       FP32 work while the other's products keep the tensor cores busy; with the P^F column quant, whose P part is
+       three times as long, the turns cost more than they gain (performance.md v6). */
     static constexpr bool ping_pong = !QUANTIZE_DV && !FUSED_DQ;
 
     const Bwd &bwd;
@@ -341,7 +339,7 @@ struct Dkdv90Consumer {
         wgmma_wait<0>();
         fence_registers(dq);
         /* staged for the dQ warp's bulk reduction (per-thread red.global.add of the same data from here cost
-           ~18 ms of the Wan 14B backward's 125: v10 in performance.md) */
+           far more: v10 in performance.md) */
         mbar_wait(&bwd.dq_empty[c], (step & 1) ^ 1);
         float4 *stage = (float4 *)(bwd.smem + L::DQ_OFFSET + c * L::DQ_CHUNK_BYTES) +
                         ((int)threadIdx.x - 128 * bwd.warpgroup);
@@ -369,8 +367,8 @@ struct Dkdv90Consumer {
             /* Unquantized: S^T and dP^T as two groups, the P part (exp2) runs while the tensor cores compute dP^T,
                and the dS part while they compute dV. With the P^F column quant the P part is latency-bound (v9 in
                performance.md), and dP^T's 32 accumulator registers held across it left the compiler too few to
-               interleave its element chains (256 bytes of spills): dP^T is issued after it, just before dV, and the
-               dS part waits for it. Measured on the H200: 1.5-3.5% faster at every benchmark shape, no spills.
+               interleave its element chains (spills): dP^T is issued after it, just before dV, and the dS part
+               waits for it, without spills (performance.md, "Kernel notes moved from the code").
                (Issuing the next step's S^T behind dK, to keep the tensor cores busy across steps, puts a wgmma in
                flight across the loop's back edge, and ptxas then serializes every wgmma: C7515.) */
             constexpr bool dp_after_p = QUANTIZE_DV;

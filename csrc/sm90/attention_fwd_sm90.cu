@@ -163,7 +163,7 @@ struct Fwd90State {
     }
 
     /* fn(t, first K/V slot, item count) for each of the CTA's items; one item (t = blockIdx.x) unless
-       PERSISTENT, which the quantized kernels are not: the loop's state cost them registers and 3-6% */
+       PERSISTENT, which the quantized kernels are not: the loop's state costs them registers (performance.md) */
     template <class Fn>
     AQ_D void for_each_item(Fn &&fn) const {
         if constexpr (PERSISTENT) {
@@ -337,9 +337,7 @@ struct Fwd90Mainloop {
         const bool masked = needs_mask(j + 1);
         /* The whole elementwise part inside both arms of the mask test: ptxas puts the wait for P(j) V at
            the top of the basic block after the arms, so a softmax there would run after it and overlap
-           nothing (seen in the SASS). With O' at D = 128 this held too many registers (700 bytes of spills)
-           until the P scale work was shared and the exp took the scale (140 bytes now, and faster than
-           waiting first: 76.5 -> 69.7 ms at the Wan 14B shape). */
+           nothing. With O' at D = 128 this costs spills, still less than waiting first (performance.md v7). */
         if (masked) elementwise(j, true, alpha);
         else elementwise(j, false, alpha);
         finish_pv(j);
@@ -354,7 +352,7 @@ struct Fwd90Mainloop {
         if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(fwd.q_empty);
         if constexpr (!QUANTIZE_P) {
             /* Unquantized (bf16 mode): too little FP32 work per tile to hide, and the pipeline's extra waits and
-               register copies cost more than they save (measured: 45.2 against 41.0 ms at the Wan 14B shape). */
+               register copies cost more than they save (performance.md v4). */
             for (int j = 0; j < n_tiles; j++) {
                 float alpha[2];
                 issue_scores(j);
@@ -484,7 +482,7 @@ AQ_D void fwd90_consumer(const Fwd &fwd) {
 
 /* A CTA per work item (a query tile of one head), or PERSISTENT: a CTA an SM, each taking every gridDim.x-th
    item, so that the producer loads the next item's Q while the consumers store the last one's outputs and the
-   K/V ring runs on across items (bf16 mode: Wan cross-attention 1.00 -> 0.78 ms, D = 64 at 4k 1.59 -> 1.43).
+   K/V ring runs on across items (performance.md, "Kernel notes moved from the code").
    TAIL: a CTA per part of the split last wave's items (tail_split, not causal): its key tiles are those of its
    FWD_TAIL_KEYS-key units [u0, u1) of the keys the item sees, and it writes its rows' partial results (FwdTailPart) for
    attention_fwd_merge_kernel; the main kernel then skips those items.
@@ -511,10 +509,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     /* a consumer warp's P block scales (quantized kernels): reciprocals, then DT scale pairs, each [block pair][lane].
        Each lane computes one row-block's and needs its quad's four: a 16-byte load each, where shuffles took 8 a
        block pair (performance.md v12). Set here, before the roles split: computed in the consumer branch, the
-       pointer cost the inference kernel 37 more spill loads. The producer warps, which never use it, get warp 4's.
+       pointer made the inference kernel spill more. The producer warps, which never use it, get warp 4's.
        quad_scales: the entries of the lane's quad, one base for every block pair's load, whose offsets then fold
        into the load instructions (indexed from warp_scales, each block pair's address took a register of its own,
-       and the inference kernel spilled them: 73 spill instructions against 26). */
+       and the inference kernel spilled them; performance.md has the counts). */
     uint32_t *warp_scales = (uint32_t *)(smem + L::SCALES_OFFSET) +
                             max((int)threadIdx.x / 32 - 4, 0) * 2 * (BN / 32) * 32;
     const uint32_t *quad_scales = warp_scales + ((int)threadIdx.x & 28);
@@ -563,7 +561,7 @@ bool aq_sm90_kernels_run_here(void) {
    come with causal 0 whatever their rule (attn_qat.h): each part then takes its share of its item's own keys, and
    the host, which cannot see those, caps the parts by all the keys' units (a part of a short item may get none). The
    D = 64 inference forward splits only a grid of less than one wave, where the parts fill idle SMs: with more waves
-   its split measured 1-2% slower on the H200, the D = 128 one's 1-1.5% faster (4k, Wan 1.3B; performance.md v19). */
+   its split costs more than it saves, unlike the D = 128 one's (performance.md v19). */
 sm90_tail_shape aq_attention_fwd_sm90_tail_shape(const aq_attention_fwd_params *p) {
     static_assert(64 * sm90_consumer_warpgroups(64, true) == FWD_TAIL_BM &&
                       64 * sm90_consumer_warpgroups(128, true) == FWD_TAIL_BM,

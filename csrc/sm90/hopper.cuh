@@ -205,7 +205,7 @@ AQ_D void stage_fragment_rows(const float (&acc)[D / 8][4], unsigned char *tile,
    of 16 rows: make_tensor_map): rows past the tensor's end are not written. Lane 0 issues the copies as one bulk
    group; the tile must stay untouched until its bulk_wait_read. Writing through the copy engine is what makes this
    cheaper than stores from registers: 4-byte stores of 16 rows x D fill only half of each 32-byte sector they touch,
-   and a warp's stores then wait on the memory pipe (the training forward's two outputs took 4.5 us a CTA that way). */
+   and a warp's stores then wait on the memory pipe (performance.md v18). */
 template <int D>
 AQ_D void tma_store_warp_rows(const void *map, const unsigned char *tile, int rows, int row0, int row0_global, int h,
                               int b) {
