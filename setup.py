@@ -57,7 +57,7 @@ if with_cuda:
     sources += [f"{csrc}/{f}" for f in ("format/quantize_cuda.cu", "attention/dispatch.cu", "sm80/attention_fwd.cu",
                                          "sm90/attention_fwd_sm90.cu", "sm80/attention_bwd.cu",
                                          "sm90/attention_bwd_sm90.cu", "decode/decode_cuda.cu",
-                                         "attention/p_fp16_path.cu")]
+                                         "attention/p_fp16_path.cu", "attention/backward_preprocess.cu")]
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DAQ_WITH_CUDA", "-DUSE_CUDA"] + defines
     nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     if "90a" in archs:

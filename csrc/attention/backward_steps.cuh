@@ -308,7 +308,7 @@ AQ_D void dkdv_step_ds(const float (&st)[BQ / 8][4], const float (&dpt)[BQ / 8][
 /* dQ orientation, queries as C rows: s = S (row row_base + frag_c_row, key k0 + 8n + frag_c_col); the thread's
    two rows' statistics in m, inv_l. Leaves P = P̂ / l (unquantized) in s; P_FP16: P̂ is fp16 (p_hat<true>; PAIRS: a
    row's two keys at a time, p_over_l_pair, the same values). PAIRS only on sm90: the mma.sync dQ kernel at D = 64
-   spilled 40 bytes with it. */
+   spills with it. */
 template <int BK, bool P_FP16, bool PAIRS, bool CHECKED>
 AQ_D uint32_t dq_step_p_impl(const logit_map *lm, float (&s)[BK / 8][4], const float m[2], const float inv_l[2],
                              int row_base, int k0) {

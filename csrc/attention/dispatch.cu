@@ -107,7 +107,7 @@ const char *aq_attention_bwd_cuda(const aq_attention_bwd_params *caller, const a
     aq_attention_bwd_params p = *caller;
     p.sm_count = plan->sm_count;
     cudaStream_t s = (cudaStream_t)stream;
-    const char *err = aq_attention_bwd_delta_sm80(&p, s);
+    const char *err = aq_attention_bwd_delta(&p, s);
     if (err) return err;
     bool taken = false;
     const int *only_if = NULL;

@@ -8,13 +8,16 @@
 #include "attn_qat.h"
 
 /* ------------------------------------------------------------------------------------------------
+   attention/backward_preprocess.cu: delta = rowsum(dO * out_for_delta), which every backward kernel reads; it runs
+   before the backward kernels of either family. */
+
+const char *aq_attention_bwd_delta(const aq_attention_bwd_params *p, cudaStream_t stream);
+
+/* ------------------------------------------------------------------------------------------------
    sm80/: the mma.sync kernels, any CUDA GPU. only_if: NULL, or a device flag without which the kernels exit at once
    (the fallback behind the Hopper kernels, which set it). */
 
 const char *aq_attention_fwd_sm80(const aq_attention_fwd_params *p, cudaStream_t stream, const int *only_if);
-
-/* delta = rowsum(dO * out_for_delta), which every backward kernel reads. */
-const char *aq_attention_bwd_delta_sm80(const aq_attention_bwd_params *p, cudaStream_t stream);
 
 /* The dK/dV and dQ kernels (delta is done). */
 const char *aq_attention_bwd_sm80(const aq_attention_bwd_params *p, cudaStream_t stream, const int *only_if);

@@ -12,14 +12,11 @@ typedef struct {
    default each head's tiles go side by side (they read the same Q and dO, or K and V, from L2), and under a causal
    mask the longest first (the first key tile, or the last query tile: last_longest). But then each head's longest
    item comes once more near the end, and when the grid is short (under ~13 waves of `sms` items) and the items long
-   (grouped heads: a dK/dV item covers the group's query heads), the last wave holds long items: the Qwen causal
-   backward (4 x 8 KV heads, 4096 tokens) was 14% over its mean in a list-scheduling model (a CTA an SM). There
-   the tiles go longest first across chunks of consecutive heads (h + heads b) of about two waves of items. H200,
-   backward, attn_qat (bf16 mode) ms, head-major -> chunks: (4, 32/8 heads, 4096) 3.99 -> 3.68 (3.41 -> 3.22);
-   (2, 32/8, 8192) 7.02 -> 6.62 (6.12 -> 5.83); (1, 32/8, 16384) 12.3 -> 12.4 (11.2 -> 11.3). On a long grid
-   the model gains less and L2 loses more (more heads in flight): (8, 16, 4096) MHA 3.90 -> 4.03, so grids over
-   13 waves keep head-major order. The forward keeps it too: a short item at the end moves it 1-3% (model), and
-   this index arithmetic held across its loop made the quantized forward spill. */
+   (grouped heads: a dK/dV item covers the group's query heads), the last wave holds long items. There the tiles go
+   longest first across chunks of consecutive heads (h + heads b) of about two waves of items. On a long grid the
+   model gains less and L2 loses more (more heads in flight), so grids over 13 waves keep head-major order. The
+   forward keeps it too: a short item at the end moves it little, and this index arithmetic held across its loop
+   made the quantized forward spill (performance.md, "Kernel notes moved from the code"). */
 AQ_D work_item work_item_at(int t, int n_tiles, int heads, int batch, int causal, bool last_longest, int sms) {
     const int n_hb = heads * batch;
     int tile, hb;

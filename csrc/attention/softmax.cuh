@@ -129,10 +129,10 @@ AQ_D void exp_row_pairs(float (&s)[BN / 8][4], int r, float exp_scale, float fra
    FROM_LOGITS: each block's amax from its largest logit (block_amax_w_from_logit), so that the scales need only
    the logits' block maxima and the frame: their chain (the reduce-scatter, the E4M3 rounding, the reciprocal)
    then runs beside the exponentials instead of after them, the block maxima give the row maxima too, and the
-   max over P̂ per element is gone, for one more MUFU.EX2 a block pair and lane (performance.md v12:
-   inference forward -3 to -4%). Not at D = 64, where the exponentials alone keep MUFU as busy as the tensor cores
-   (performance.md, cost model) and that extra one cost 5%: there the amax is the max of the w pairs (NaN above
-   all, as the integer max of P̂'s bits). */
+   max over P̂ per element is gone, for one more MUFU.EX2 a block pair and lane (performance.md v12). Not at
+   D = 64, where the exponentials alone keep MUFU as busy as the tensor cores and that extra one costs more
+   (performance.md, cost model): there the amax is the max of the w pairs (NaN above all, as the integer max of
+   P̂'s bits). */
 template <int BN, aq_dtype DT, bool FROM_LOGITS, bool HAT>
 AQ_D void online_softmax_p_scales(float (&s)[BN / 8][4], float m[2], float l[2], float alpha[2], float exp_scale,
                                   uint32_t (&recip_pairs)[BN / 32], uint32_t (&scale_pairs)[BN / 32]) {

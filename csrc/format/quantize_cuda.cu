@@ -166,9 +166,9 @@ __device__ __forceinline__ void store_token_block(const aq_quantize_params &p, c
 
 // Blocked axis not innermost, inner axis contiguous (V along tokens): a thread takes one 16-row block of
 // 4 bytes of inner columns (two 16-bit ones), reads its rows with 16 independent loads (a warp's loads of
-// one row are contiguous), quantizes each column in registers and writes the rows back the same way. (The
-// earlier form staged a 16 x 256-column tile through shared memory per CTA: 1.2 TB/s on the H200 at D = 128,
-// where only 128 of its 256 threads had a column; 16 bytes of columns a thread took 146 registers.) Needs
+// one row are contiguous), quantizes each column in registers and writes the rows back the same way. (A 16 x
+// 256-column tile staged through shared memory per CTA left half its threads without a column at D = 128, and
+// 16 bytes of columns a thread took too many registers: performance.md.) Needs
 // inner and the strides multiples of 4 bytes, aligned pointers. Grid: ceil(outer * nblocks * inner / per_vec
 // / 256).
 template <typename T, typename I>
@@ -193,9 +193,8 @@ __global__ void __launch_bounds__(256) quantize_tokens_kernel(aq_quantize_params
 // bytes of columns a thread (eight 16-bit columns, four 32-bit words a row: one 16-byte load and store a row). Each
 // word's two columns at once, each value taken from and put back into its word: the amaxes of both from one 16x2-bit
 // integer max a row (the bits of |x| order like the values, NaN above Inf), y = min(|x| r, 6) rounded by
-// aq_e2m1_round_nonneg_unclamped, times s, and the sign back. ~12 instructions an element where the general path's
-// aq_fake_quantize_element took ~20: the general kernel ran at 49% of a copy's speed here (performance.md v16); with
-// 4 bytes of columns a thread this one ran at 70-73%, with 16 at 86-95% (performance.md, quantizers v7). Same
+// aq_e2m1_round_nonneg_unclamped, times s, and the sign back: fewer instructions an element than the general
+// path's aq_fake_quantize_element, and nearer a copy's speed (performance.md v16, quantizers v7). Same
 // values: zero blocks give +0 (the sign is kept only where s > 0), and a NaN or Inf in a block gives a NaN scale,
 // hence NaN (r = 0 there; an Inf's Inf * 0 = NaN becomes 6 in fminf, within the rounding's domain, and its product
 // with the NaN scale is NaN).
@@ -269,7 +268,7 @@ __global__ void __launch_bounds__(256) quantize_strided_kernel(aq_quantize_param
 
 // Q and K (blocked along the innermost axis, inner 1, axis_len a multiple of 16): a thread per block, its 8 code
 // bytes in one load and its 16 values in 16-byte stores. (The element-per-thread kernel below made the packed prefill
-// 1.4 ms slower than the bf16 one at (8, 16, 4096, 128): three such passes.)
+// slower than the bf16 one, with three such passes: performance.md.)
 template <typename T>
 __global__ void __launch_bounds__(256) dequantize_rows_kernel(aq_dequantize_params p) {
     const int64_t blk = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, nblocks = p.axis_len / AQ_BLOCK;

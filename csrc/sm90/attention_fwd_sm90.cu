@@ -26,17 +26,13 @@
 #include "attention/softmax.cuh"
 #include "attention/tile_io.cuh"
 #include "sm90/epilogue.cuh"
+#include "sm90/forward_tail_split.cuh"
 #include "sm90/hopper.cuh"
 #include "sm90/named_barriers.h"
 #include "sm90/tensor_map.h"
 #include "sm90/tile_shapes.h"
 
 #define SM90_STAGES 2       /* K/V ring slots */
-/* The tail split (tail_split): the quantized kernels' query rows a CTA (aq_attention_fwd_sm90_tail_shape checks),
-   and the keys of a part's unit, so that the inference kernel's 128-key tiles and the training kernel's 64-key ones
-   split alike. */
-#define FWD_TAIL_BM 128
-#define FWD_TAIL_KEYS 128
 
 /* A non-persistent CTA's index in its grid (query tiles fastest, then heads, batch): the order CTAs start in. */
 AQ_D int fwd_cta_index() { return (int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)); }
@@ -56,96 +52,6 @@ struct Sm90Layout {
     static_assert(SPANS_OFFSET % 16 == 0, "the spans are read as 16-byte vectors");
     static constexpr int ALLOC = BYTES + 1024; /* the panels need 1024-byte alignment */
 };
-
-/* A tail part's partial results (tail_split; floats a part): the unnormalized accumulators O (and O') of its BM
-   rows, then each row's frame m and sum l, l = -1 when the part saw no visible key of the row. */
-template <int D, int BM, bool WITH_O_PRIME>
-struct FwdTailPart {
-    static constexpr int O = 0, O2 = BM * D, M = BM * D * (WITH_O_PRIME ? 2 : 1), L = M + BM, FLOATS = L + BM;
-};
-
-/* A consumer warp's 16 rows (from row0 of the CTA's) into tail part `slot` (FwdTailPart). */
-template <int D, int BM, bool WITH_O_PRIME>
-AQ_D void store_fwd_tail_part(const float (&o)[D / 8][4], const float (&o2)[D / 8][4], const float m[2],
-                              const float l[2], const bool seen[2], float *part, int slot, int row0) {
-    using P = FwdTailPart<D, BM, WITH_O_PRIME>;
-    const int lane = (int)threadIdx.x & 31;
-    float *pt = part + (int64_t)slot * P::FLOATS;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        bool any_seen;
-        const float lsum = quad_row_sum(l[r], seen[r], &any_seen);
-        const int row = row0 + frag_c_row(lane, 2 * r);
-        if ((lane & 3) == 0) {
-            pt[P::M + row] = m[r];
-            pt[P::L + row] = any_seen ? lsum : -1.0f;
-        }
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            const int col = 8 * n + frag_c_col(lane, 0);
-            *(float2 *)(pt + P::O + row * D + col) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
-            if constexpr (WITH_O_PRIME) *(float2 *)(pt + P::O2 + row * D + col) = make_float2(o2[n][2 * r], o2[n][2 * r + 1]);
-        }
-    }
-}
-
-/* The split items' outputs from their parts, as finish_forward_rows makes them from one CTA's accumulators: per row
-   the frame M is the largest of the parts' frames (integers: the frame of the whole row), each part's O, O' and l
-   are scaled by 2^(m - M) (exact) and summed in part order, and O = sum * o_factor / l (o_factor = 2^-11: P^F *
-   2^11 was accumulated), O' = sum / l; 0 where no part saw a visible key, NaN where one did and l is 0. A warp a
-   row, lane covering D / 32 columns. */
-template <int D, aq_dtype DT, bool WITH_O_PRIME>
-__global__ void __launch_bounds__(128)
-    attention_fwd_merge_kernel(const aq_attention_fwd_params p, const tail_split ts, int *nonfinite) {
-    constexpr int BM = FWD_TAIL_BM, C = D / 32;
-    using P = FwdTailPart<D, BM, WITH_O_PRIME>;
-    const int lane = (int)threadIdx.x & 31, t = (int)blockIdx.x * 4 + (int)threadIdx.x / 32;
-    const int i = t / BM, r = t % BM, nq = (int)p.seqlen_q, n_qtiles = (nq + BM - 1) / BM;
-    if (i >= ts.tail_items) return;
-    const int item = ts.main_items + i, hb = item / n_qtiles, q = item % n_qtiles * BM + r;
-    if (q >= nq) return;
-    const int h = hb % (int)p.heads_q, b = hb / (int)p.heads_q;
-    const float *part = ts.part + (int64_t)i * ts.splits * P::FLOATS;
-    float frame = -INFINITY;
-    bool seen = false;
-    for (int s = 0; s < ts.splits; s++) {
-        const float *pt = part + (int64_t)s * P::FLOATS;
-        if (!(pt[P::L + r] < 0.0f)) seen = true, frame = fmaxf(frame, pt[P::M + r]);
-    }
-    float lsum = 0.0f, o[C] = {}, o2[C] = {};
-    for (int s = 0; s < ts.splits; s++) {
-        const float *pt = part + (int64_t)s * P::FLOATS;
-        const float ls = pt[P::L + r];
-        if (ls < 0.0f) continue;
-        const float f = exp2_frame_step(pt[P::M + r] - frame);
-        lsum = __fmaf_rn(f, ls, lsum);
-#pragma unroll
-        for (int c = 0; c < C; c++) {
-            o[c] = __fmaf_rn(f, pt[P::O + r * D + C * lane + c], o[c]);
-            if constexpr (WITH_O_PRIME) o2[c] = __fmaf_rn(f, pt[P::O2 + r * D + C * lane + c], o2[c]);
-        }
-    }
-    lsum = finished_row_sum(lsum, seen);
-    const float inv_l = 1.0f / lsum;
-    const int64_t stat = ((int64_t)b * p.heads_q + h) * nq + q;
-    if (lane == 0) p.frame_m[stat] = frame, p.row_sum[stat] = lsum;
-    float out[2][C]; /* O, O' */
-#pragma unroll
-    for (int c = 0; c < C; c++) {
-        out[0][c] = seen ? o[c] * AQ_P_HEADROOM_INV * inv_l : 0.0f;
-        out[1][c] = seen && WITH_O_PRIME ? o2[c] * inv_l : 0.0f;
-    }
-    if (nonfinite != NULL) flag_if_nonfinite(out, nonfinite); /* a warp a row: all its lanes are here */
-    uint16_t *og = (uint16_t *)p.o + b * p.o_stride[0] + h * p.o_stride[1] + q * p.o_stride[2] + C * lane;
-#pragma unroll
-    for (int c = 0; c < C; c += 2) *(uint32_t *)(og + c) = pack2<DT>(out[0][c], out[0][c + 1]);
-    if constexpr (WITH_O_PRIME) {
-        uint16_t *og2 = (uint16_t *)p.o_prime + b * p.o_prime_stride[0] + h * p.o_prime_stride[1] +
-                        q * p.o_prime_stride[2] + C * lane;
-#pragma unroll
-        for (int c = 0; c < C; c += 2) *(uint32_t *)(og2 + c) = pack2<DT>(out[1][c], out[1][c + 1]);
-    }
-}
 
 /* A work item: query rows q0 .. q0 + BM - 1 of head h, batch b, and the key tiles kt0 .. kt0 + n_tiles - 1 it
    reads (a TAIL part's share of them). */
@@ -243,7 +149,7 @@ struct Fwd90State {
     }
 
     /* fn(t, first K/V slot, item count) for each of the CTA's items; one item (t = blockIdx.x) unless
-       PERSISTENT, which the quantized kernels are not: the loop's state cost them registers and 3-6% */
+       PERSISTENT, which the quantized kernels are not: the loop's state costs them registers (performance.md) */
     template <class Fn>
     AQ_D void for_each_item(Fn &&fn) const {
         if constexpr (PERSISTENT) {
@@ -417,9 +323,7 @@ struct Fwd90Mainloop {
         const bool masked = needs_mask(j + 1);
         /* The whole elementwise part inside both arms of the mask test: ptxas puts the wait for P(j) V at
            the top of the basic block after the arms, so a softmax there would run after it and overlap
-           nothing (seen in the SASS). With O' at D = 128 this held too many registers (700 bytes of spills)
-           until the P scale work was shared and the exp took the scale (140 bytes now, and faster than
-           waiting first: 76.5 -> 69.7 ms at the Wan 14B shape). */
+           nothing. With O' at D = 128 this costs spills, still less than waiting first (performance.md v7). */
         if (masked) elementwise(j, true, alpha);
         else elementwise(j, false, alpha);
         finish_pv(j);
@@ -434,7 +338,7 @@ struct Fwd90Mainloop {
         if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(fwd.q_empty);
         if constexpr (!QUANTIZE_P) {
             /* Unquantized (bf16 mode): too little FP32 work per tile to hide, and the pipeline's extra waits and
-               register copies cost more than they save (measured: 45.2 against 41.0 ms at the Wan 14B shape). */
+               register copies cost more than they save (performance.md v4). */
             for (int j = 0; j < n_tiles; j++) {
                 float alpha[2];
                 issue_scores(j);
@@ -564,7 +468,7 @@ AQ_D void fwd90_consumer(const Fwd &fwd) {
 
 /* A CTA per work item (a query tile of one head), or PERSISTENT: a CTA an SM, each taking every gridDim.x-th
    item, so that the producer loads the next item's Q while the consumers store the last one's outputs and the
-   K/V ring runs on across items (bf16 mode: Wan cross-attention 1.00 -> 0.78 ms, D = 64 at 4k 1.59 -> 1.43).
+   K/V ring runs on across items (performance.md, "Kernel notes moved from the code").
    TAIL: a CTA per part of the split last wave's items (tail_split, not causal): its key tiles are those of its
    FWD_TAIL_KEYS-key units [u0, u1) of the keys the item sees, and it writes its rows' partial results (FwdTailPart) for
    attention_fwd_merge_kernel; the main kernel then skips those items.
@@ -591,10 +495,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     /* a consumer warp's P block scales (quantized kernels): reciprocals, then DT scale pairs, each [block pair][lane].
        Each lane computes one row-block's and needs its quad's four: a 16-byte load each, where shuffles took 8 a
        block pair (performance.md v12). Set here, before the roles split: computed in the consumer branch, the
-       pointer cost the inference kernel 37 more spill loads. The producer warps, which never use it, get warp 4's.
+       pointer made the inference kernel spill more. The producer warps, which never use it, get warp 4's.
        quad_scales: the entries of the lane's quad, one base for every block pair's load, whose offsets then fold
        into the load instructions (indexed from warp_scales, each block pair's address took a register of its own,
-       and the inference kernel spilled them: 73 spill instructions against 26). */
+       and the inference kernel spilled them; performance.md has the counts). */
     uint32_t *warp_scales = (uint32_t *)(smem + L::SCALES_OFFSET) +
                             max((int)threadIdx.x / 32 - 4, 0) * 2 * (BN / 32) * 32;
     const uint32_t *quad_scales = warp_scales + ((int)threadIdx.x & 28);
@@ -643,7 +547,7 @@ bool aq_sm90_kernels_run_here(void) {
    come with causal 0 whatever their rule (attn_qat.h): each part then takes its share of its item's own keys, and
    the host, which cannot see those, caps the parts by all the keys' units (a part of a short item may get none). The
    D = 64 inference forward splits only a grid of less than one wave, where the parts fill idle SMs: with more waves
-   its split measured 1-2% slower on the H200, the D = 128 one's 1-1.5% faster (4k, Wan 1.3B; performance.md v19). */
+   its split costs more than it saves, unlike the D = 128 one's (performance.md v19). */
 sm90_tail_shape aq_attention_fwd_sm90_tail_shape(const aq_attention_fwd_params *p) {
     static_assert(64 * sm90_consumer_warpgroups(64, true) == FWD_TAIL_BM &&
                       64 * sm90_consumer_warpgroups(128, true) == FWD_TAIL_BM,

@@ -205,7 +205,7 @@ AQ_D void stage_fragment_rows(const float (&acc)[D / 8][4], unsigned char *tile,
    of 16 rows: make_tensor_map): rows past the tensor's end are not written. Lane 0 issues the copies as one bulk
    group; the tile must stay untouched until its bulk_wait_read. Writing through the copy engine is what makes this
    cheaper than stores from registers: 4-byte stores of 16 rows x D fill only half of each 32-byte sector they touch,
-   and a warp's stores then wait on the memory pipe (the training forward's two outputs took 4.5 us a CTA that way). */
+   and a warp's stores then wait on the memory pipe (performance.md v18). */
 template <int D>
 AQ_D void tma_store_warp_rows(const void *map, const unsigned char *tile, int rows, int row0, int row0_global, int h,
                               int b) {
@@ -249,98 +249,76 @@ AQ_D void fence_registers(uint32_t (&a)[R][4]) {
         for (int e = 0; e < 4; e++) asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
-/* d (64 x 32, fp32) = (accumulate ? d : 0) + A (64 x 16, shared; K-major, or MN-major when TRANS_A) * B (16 x 32,
-   shared; K-major, or MN-major when TRANS_B) */
-template <aq_dtype DT, int TRANS_B, int TRANS_A = 0>
-AQ_D void wgmma_m64n32k16_ss(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-#define AQ_WGMMA_SS(TYPE)                                                                                       \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                            \
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                  \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                                                                     \
-                 "%16, %17, p, 1, 1, %20, %19;\n}\n"                                                      \
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]) \
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B), "n"(TRANS_A))
-    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_SS("bf16");
-    else AQ_WGMMA_SS("f16");
-#undef AQ_WGMMA_SS
-}
+/* wgmma.mma_async m64nNk16 with fp32 accumulation, one definition for every shape N and element type DT:
+   d (64 x N, fp32) = (accumulate ? d : 0) + A (64 x 16) * B (16 x N, shared; K-major, or MN-major when TRANS_B).
+   wgmma_ss: A in shared memory (K-major, or MN-major when TRANS_A); wgmma_rs: A in registers, each warp holding its
+   16 rows as the mma.sync m16n8k16 A fragment. In the inline PTX, d's N / 2 registers are operands %0 .. %(N/2 - 1)
+   (AQ_WGMMA_D<N> lists them, AQ_WGMMA_R<N> names them); the instruction's other operands follow them, so each shape
+   spells out their numbers, from N / 2 on (the preprocessor cannot add). */
+#define AQ_WGMMA_D4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define AQ_WGMMA_D32 AQ_WGMMA_D4(0), AQ_WGMMA_D4(1), AQ_WGMMA_D4(2), AQ_WGMMA_D4(3)
+#define AQ_WGMMA_D64 AQ_WGMMA_D32, AQ_WGMMA_D4(4), AQ_WGMMA_D4(5), AQ_WGMMA_D4(6), AQ_WGMMA_D4(7)
+#define AQ_WGMMA_D128                                                                                               \
+    AQ_WGMMA_D64, AQ_WGMMA_D4(8), AQ_WGMMA_D4(9), AQ_WGMMA_D4(10), AQ_WGMMA_D4(11), AQ_WGMMA_D4(12), AQ_WGMMA_D4(13), \
+        AQ_WGMMA_D4(14), AQ_WGMMA_D4(15)
+#define AQ_WGMMA_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define AQ_WGMMA_R64 AQ_WGMMA_R32 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define AQ_WGMMA_R128                                                                                               \
+    AQ_WGMMA_R64 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"                 \
+                 ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
-/* d (64 x 64, fp32) = (accumulate ? d : 0) + A (64 x 16, shared; K-major, or MN-major when
-   TRANS_A) * B (16 x 64, shared; K-major, or MN-major when TRANS_B) */
-template <aq_dtype DT, int TRANS_B, int TRANS_A = 0>
-AQ_D void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-#define AQ_WGMMA_SS(TYPE)                                                                                       \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                            \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                  \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "    \
-                 "%32, %33, p, 1, 1, %36, %35;\n}\n"                                                      \
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B), "n"(TRANS_A))
-    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_SS("bf16");
-    else AQ_WGMMA_SS("f16");
-#undef AQ_WGMMA_SS
-}
+/* The instruction of shape N in element type TYPE: A_B, the text of the A and B operands; P, the accumulate flag's
+   operand; TRANS, the transpose immediates'; then the input operands. AQ_WGMMA_DT picks TYPE from DT. */
+#define AQ_WGMMA(N, TYPE, A_B, P, TRANS, ...)                                                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                                                      \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " "                                 \
+                 "{" AQ_WGMMA_R##N "}, " A_B ", p, 1, 1, " TRANS ";\n}\n"                                           \
+                 : AQ_WGMMA_D##N                                                                                   \
+                 : __VA_ARGS__)
+#define AQ_WGMMA_DT(N, A_B, P, TRANS, ...)                                                                          \
+    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA(N, "bf16", A_B, P, TRANS, __VA_ARGS__);                               \
+    else AQ_WGMMA(N, "f16", A_B, P, TRANS, __VA_ARGS__)
 
-/* d (64 x 64, fp32) = (accumulate ? d : 0) + A (64 x 16 in registers: each warp holds its 16 rows as the mma.sync
-   m16n8k16 A fragment) * B (16 x 64, shared; K-major, or MN-major when TRANS_B) */
-template <aq_dtype DT, int TRANS_B>
-AQ_D void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t a[4], uint64_t desc_b, int accumulate) {
-#define AQ_WGMMA_RS(TYPE)                                                                                       \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                            \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                  \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "    \
-                 "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                 \
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
-    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_RS("bf16");
-    else AQ_WGMMA_RS("f16");
-#undef AQ_WGMMA_RS
-}
+/* A and B by descriptor: operands desc_a, desc_b, accumulate, TRANS_B, TRANS_A numbered A, B, P, TB, TA. */
+#define AQ_WGMMA_SS(N, A, B, P, TB, TA)                                                                             \
+    AQ_WGMMA_DT(N, "%" #A ", %" #B, "%" #P, "%" #TA ", %" #TB, "l"(desc_a), "l"(desc_b), "r"(accumulate),           \
+                "n"(TRANS_B), "n"(TRANS_A))
 
-/* d (64 x 128, fp32) = (accumulate ? d : 0) + A (64 x 16, shared; K-major, or MN-major when
-   TRANS_A) * B (16 x 128, shared; K-major, or MN-major when TRANS_B) */
-template <aq_dtype DT, int TRANS_B, int TRANS_A = 0>
-AQ_D void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-#define AQ_WGMMA_SS(TYPE)                                                                                       \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                            \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                  \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "    \
-                 "%64, %65, p, 1, 1, %68, %67;\n}\n"                                                      \
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B), "n"(TRANS_A))
-    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_SS("bf16");
-    else AQ_WGMMA_SS("f16");
-#undef AQ_WGMMA_SS
-}
+/* A from registers: operands a[0 .. 3], desc_b, accumulate, TRANS_B numbered A0 .. A3, B, P, TB. */
+#define AQ_WGMMA_RS(N, A0, A1, A2, A3, B, P, TB)                                                                    \
+    AQ_WGMMA_DT(N, "{%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B, "%" #P, "%" #TB, "r"(a[0]), "r"(a[1]),          \
+                "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
 
-/* d (64 x 128, fp32) = (accumulate ? d : 0) + A (64 x 16 in registers: each warp holds its 16 rows as the mma.sync
-   m16n8k16 A fragment) * B (16 x 128, shared; K-major, or MN-major when TRANS_B) */
-template <aq_dtype DT, int TRANS_B>
-AQ_D void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t a[4], uint64_t desc_b, int accumulate) {
-#define AQ_WGMMA_RS(TYPE)                                                                                       \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                            \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                  \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "    \
-                 "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                 \
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
-    if constexpr (DT == AQ_BFLOAT16) AQ_WGMMA_RS("bf16");
-    else AQ_WGMMA_RS("f16");
-#undef AQ_WGMMA_RS
-}
-
-/* The shapes above by N. */
 template <int N, aq_dtype DT, int TRANS_B, int TRANS_A = 0>
 AQ_D void wgmma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
     static_assert(N == 32 || N == 64 || N == 128, "wgmma_ss N: 32, 64 or 128");
-    if constexpr (N == 32) wgmma_m64n32k16_ss<DT, TRANS_B, TRANS_A>(d, desc_a, desc_b, accumulate);
-    else if constexpr (N == 64) wgmma_m64n64k16_ss<DT, TRANS_B, TRANS_A>(d, desc_a, desc_b, accumulate);
-    else wgmma_m64n128k16_ss<DT, TRANS_B, TRANS_A>(d, desc_a, desc_b, accumulate);
+    if constexpr (N == 32) {
+        AQ_WGMMA_SS(32, 16, 17, 18, 19, 20);
+    } else if constexpr (N == 64) {
+        AQ_WGMMA_SS(64, 32, 33, 34, 35, 36);
+    } else {
+        AQ_WGMMA_SS(128, 64, 65, 66, 67, 68);
+    }
 }
 
 template <int N, aq_dtype DT, int TRANS_B>
 AQ_D void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t desc_b, int accumulate) {
     static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
-    if constexpr (N == 64) wgmma_m64n64k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
-    else wgmma_m64n128k16_rs<DT, TRANS_B>(d, a, desc_b, accumulate);
+    if constexpr (N == 64) {
+        AQ_WGMMA_RS(64, 32, 33, 34, 35, 36, 37, 38);
+    } else {
+        AQ_WGMMA_RS(128, 64, 65, 66, 67, 68, 69, 70);
+    }
 }
+
+#undef AQ_WGMMA_RS
+#undef AQ_WGMMA_SS
+#undef AQ_WGMMA_DT
+#undef AQ_WGMMA
+#undef AQ_WGMMA_R128
+#undef AQ_WGMMA_R64
+#undef AQ_WGMMA_R32
+#undef AQ_WGMMA_D128
+#undef AQ_WGMMA_D64
+#undef AQ_WGMMA_D32
+#undef AQ_WGMMA_D4
