@@ -143,7 +143,8 @@ def test_kept_layers_compute_bf16_attention(device, inference):
     reference = make_noisy(tiny_qwen3(device=device))
     bf16, fp4 = twin(reference, mode="bf16"), twin(reference, rotate_qk=True)
     every, first = twin(reference, rotate_qk=True, bf16_modules=ALL), twin(reference, bf16_modules=ALL[:1])
-    assert attention_states(every)[ALL[0]].config.mode == "bf16" and not attention_states(every)[ALL[0]].config.rotate_qk
+    kept_state = attention_states(every)[ALL[0]]
+    assert kept_state.config.mode == "bf16" and not kept_state.config.rotate_qk
     assert attention_states(first)[ALL[1]].config.mode == "attn_qat" and attention_states(first)[ALL[0]].kept_bf16
     models = (bf16, fp4, every, first)
     if inference:
