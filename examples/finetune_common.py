@@ -449,6 +449,7 @@ def run_experiment(task, args, log=print):
         need_base = args.overwrite or not all(store.has(e, BASE_SEED) for e in BASE_ENTRIES)
         if todo or need_base:
             task.setup()
+            task.setup_done = True  # run_pareto's cue
             log(f"setup done in {deadline.elapsed():.0f} s")
             store.add_setup(dict(environment(args.device), config=task.config_summary(),
                                  arms=args.arms, seeds=args.seeds))
@@ -858,34 +859,36 @@ def run_pareto(task, args, store, deadline, log=print):
 
     folder = RunStore(store.out / "runs" / "pareto")
     folder.runs = folder.out  # payloads and curves directly in runs/pareto
-    setup_done = getattr(task, "base_model", None) is not None
     for seed in args.seeds:
         wanted = [(kind, k, by) for kind in args.keep_kinds for k in args.keep_bf16 for by in args.keep_by
                   if not (k == 0 and by != args.keep_by[0])]
         todo = [w for w in wanted if args.overwrite or not folder.has(pareto_entry(*w), seed)]
         if not todo:
             continue
-        if not setup_done:
+        if not getattr(task, "setup_done", False):
             task.setup()
-            setup_done = True
+            task.setup_done = True
         if not deadline.allows("bf16"):
             log(f"--max-minutes reached: the Pareto runs of seed {seed} are left for a later invocation")
             return
         t0 = time.perf_counter()
-        if args.overwrite or not folder.has("bf16", seed) or any(kind == "ptq" for kind, _, _ in todo):
+        stored = None if args.overwrite else folder.load_all().get("bf16", {}).get(seed)
+        if stored is None or any(kind == "ptq" for kind, _, _ in todo):
+            # A bf16 fine-tune run before keeps its map: entries done with it and those to come keep the same layers.
             log(f"Pareto, seed {seed}: the bf16 fine-tune, its sensitivity map and PTQ with layers kept in bf16")
             model = fresh_bf16_model(task)
             rows = train(task, model, "bf16", seed, args, log)
-            folder.save_curve("bf16", seed, rows)
-            # entry "pareto_bf16": evaluated as a bf16 fine-tune, but it must not replace the main bf16 arm's references
-            payload = task.evaluate(model, fp4=False, entry="pareto_bf16", seed=seed)
-            payload["sensitivity"] = sensitivity_map(task, model)
-            folder.save("bf16", seed, payload)
-            log(payload["sensitivity"]["table"])
+            if stored is None:
+                folder.save_curve("bf16", seed, rows)
+                # entry "pareto_bf16": evaluated as a bf16 fine-tune, not replacing the main bf16 arm's references
+                stored = task.evaluate(model, fp4=False, entry="pareto_bf16", seed=seed)
+                stored["sensitivity"] = sensitivity_map(task, model)
+                folder.save("bf16", seed, stored)
+                log(stored["sensitivity"]["table"])
             for kind, keep, by in todo:
                 if kind != "ptq":
                     continue
-                names = kept_layers(payload["sensitivity"], keep, by, seed)
+                names = kept_layers(stored["sensitivity"], keep, by, seed)
                 attn_qat.prepare(model, dataclasses.replace(task.qat_config("bf16"), bf16_modules=names))
                 attn_qat.convert(model)
                 entry = pareto_entry(kind, keep, by)
@@ -893,7 +896,7 @@ def run_pareto(task, args, store, deadline, log=print):
                 folder.save(entry, seed, dict(result, kept=list(names)))
                 log(f"  {entry} seed {seed}: held-out loss {result['loss']:.4f}")
             del model
-        sensitivity = folder.load_all()["bf16"][seed]["sensitivity"]
+        sensitivity = stored["sensitivity"]
         deadline.record("bf16", time.perf_counter() - t0)
         for kind, keep, by in todo:
             if kind != "attn_qat_qk":

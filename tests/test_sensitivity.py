@@ -16,6 +16,7 @@ import attn_qat  # noqa: E402
 from attn_qat import QATConfig  # noqa: E402
 from attn_qat.integrations import attention_states  # noqa: E402
 from attn_qat.integrations.config import KEEP_BF16_BUFFER  # noqa: E402
+from conftest import rel_error  # noqa: E402
 
 VOCAB = 128
 LAYERS = 4
@@ -104,6 +105,7 @@ def test_sensitivity_default_loss_and_token_batches():
     assert attn_qat.plan_precision(report, keep=1) == ("model.layers.1.self_attn",)
 
 
+@pytest.mark.filterwarnings("ignore::attn_qat.AttnQATFallbackWarning")
 def test_sensitivity_prepares_a_plain_model_and_checks_its_inputs():
     model = tiny_qwen3(layers=2)
     with pytest.raises(ValueError, match="no batches"):
@@ -113,6 +115,8 @@ def test_sensitivity_prepares_a_plain_model_and_checks_its_inputs():
     with pytest.raises(TypeError, match="per-example losses"):
         attn_qat.sensitivity(model, [torch.zeros(1, 8, dtype=torch.long)], lambda m, b: 1.0)
     assert model.config._attn_implementation == "attn_qat"  # prepared (QATConfig()) and left so
+    with pytest.warns(RuntimeWarning, match="changed no loss"):  # float32 outside autocast: attn_qat falls back
+        attn_qat.sensitivity(model.float(), [torch.randint(0, VOCAB, (2, 16))], resamples=10)
 
 
 # ------------------------------------------------------------------------------------------ the knob
@@ -161,7 +165,8 @@ def test_kept_layers_compute_bf16_attention(device, inference):
         l_every.float().square().mean().backward()
         l_bf16.float().square().mean().backward()
         for (name, p), q in zip(every.named_parameters(), bf16.parameters()):
-            assert torch.equal(p.grad, q.grad), name
+            # bit for bit on the CPU; a GPU backward may sum in another order from run to run
+            assert torch.equal(p.grad, q.grad) if device == "cpu" else rel_error(p.grad, q.grad) < 1e-2, name
 
 
 def test_kept_layers_in_packed_batches(device):

@@ -168,8 +168,8 @@ def plan_states(candidates: Iterable[Tuple[str, torch.nn.Module, bool]], config:
                 warned: Set[str]) -> List[Tuple[str, torch.nn.Module, AttentionState]]:
     """[(name, module, AttentionState)] for the attention modules a `prepare` found, `candidates` (name, module,
     selected), those that `config.bf16_modules` names kept in bf16. `prefix` is what the names the user sees carry
-    before the candidates' (a PeftModel's "base_model.model."). Raises, before anything is installed, for a planned name that
-    is not a module `prepare` converts."""
+    before the candidates' (a PeftModel's "base_model.model."). Raises, before anything is installed, for a planned
+    name that is not a module `prepare` converts."""
     candidates = list(candidates)
     selected = {prefix + name for name, _, chosen in candidates if chosen}
     found = {prefix + name for name, _, _ in candidates}

@@ -2,6 +2,7 @@
 adds, with paired bootstrap intervals; `plan_precision` turns that into the layers to keep in bf16
 (`QATConfig(bf16_modules=...)`). See docs/integrations.md, "Sensitivity and the precision knob"."""
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -266,6 +267,10 @@ def sensitivity(model: torch.nn.Module, batches: Sequence, loss_fn: Optional[Los
         model.train(training)
     if not bool(torch.isfinite(bf16).all() and torch.isfinite(fp4).all()):
         raise ValueError("attn_qat.sensitivity: the losses are not finite")
+    if torch.equal(fp4, bf16):
+        warnings.warn("attn_qat.sensitivity: FP4 attention changed no loss at all; did the attention fall back to "
+                      "PyTorch's SDPA (a float32 model outside torch.autocast, an AttnQATFallbackWarning)?",
+                      RuntimeWarning, stacklevel=2)
     boot = _PairedBootstrap(len(bf16), resamples, confidence, seed)
     return SensitivityReport(
         layers=tuple(names), single=tuple(boot.effect(x - bf16) for x in single),
