@@ -10,11 +10,11 @@ The numerics are fixed by docs/numerics.md; `attn_qat.reference` is their float6
 """
 from . import nvfp4, ops
 from .attention import SUPPORTED_HEAD_DIMS, attention, scaled_dot_product_attention
-from .integrations import (AttnQATFallbackWarning, QATConfig, WanAttnQATProcessor, all_reduce_gradients,
-                           calibrate_k_shift, convert,
-                           disable, enable, merge_attention_states, patch_sdpa, prepare, register_diffusers_backend,
-                           register_transformers, reset_diffusers_backend, ulysses_attention,
-                           ulysses_wan)
+from .integrations import (AttnQATFallbackWarning, QATConfig, SensitivityReport, WanAttnQATProcessor,
+                           all_reduce_gradients, calibrate_k_shift, convert,
+                           disable, enable, merge_attention_states, patch_sdpa, plan_precision, prepare,
+                           register_diffusers_backend, register_transformers, reset_diffusers_backend, sensitivity,
+                           ulysses_attention, ulysses_wan)
 from .kv_cache import NVFP4KVCache
 from .nvfp4 import NVFP4Tensor, dequantize, fake_quantize, fake_quantize_qkv, quantize
 from .ops import MODES
@@ -30,8 +30,9 @@ __all__ = [
     # integrations (docs/integrations.md)
     "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "all_reduce_gradients", "calibrate_k_shift",
     "convert", "disable",
-    "enable", "merge_attention_states", "patch_sdpa", "prepare", "register_diffusers_backend", "register_transformers",
-    "reset_diffusers_backend", "ulysses_attention", "ulysses_wan",
+    "enable", "merge_attention_states", "patch_sdpa", "plan_precision", "prepare", "register_diffusers_backend",
+    "register_transformers", "reset_diffusers_backend", "SensitivityReport", "sensitivity", "ulysses_attention",
+    "ulysses_wan",
 ]
 
 

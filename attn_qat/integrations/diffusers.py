@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from . import qk_transforms
-from .config import DIFFUSERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version
+from .config import (DIFFUSERS_MIN, AttentionState, QATConfig, install_state, module_state, plan_states,
+                     require_version)
 from .routing import run_sdpa, torch_sdpa
 
 BACKEND = "attn_qat"
@@ -50,6 +51,7 @@ class WanAttnQATProcessor:
     def __init__(self, original, config: Optional[QATConfig] = None):
         self.original = original
         self._state = AttentionState(config if config is not None else QATConfig())
+        self._state.config.refuse_bf16_modules("attn_qat.WanAttnQATProcessor")
         if self._state.config.shift_k:  # its K shift is a buffer of the module, which attn_qat.prepare looks after
             raise NotImplementedError("attn_qat.WanAttnQATProcessor: shift_k needs attn_qat.prepare(model, config) "
                                       "(installed by hand, the processor has no module state to calibrate)")
@@ -91,25 +93,26 @@ def _wan_attention_class():
     return WanAttention
 
 
-def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warned) -> None:
-    """Installs `WanAttnQATProcessor` on the selected `WanAttention` modules (see `attn_qat.prepare`)."""
+def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warned, prefix: str = "") -> None:
+    """Installs `WanAttnQATProcessor` on the selected `WanAttention` modules (see `attn_qat.prepare`; `prefix`: what
+    the user's module names carry before `model`'s, config.plan_states)."""
     wan_attention = _wan_attention_class()
-    converted, found = 0, False
-    for name, module in model.named_modules():
-        if not isinstance(module, wan_attention):
-            continue
-        found = True
-        selected = (config.cross_attention if module.is_cross_attention else config.self_attention) and (
-            filter_fn is None or filter_fn(module, name))
+    candidates = [(name, module, (config.cross_attention if module.is_cross_attention else config.self_attention) and (
+        filter_fn is None or filter_fn(module, name))) for name, module in model.named_modules()
+        if isinstance(module, wan_attention)]
+    found = bool(candidates)
+    converted = 0
+    for name, module, state in plan_states(candidates, config, prefix, warned) if found else ():
+        selected = state.selected
         processor = module.processor
         if isinstance(processor, WanAttnQATProcessor):
             processor = processor.original
         if selected and getattr(processor, "_parallel_config", None) is not None:
             raise NotImplementedError(f"attn_qat.prepare: {name} runs with diffusers context parallelism, which the "
                                       "attn_qat processor does not support yet")
-        setattr(module, STATE_ATTR, AttentionState(config, selected=selected, warned=warned))
+        install_state(module, state)
         if selected:
-            qk_transforms.prepare_module(module, config, name, module.heads, module.kv_inner_dim // module.heads)
+            qk_transforms.prepare_module(module, state.config, name, module.heads, module.kv_inner_dim // module.heads)
         module.set_processor(WanAttnQATProcessor(processor))
         converted += selected
     if not found:
@@ -224,6 +227,7 @@ def register_diffusers_backend(config: Optional[QATConfig] = None) -> None:
     _register_backend()
     if config is not None:
         config.refuse_qk_transforms("attn_qat.register_diffusers_backend")
+        config.refuse_bf16_modules("attn_qat.register_diffusers_backend")
         _backend_state = AttentionState(config)
 
 

@@ -27,6 +27,10 @@ differs from that only where P's 16-key blocks, counted from the padded position
 padding (padding values set no scale). Other masks (right padding, packed sequences, custom masks)
 raise `NotImplementedError`: the cache's attention is causal per sequence by construction.
 
+A layer whose attention module `QATConfig.bf16_modules` keeps in bf16 finds that out at its prefill (`keep_bf16`):
+from then on it stores bf16 keys and values, as transformers' DynamicLayer does, and its attention runs exactly as
+it would with a DynamicCache, mode "bf16".
+
 A returned tag that nobody consumed means the model's attention is not "attn_qat" (it would have read
 the step's keys only); the next `update` of that layer raises instead of letting it compute garbage.
 """
@@ -130,6 +134,7 @@ class NVFP4CacheLayer(CacheLayerMixin):
         self.kv = None  # the NVFP4KVCache
         self.seen = 0  # tokens passed through update, padding included: transformers' notion of the length
         self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.bf16 = False  # the layer's module is kept in bf16 (keep_bf16): self.keys / self.values hold its cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads_kv, _, head_dim = key_states.shape
@@ -163,10 +168,26 @@ class NVFP4CacheLayer(CacheLayerMixin):
                              f"{self.max_cache_len}; make the cache with max_cache_len >= prompt length (padding "
                              "included) + max_new_tokens")
         self.seen += steps
+        if self.bf16:  # as transformers' DynamicLayer: every key and value so far, untagged
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            return self.keys, self.values
         self.pending = (key_states, value_states)
         tagged = key_states.view_as(key_states)  # a fresh tensor object, so the tag stays ours
         setattr(tagged, CACHE_LAYER_ATTR, self)
         return tagged, value_states
+
+    def keep_bf16(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Makes this a bf16 layer (its attention module is kept in bf16, QATConfig.bf16_modules) at its prefill:
+        returns the step's keys and values, which it keeps, and later steps' `update` returns all of them."""
+        if self.pending is None or self.seen != self.pending[0].shape[2]:
+            self.pending = None
+            raise RuntimeError(f"{_WHERE}: a layer kept in bf16 (QATConfig.bf16_modules) must be so from its first "
+                               "step; this one stored NVFP4 keys and values already (prepare the model before "
+                               "generating, or reset() the cache)")
+        self.keys, self.values = self.pending
+        self.pending, self.kv, self.bf16 = None, None, True  # no NVFP4 storage for this layer
+        return self.keys, self.values
 
     def attend(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         """Appends the pending step and attends to the cache: (B, H, Tq, D) queries -> (B, H, Tq, D)."""
@@ -228,6 +249,8 @@ class NVFP4CacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.kv is not None:
             self.kv.reset()
+        if self.bf16:  # the next prefill finds out again which kind of layer this is
+            self.bf16, self.keys, self.values, self.is_initialized = False, None, None, False
         self.seen, self.pending = 0, None
         self.padding.reset()
 

@@ -22,18 +22,22 @@ def prepare(model: torch.nn.Module, config: Optional[QATConfig] = None,
     Modules left out keep the library's own attention (transformers' "sdpa", Wan's original processor).
     A PEFT `PeftModel` (`get_peft_model(model, LoraConfig(...))`) is prepared through the model it wraps;
     `filter_fn` still sees names in the PeftModel, and the lifecycle functions below take it too.
+    `config.bf16_modules` keeps the attention modules it names (as `model.named_modules()` names them) in bf16, in
+    training and inference; the plan is saved in the state dict (a marker buffer on each kept module).
     Calling `prepare` again replaces the configuration. For any other model, wrap the forward in
     `attn_qat.patch_sdpa`.
     """
     config = config if config is not None else QATConfig()
     warned = set()
     base, base_filter_fn = unwrap_peft(model, filter_fn)
+    # config.bf16_modules names modules as `model` does; a PeftModel's names carry the path to the model it wraps
+    prefix = "" if base is model else next(name for name, m in model.named_modules() if m is base) + "."
     if is_transformers_model(base):
         from .transformers import prepare_transformers
-        prepare_transformers(base, config, base_filter_fn, warned)
+        prepare_transformers(base, config, base_filter_fn, warned, prefix)
     elif is_diffusers_model(base):
         from .diffusers import prepare_diffusers
-        prepare_diffusers(base, config, base_filter_fn, warned)
+        prepare_diffusers(base, config, base_filter_fn, warned, prefix)
     else:
         what = type(model).__name__ if base is model else f"{type(model).__name__} wraps a {type(base).__name__}, which"
         raise TypeError(f"attn_qat.prepare: {what} is neither a transformers PreTrainedModel nor a "

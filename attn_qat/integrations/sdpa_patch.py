@@ -51,6 +51,7 @@ class patch_sdpa(TorchFunctionMode, contextlib.ContextDecorator):
         config = config if config is not None else QATConfig()
         self.config = dataclasses.replace(config, **overrides) if overrides else config
         self.config.refuse_qk_transforms("attn_qat.patch_sdpa")
+        self.config.refuse_bf16_modules("attn_qat.patch_sdpa")
         self._warned = set()
         self._entered = False
 

@@ -19,7 +19,8 @@ import torch
 
 from ..host_cache import HostCache
 from . import qk_transforms
-from .config import TRANSFORMERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version
+from .config import (TRANSFORMERS_MIN, AttentionState, QATConfig, install_state, module_state, plan_states,
+                     require_version)
 from .routing import run_sdpa, unsupported_reason, warn_once
 
 IMPLEMENTATION = "attn_qat"
@@ -48,6 +49,7 @@ def register_transformers(config: Optional[QATConfig] = None) -> None:
             raise ValueError("attn_qat.register_transformers: shift_k and balance_qk need attn_qat.prepare(model, "
                              "config) and attn_qat.calibrate_k_shift; a registered default config cannot hold their "
                              "calibrated values")
+        config.refuse_bf16_modules("attn_qat.register_transformers")
         _default_state = AttentionState(config)
     AttentionInterface.register(IMPLEMENTATION, attn_qat_attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
@@ -72,7 +74,9 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
     """
     state = module_state(module) or _default_state
     cache_layer = getattr(key, CACHE_LAYER_ATTR, None)
-    if cache_layer is not None:
+    if cache_layer is not None and state.kept_bf16 and state.active:
+        key, value = cache_layer.keep_bf16()  # a bf16 cache layer from now on; attention as with a DynamicCache
+    elif cache_layer is not None:
         return _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, scaling, is_causal, state,
                                    kwargs)
     if state.calibration is not None:  # calibrate_k_shift: record Q and K, attend as the model's own attention does
@@ -314,21 +318,25 @@ def is_attention_module(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and hasattr(module, "config")
 
 
-def prepare_transformers(model, config: QATConfig, filter_fn, warned) -> None:
-    """Installs "attn_qat" in a transformers `PreTrainedModel` (see `attn_qat.prepare`)."""
+def prepare_transformers(model, config: QATConfig, filter_fn, warned, prefix: str = "") -> None:
+    """Installs "attn_qat" in a transformers `PreTrainedModel` (see `attn_qat.prepare`; `prefix`: what the user's
+    module names carry before `model`'s, config.plan_states)."""
     register_transformers()
-    converted = 0
+    candidates = []
     for name, module in model.named_modules():
         if not is_attention_module(module):
             continue
         cross = bool(getattr(module, "is_cross_attention", False))
-        selected = (config.cross_attention if cross else config.self_attention) and (
-            filter_fn is None or filter_fn(module, name))
-        setattr(module, STATE_ATTR, AttentionState(config, selected=selected, warned=warned))
+        candidates.append((name, module, (config.cross_attention if cross else config.self_attention) and (
+            filter_fn is None or filter_fn(module, name))))
+    converted = 0
+    for name, module, state in plan_states(candidates, config, prefix, warned):
+        selected = state.selected
+        install_state(module, state)
         if selected:
             shape = module.config
             qk_transforms.prepare_module(
-                module, config, name,
+                module, state.config, name,
                 getattr(shape, "num_key_value_heads", None) or getattr(shape, "num_attention_heads", None),
                 getattr(module, "head_dim", None) or getattr(shape, "head_dim", None))
         converted += selected
