@@ -8,7 +8,7 @@
 /* delta_i = sum_d dO_id * out_id in fp32. dout, out_for_delta: (B, Hq, Nq, D) strided; delta: (B, Hq, Nq) fp32.
    grid (ceil(Nq / (4 DELTA_ROWS)), Hq, B), 128 threads: a warp takes DELTA_ROWS query rows, lane reading columns
    lane + 32i of each, all of its loads issued before the sums (one row a warp kept too few bytes in flight:
-   performance.md). Each row's sum keeps its order (lane partials over i,
+   performance.md v18). Each row's sum keeps its order (lane partials over i,
    then the butterfly): with one visible key, dS = P (dP - delta) is 0 in the reference, and the kernels get
    exactly 0 only when delta matches the wgmma's dP bit for bit, which this order does at the tests' seeds and
    another did not (performance.md v13). */

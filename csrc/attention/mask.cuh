@@ -178,7 +178,7 @@ AQ_D uint64_t visible_queries_of_key(const logit_map *lm, int j, int i0, int n) 
    fragment rows of lanes 4g .. 4g + 3), written once per run of rows by the forward kernels so that a masked tile
    reads its rows' spans with one 16-byte load: taken in the masked step itself (a branch and two global loads for
    packed sequences, clamps for dense ones), they made the Hopper training forward spill more (performance.md,
-   "Kernel notes moved from the code"). Called by the whole warp. */
+   "Measurements behind choices in the code"). Called by the whole warp. */
 AQ_D void store_warp_row_spans(const logit_map *lm, int row_base, int4 *warp_spans) {
     const int lane = (int)threadIdx.x & 31;
     __syncwarp(); /* the previous rows' spans are read */

@@ -16,7 +16,7 @@ typedef struct {
    longest first across chunks of consecutive heads (h + heads b) of about two waves of items. On a long grid the
    model gains less and L2 loses more (more heads in flight), so grids over 13 waves keep head-major order. The
    forward keeps it too: a short item at the end moves it little, and this index arithmetic held across its loop
-   made the quantized forward spill (performance.md, "Kernel notes moved from the code"). */
+   made the quantized forward spill (performance.md, "Measurements behind choices in the code"). */
 AQ_D work_item work_item_at(int t, int n_tiles, int heads, int batch, int causal, bool last_longest, int sms) {
     const int n_hb = heads * batch;
     int tile, hb;

@@ -422,7 +422,7 @@ const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, const aq_kernel_op
                                                                            : DEC_LAST_CTA_MERGE | DEC_EARLY_START;
     /* The longest chunks (up to DEC_MAX_CHUNK keys) that still give every SM a CTA: a CTA's four warps already
        keep enough loads in flight, and shorter chunks only add pipeline start-up and partial results; longer ones
-       amortize a CTA's start and merge (performance.md, "Kernel notes moved from the code"). */
+       amortize a CTA's start and merge (performance.md, "Measurements behind choices in the code"). */
     const int64_t ctas_per_split = p->batch * p->heads_kv * decode_m_tiles(p);
     int64_t chunk = DEC_MAX_CHUNK;
     while (chunk > DEC_MIN_CHUNK && ctas_per_split * ((p->max_length + chunk - 1) / chunk) < (int64_t)sms)
@@ -517,7 +517,7 @@ static const char *launch_decode(const aq_decode_params *p, cudaStream_t stream)
         return err == cudaSuccess ? NULL : cudaGetErrorString(err);
     }
     /* Programmatic dependent launch: the combine kernel's launch overlaps the decode kernel's last CTAs instead of
-       starting after them (performance.md, "Kernel notes moved from the code"). */
+       starting after them (performance.md, "Measurements behind choices in the code"). */
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3((unsigned)rows);
     config.blockDim = dim3(DEC_COMBINE_THREADS);

@@ -367,7 +367,7 @@ struct Dkdv90Consumer {
                and the dS part while they compute dV. With the P^F column quant the P part is latency-bound (v9 in
                performance.md), and dP^T's 32 accumulator registers held across it left the compiler too few to
                interleave its element chains (spills): dP^T is issued after it, just before dV, and the dS part
-               waits for it, without spills (performance.md, "Kernel notes moved from the code").
+               waits for it, without spills (performance.md, "Measurements behind choices in the code").
                (Issuing the next step's S^T behind dK, to keep the tensor cores busy across steps, puts a wgmma in
                flight across the loop's back edge, and ptxas then serializes every wgmma: C7515.) */
             constexpr bool dp_after_p = QUANTIZE_DV;

@@ -468,7 +468,7 @@ AQ_D void fwd90_consumer(const Fwd &fwd) {
 
 /* A CTA per work item (a query tile of one head), or PERSISTENT: a CTA an SM, each taking every gridDim.x-th
    item, so that the producer loads the next item's Q while the consumers store the last one's outputs and the
-   K/V ring runs on across items (performance.md, "Kernel notes moved from the code").
+   K/V ring runs on across items (performance.md, "Measurements behind choices in the code").
    TAIL: a CTA per part of the split last wave's items (tail_split, not causal): its key tiles are those of its
    FWD_TAIL_KEYS-key units [u0, u1) of the keys the item sees, and it writes its rows' partial results (FwdTailPart) for
    attention_fwd_merge_kernel; the main kernel then skips those items.
