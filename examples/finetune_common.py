@@ -897,7 +897,7 @@ def run_pareto(task, args, store, deadline, log=print):
             # A bf16 fine-tune run before keeps its map: entries done with it and those to come keep the same layers.
             log(f"Pareto, seed {seed}: the bf16 fine-tune, its sensitivity map and PTQ with layers kept in bf16")
             model = fresh_bf16_model(task)
-            rows = train(task, model, "bf16", seed, args, log)
+            rows = train(task, model, "bf16", seed, args)
             if stored is None:
                 folder.save_curve("bf16", seed, rows)
                 # entry "pareto_bf16": evaluated as a bf16 fine-tune, not replacing the main bf16 arm's references
@@ -932,7 +932,7 @@ def run_pareto(task, args, store, deadline, log=print):
             attn_qat.prepare(model, config)
             if config.calibrated_qk and len(set(names)) < len(sensitivity["layers"]):  # a kept layer has no K shift
                 task.calibrate(model)
-            rows = train(task, model, entry, seed, args, log)
+            rows = train(task, model, entry, seed, args)
             folder.save_curve(entry, seed, rows)
             attn_qat.convert(model)
             result = task.evaluate(model, fp4=True, entry=entry, seed=seed)
