@@ -237,13 +237,13 @@ def _attend_packed(query, key, value, cu_q, cu_k, causal, scaling, state, v_bloc
     """A packed batch through attn_qat.attention_varlen: query (1, H, S, D), key and value (1, H_kv, S_kv, D) hold
     the sequences one after another; returns (1, S, H, D). Causal sequences align bottom-right, as FlashAttention's
     varlen kernel (the same as top-left where each sequence has as many queries as keys)."""
-    from ..attention import _check_qkv
+    from ..attention import _check_qkv, _output
     from ..ops import v_along_tokens
     from ..varlen import _attention_varlen
 
     fn = "attention_varlen (transformers)"
     mode = state.config.inference_mode if state.inference else state.config.mode
-    query, key, value = _check_qkv(query, key, value, fn)
+    query, key, value, out_dtype = _check_qkv(query, key, value, fn)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
@@ -258,7 +258,7 @@ def _attend_packed(query, key, value, cu_q, cu_k, causal, scaling, state, v_bloc
             out = run()
     else:
         out = run()
-    return out.unsqueeze(0)
+    return _output(out, out_dtype).unsqueeze(0)
 
 
 def _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, scaling, is_causal, state, kwargs):
