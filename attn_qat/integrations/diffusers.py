@@ -18,6 +18,7 @@ import torch
 
 from . import qk_transforms
 from .config import DIFFUSERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version
+from .report import static_fallback
 from .routing import run_sdpa, torch_sdpa
 
 BACKEND = "attn_qat"
@@ -61,6 +62,8 @@ class WanAttnQATProcessor:
                  **kwargs):
         state = module_state(attn) or self._state
         if not state.active and state.calibration is None:
+            if state.selected:
+                state.record.count("disabled")
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         calls = getattr(_processor_calls, "stack", None)  # not __dict__.setdefault: torch < 2.12 cannot trace it
         if calls is None:
@@ -109,9 +112,12 @@ def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warn
         if selected and getattr(processor, "_parallel_config", None) is not None:
             raise NotImplementedError(f"attn_qat.prepare: {name} runs with diffusers context parallelism, which the "
                                       "attn_qat processor does not support yet")
-        setattr(module, STATE_ATTR, AttentionState(config, selected=selected, warned=warned))
+        state = AttentionState(config, selected=selected, warned=warned)
+        setattr(module, STATE_ATTR, state)
         if selected:
             qk_transforms.prepare_module(module, config, name, module.heads, module.kv_inner_dim // module.heads)
+            state.record.static_fallback = static_fallback(module.heads, module.heads, module.inner_dim // module.heads,
+                                                           module.kv_inner_dim // module.heads)
         module.set_processor(WanAttnQATProcessor(processor))
         converted += selected
     if not found:
@@ -152,7 +158,8 @@ def _attn_qat_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     else:
         state, inference, where = _backend_state, False, "attn_qat (diffusers backend)"
     out = run_sdpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p, is_causal,
-                   scale, enable_gqa, config=state.config, warned=state.warned, inference=inference, where=where)
+                   scale, enable_gqa, config=state.config, warned=state.warned, inference=inference, where=where,
+                   record=state.record)
     return out.transpose(1, 2)
 
 

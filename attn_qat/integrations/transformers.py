@@ -20,7 +20,8 @@ import torch
 from ..host_cache import HostCache
 from . import qk_transforms
 from .config import TRANSFORMERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version
-from .routing import run_sdpa, unsupported_reason, warn_once
+from .report import static_fallback
+from .routing import attn_qat_outcome, count_call, fallback_detail, run_sdpa, unsupported_reason, warn_once
 
 IMPLEMENTATION = "attn_qat"
 # The tag an `attn_qat.NVFP4Cache` puts on the keys it returns (kv_cache_transformers.CACHE_LAYER_ATTR; kept
@@ -78,6 +79,8 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
     if state.calibration is not None:  # calibrate_k_shift: record Q and K, attend as the model's own attention does
         qk_transforms.record_qk(state.calibration, query, key, heads_axis=1)
     if not state.active or state.calibration is not None:
+        if state.selected and state.calibration is None:
+            count_call(state.record, "disabled")
         return _sdpa_attention_forward()(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, is_causal=is_causal, **kwargs)
     if kwargs.get("softcap") is not None:
@@ -88,7 +91,9 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
         if kwargs.get(name) is not None:
             if state.config.strict:
                 raise NotImplementedError(f"attn_qat (transformers): {reason} (strict=True forbids falling back)")
-            warn_once(f"falling back to transformers' sdpa attention: {reason}", state.warned)
+            count_call(state.record, f"fallback: {reason}")
+            warn_once(f"falling back to transformers' sdpa attention: {reason}", state.warned,
+                      detail=fallback_detail(state.record))
             return _sdpa_attention_forward()(module, query, key, value, attention_mask, dropout=dropout,
                                              scaling=scaling, is_causal=is_causal, **kwargs)
     if kwargs.get("output_attentions", False):
@@ -119,7 +124,7 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
 
     out = run_sdpa(query, key, value, attention_mask, dropout, is_causal, scaling, query.shape[1] != key.shape[1],
                    config=state.config, warned=state.warned, inference=state.inference,
-                   where="attn_qat (transformers)", v_block_axis=v_block_axis)
+                   where="attn_qat (transformers)", v_block_axis=v_block_axis, record=state.record)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -243,6 +248,7 @@ def _attend_packed(query, key, value, cu_q, cu_k, causal, scaling, state, v_bloc
 
     fn = "attention_varlen (transformers)"
     mode = state.config.inference_mode if state.inference else state.config.mode
+    count_call(state.record, attn_qat_outcome(mode))
     query, key, value, out_dtype = _check_qkv(query, key, value, fn)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
@@ -295,6 +301,7 @@ def _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, sca
         warn_once("attention through an NVFP4Cache is inference only; its output carries no gradient", state.warned,
                   UserWarning)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    count_call(state.record, "fp4")
     with torch.no_grad():
         if state.config.transforms_qk and cache_layer.pending is not None:  # the cache stores K as attention sees it
             key, value = cache_layer.pending
@@ -314,6 +321,19 @@ def is_attention_module(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and hasattr(module, "config")
 
 
+def _module_shape(module):
+    """(query heads, KV heads, Q/K head_dim, V head_dim) of an attention module, from its attributes and the model
+    config (None where they do not tell): multi-head latent attention (DeepSeek) has its own Q/K and V dims."""
+    config = module.config
+    heads = getattr(config, "num_attention_heads", None)
+    heads_kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(module, "qk_head_dim", None) or getattr(module, "head_dim", None) or \
+        getattr(config, "head_dim", None)
+    if head_dim is None and isinstance(heads, int) and heads and isinstance(getattr(config, "hidden_size", None), int):
+        head_dim = config.hidden_size // heads
+    return heads, heads_kv, head_dim, getattr(config, "v_head_dim", None) or head_dim
+
+
 def prepare_transformers(model, config: QATConfig, filter_fn, warned) -> None:
     """Installs "attn_qat" in a transformers `PreTrainedModel` (see `attn_qat.prepare`)."""
     register_transformers()
@@ -324,13 +344,15 @@ def prepare_transformers(model, config: QATConfig, filter_fn, warned) -> None:
         cross = bool(getattr(module, "is_cross_attention", False))
         selected = (config.cross_attention if cross else config.self_attention) and (
             filter_fn is None or filter_fn(module, name))
-        setattr(module, STATE_ATTR, AttentionState(config, selected=selected, warned=warned))
+        state = AttentionState(config, selected=selected, warned=warned)
+        setattr(module, STATE_ATTR, state)
         if selected:
             shape = module.config
             qk_transforms.prepare_module(
                 module, config, name,
                 getattr(shape, "num_key_value_heads", None) or getattr(shape, "num_attention_heads", None),
                 getattr(module, "head_dim", None) or getattr(shape, "head_dim", None))
+            state.record.static_fallback = static_fallback(*_module_shape(module))
         converted += selected
     if converted == 0:
         raise ValueError(f"attn_qat.prepare: no attention module of {type(model).__name__} was selected (looked for "
