@@ -140,30 +140,37 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
 
 
 def _prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Accepted operands as the kernels take them, and the dtype the output goes back in: each in its `run_dtype`
-    (float32 outside autocast: bfloat16, and the output float32 again, so that gradients come back in float32 too)
-    with a contiguous last dimension (one copy of an operand whose last dimension is strided, cast and copy at
-    once, as PyTorch's SDPA copies it)."""
+    """Accepted operands as the kernels take them: each in its `run_dtype` (float32 outside autocast: bfloat16; the
+    output goes back to float32, `_output_dtype`, so that gradients come back in float32 too) with a contiguous last
+    dimension (one copy of an operand whose last dimension is strided, cast and copy at once, as PyTorch's SDPA
+    copies it)."""
     def prepared(t):
         dtype = run_dtype(t)
         if t.stride(-1) != 1 and t.shape[-1] > 1:  # (`to` with a memory format would return a transposed t as it is)
             return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
         return t.to(dtype)
-    out_dtype = torch.float32 if q.dtype == torch.float32 and _autocast_dtype(q.device.type) is None else None
-    return prepared(q), prepared(k), prepared(v), out_dtype
+    return prepared(q), prepared(k), prepared(v)
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
-    """Checks (B, H, N, D) operands (grouped KV heads allowed) by `input_problem`'s rules, raising its exception,
-    and returns them as the kernels take them and the dtype the output goes back in (`_prepare_operands`)."""
-    problem = input_problem(q, k, v, enable_gqa=True, ndims=(4,))
-    if problem is not None:
-        raise problem.exception(fn)
-    return _prepare_operands(q, k, v)
+def _output_dtype(query) -> Optional[torch.dtype]:
+    """The dtype a call's output goes back in, None for the one it runs in: float32 for float32 operands outside
+    autocast (under autocast the output is in the autocast dtype, as SDPA's is)."""
+    if isinstance(query, torch.Tensor) and query.dtype == torch.float32 and _autocast_dtype(query.device.type) is None:
+        return torch.float32
+    return None
 
 
 def _output(out: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
+    """Checks (B, H, N, D) operands (grouped KV heads allowed) by `input_problem`'s rules, raising its exception,
+    and returns them as the kernels take them (`_prepare_operands`)."""
+    problem = input_problem(q, k, v, enable_gqa=True, ndims=(4,))
+    if problem is not None:
+        raise problem.exception(fn)
+    return _prepare_operands(q, k, v)
 
 
 # Additive mask values at or below this count as -inf. Models mask with torch.finfo(dtype).min, which
@@ -244,7 +251,8 @@ def scaled_dot_product_attention(
     unbatched = query.dim() == 3
     if unbatched:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    query, key, value, out_dtype = _prepare_operands(query, key, value)
+    out_dtype = _output_dtype(query)
+    query, key, value = _prepare_operands(query, key, value)
     mode_code(mode)  # a bad mode fails here, empty inputs or not
     along_tokens = v_along_tokens(v_block_axis, is_causal or attn_mask is not None, fn)
     mask = None if attn_mask is None else _kernel_mask(attn_mask, query, key)
@@ -290,7 +298,8 @@ def attention(
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"attn_qat.{fn}: {name} must be a 4-D (batch, tokens, heads, head_dim) tensor")
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    q, k, v, out_dtype = _check_qkv(q, k, v, fn)
+    out_dtype = _output_dtype(q)
+    q, k, v = _check_qkv(q, k, v, fn)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else check_softmax_scale(softmax_scale,
                                                                                              "softmax_scale", fn)
     if _is_empty(q, k, v):

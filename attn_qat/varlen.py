@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from .attention import _EmptyAttention, _check_qkv, _output, lse_from_stats
+from .attention import _EmptyAttention, _check_qkv, _output, _output_dtype, lse_from_stats
 from .host_cache import version_of
 from .ops import CAUSAL_NONE, check_softmax_scale, mode_code, ops, positive_scale, v_along_tokens
 
@@ -300,7 +300,8 @@ def attention_varlen(
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_packed(name, t, fn)
     # (1, H, N, D) views of the packed (N, H, D) memory: the kernels' batch of one
-    q4, k4, v4, out_dtype = _check_qkv(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), fn)
+    out_dtype = _output_dtype(q)
+    q4, k4, v4 = _check_qkv(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), fn)
     device = q4.device
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device, fn)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device, fn)

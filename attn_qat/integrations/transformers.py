@@ -242,14 +242,15 @@ def _attend_packed(query, key, value, cu_q, cu_k, causal, scaling, state, v_bloc
     """A packed batch through attn_qat.attention_varlen: query (1, H, S, D), key and value (1, H_kv, S_kv, D) hold
     the sequences one after another; returns (1, S, H, D). Causal sequences align bottom-right, as FlashAttention's
     varlen kernel (the same as top-left where each sequence has as many queries as keys)."""
-    from ..attention import _check_qkv, _output
+    from ..attention import _check_qkv, _output, _output_dtype
     from ..ops import v_along_tokens
     from ..varlen import _attention_varlen
 
     fn = "attention_varlen (transformers)"
     mode = state.config.inference_mode if state.inference else state.config.mode
     count_call(state.record, attn_qat_outcome(mode))
-    query, key, value, out_dtype = _check_qkv(query, key, value, fn)
+    out_dtype = _output_dtype(query)
+    query, key, value = _check_qkv(query, key, value, fn)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
