@@ -1,5 +1,5 @@
-"""Which attention modules of a prepared model run attn_qat and which fall back, so that a model whose attention
-attn_qat cannot take does not train nothing in FP4 unnoticed.
+"""Which attention modules of a prepared model run attn_qat and which fall back, so that no module of a model whose
+attention attn_qat cannot take trains outside FP4 unnoticed.
 
 Two views, both per module: what `prepare` can tell from the module's shapes (`static_fallback`: the input rules on
 meta tensors of its heads and head dims, so a head_dim the kernels lack is known before any call), and how its calls
@@ -15,6 +15,7 @@ import torch
 
 from ..attention import unsupported_reason
 from .config import AttnQATFallbackWarning, module_state
+from .routing import FALLBACK, fallback_outcome
 
 logger = logging.getLogger("attn_qat")
 
@@ -47,9 +48,10 @@ class ModuleReport:
     calls: Dict[str, int]
 
     @property
-    def fell_back(self) -> bool:
-        """Whether the module's calls fall back: known from its shapes, or seen in a call."""
-        return self.status.startswith("fallback") or any(k.startswith("fallback") for k in self.calls)
+    def fallback_reasons(self) -> List[str]:
+        """Why the module's calls fall back: known from its shapes, or met in a call (sorted; empty if they don't)."""
+        outcomes = [self.status, *self.calls]
+        return sorted({o[len(FALLBACK):] for o in outcomes if o.startswith(FALLBACK)})
 
 
 @dataclasses.dataclass
@@ -61,9 +63,7 @@ class AttentionReport:
     @property
     def fallbacks(self) -> Dict[str, List[str]]:
         """{module name: the reasons its calls fall back} for the modules that do (or will)."""
-        return {m.name: sorted({m.status[len("fallback: "):]} if m.status.startswith("fallback") else set()
-                               | {k[len("fallback: "):] for k in m.calls if k.startswith("fallback")})
-                for m in self.modules if m.fell_back}
+        return {m.name: m.fallback_reasons for m in self.modules if m.fallback_reasons}
 
     def __str__(self) -> str:
         lines = [f"attn_qat: {len(self.modules)} attention modules, "
@@ -88,7 +88,7 @@ def attention_report(model: torch.nn.Module) -> AttentionReport:
         if not state.selected:
             status = "left out"
         elif state.record.static_fallback is not None:
-            status = f"fallback: {state.record.static_fallback}"
+            status = fallback_outcome(state.record.static_fallback)
         elif not state.enabled:
             status = "disabled"
         else:
@@ -116,8 +116,8 @@ def report_prepared(model: torch.nn.Module) -> AttentionReport:
     logger.info("%s", report)
     by_reason: Dict[str, List[str]] = {}
     for m in report.modules:
-        if m.status.startswith("fallback: "):
-            by_reason.setdefault(m.status[len("fallback: "):], []).append(m.name)
+        if m.status.startswith(FALLBACK):
+            by_reason.setdefault(m.status[len(FALLBACK):], []).append(m.name)
     selected = sum(m.status != "left out" for m in report.modules)
     for reason, names in by_reason.items():
         warnings.warn(f"attn_qat.prepare: {len(names)} of {selected} selected attention modules cannot run attn_qat "

@@ -57,6 +57,13 @@ def count_call(record: Optional[AttentionRecord], outcome: str) -> None:
         record.count(outcome)
 
 
+FALLBACK = "fallback: "  # how the outcome of a call that fell back starts, the reason after it
+
+
+def fallback_outcome(reason: str) -> str:
+    return f"{FALLBACK}{reason}"
+
+
 def attn_qat_outcome(mode: str) -> str:
     """The outcome a call that attn_qat ran is counted under: "fp4", or "bf16" for the unquantized mode."""
     return "bf16" if mode == "bf16" else "fp4"
@@ -97,7 +104,7 @@ def run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     if reason is not None:
         if config.strict:
             raise NotImplementedError(f"{where}: {reason} (strict=True forbids falling back to PyTorch SDPA)")
-        count_call(record, f"fallback: {reason}")
+        count_call(record, fallback_outcome(reason))
         warn_once(f"falling back to PyTorch scaled_dot_product_attention: {reason}", warned,
                   detail=fallback_detail(record))
         return torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,

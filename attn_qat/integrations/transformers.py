@@ -21,7 +21,8 @@ from ..host_cache import HostCache
 from . import qk_transforms
 from .config import TRANSFORMERS_MIN, AttentionState, QATConfig, STATE_ATTR, module_state, require_version
 from .report import static_fallback
-from .routing import attn_qat_outcome, count_call, fallback_detail, run_sdpa, unsupported_reason, warn_once
+from .routing import (attn_qat_outcome, count_call, fallback_detail, fallback_outcome, run_sdpa, unsupported_reason,
+                      warn_once)
 
 IMPLEMENTATION = "attn_qat"
 # The tag an `attn_qat.NVFP4Cache` puts on the keys it returns (kv_cache_transformers.CACHE_LAYER_ATTR; kept
@@ -91,7 +92,7 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
         if kwargs.get(name) is not None:
             if state.config.strict:
                 raise NotImplementedError(f"attn_qat (transformers): {reason} (strict=True forbids falling back)")
-            count_call(state.record, f"fallback: {reason}")
+            count_call(state.record, fallback_outcome(reason))
             warn_once(f"falling back to transformers' sdpa attention: {reason}", state.warned,
                       detail=fallback_detail(state.record))
             return _sdpa_attention_forward()(module, query, key, value, attention_mask, dropout=dropout,
