@@ -43,13 +43,15 @@ sources = [f"{csrc}/{f}" for f in ("binding/module.c", "binding/registry.cpp", "
                                    "binding/attention_ops.cpp", "binding/decode_op.cpp", "binding/kernel_options.cpp",
                                    "cpu/quantize_cpu.c", "cpu/attention_cpu.c")]
 defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DTORCH_STABLE_ONLY"]
-cxx_flags = ["-O3", "-ffp-contract=off", "-fvisibility=hidden"] + defines
+# OpenMP runs the C CPU kernels on torch's threads (csrc/cpu/attention_cpu.c)
+openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+cxx_flags = ["-O3", "-ffp-contract=off", "-fvisibility=hidden"] + openmp + defines
 extension_kwargs = dict(py_limited_api=True, include_dirs=[os.path.join(here, csrc)])
 if sys.platform.startswith("linux"):
     # A g++ that links libstdc++ statically (as the lent GPU machines' does) would otherwise export that copy's
     # symbols, and the loader binds some of them to torch's shared libstdc++: the two copies' locale state mixes,
     # and formatting an op's error message (a bad scale, say) crashed the interpreter. Hidden, the copy is whole.
-    extension_kwargs["extra_link_args"] = ["-Wl,--exclude-libs,ALL"]
+    extension_kwargs["extra_link_args"] = ["-Wl,--exclude-libs,ALL"] + openmp
 
 if with_cuda:
     # torch would otherwise add -gencode flags for the local GPU or its default list; we name ours.

@@ -17,18 +17,21 @@ _LN2 = math.log(2.0)
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    if torch.is_autocast_enabled(device_type):
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):  # ("meta" has no autocast)
         return torch.get_autocast_dtype(device_type)
     return None
 
 
 def run_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype an operand is run in: under autocast a float32 one takes the autocast dtype, as autocast casts
-    the operands of PyTorch's SDPA; any other stays as it is. Models mix them: transformers 5.24's Qwen3 RMSNorm
-    returns q and k in float32 when its weights are float32, while v comes out of a linear layer in the
-    autocast dtype. (`input_problem` checks the operands' dtypes by this rule.)"""
-    cast = _autocast_dtype(t.device.type) if t.dtype == torch.float32 else None
-    return t.dtype if cast is None else cast
+    """The dtype an operand is run in: a float32 one takes the autocast dtype under autocast, as autocast casts the
+    operands of PyTorch's SDPA, and bfloat16 outside it (its output goes back to float32, `_prepare_operands`); any
+    other stays as it is. Under autocast models mix them: transformers 5.24's Qwen3 RMSNorm returns q and k in
+    float32 when its weights are float32, while v comes out of a linear layer in the autocast dtype. (`input_problem`
+    checks the operands' dtypes by this rule.)"""
+    if t.dtype != torch.float32:
+        return t.dtype
+    cast = _autocast_dtype(t.device.type)
+    return torch.bfloat16 if cast is None else cast
 
 
 class Problem(NamedTuple):
@@ -80,22 +83,21 @@ def input_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     if device.type not in ("cpu", "cuda", "meta"):
         return Problem(f"device type {device.type!r} is not supported", NotImplementedError,
                        " (attn_qat has CPU and CUDA kernels)")
-    dtypes = [run_dtype(t) for _, t in operands]
+    # outside autocast the operands must share a dtype, as for PyTorch's SDPA; under it, the dtype they run in
+    autocast = _autocast_dtype(device.type) is not None
+    dtypes = [run_dtype(t) if autocast else t.dtype for _, t in operands]
     if not (dtypes[0] == dtypes[1] == dtypes[2]):
         return Problem("query, key and value have different dtypes", TypeError,
                        f"; they must have one dtype, got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
-    if dtypes[0] not in (torch.bfloat16, torch.float16):
-        return Problem(f"dtype {dtypes[0]} is not supported (bfloat16 or float16, or float32 under autocast)",
-                       TypeError, "; cast them or run under torch.autocast")
+    if run_dtype(query) not in (torch.bfloat16, torch.float16):
+        return Problem(f"dtype {dtypes[0]} is not supported (bfloat16, float16 or float32)", TypeError,
+                       "; cast them")
     d = query.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:
         return Problem(f"head_dim {d} is not supported (one of {SUPPORTED_HEAD_DIMS})", ValueError)
     if key.shape[-1] != d or value.shape[-1] != d:
         return Problem("query, key and value must share head_dim", ValueError,
                        f"; got {d}, {key.shape[-1]}, {value.shape[-1]}")
-    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
-        return Problem("the last dimension of query, key or value is not contiguous", ValueError,
-                       f" (stride 1 needed); got strides {query.stride()}, {key.stride()}, {value.stride()}")
     if query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3]:
         return Problem("batch sizes differ", ValueError,
                        f"; got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
@@ -138,13 +140,38 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     return None if problem is None else problem.reason
 
 
+def _prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Accepted operands as the kernels take them: each in its `run_dtype` (float32 outside autocast: bfloat16; the
+    output goes back to float32, `_output_dtype`, so that gradients come back in float32 too) with a contiguous last
+    dimension (one copy of an operand whose last dimension is strided, cast and copy at once, as PyTorch's SDPA
+    copies it)."""
+    def prepared(t):
+        dtype = run_dtype(t)
+        if t.stride(-1) != 1 and t.shape[-1] > 1:  # (`to` with a memory format would return a transposed t as it is)
+            return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
+        return t.to(dtype)
+    return prepared(q), prepared(k), prepared(v)
+
+
+def _output_dtype(query) -> Optional[torch.dtype]:
+    """The dtype a call's output goes back in, None for the one it runs in: float32 for float32 operands outside
+    autocast (under autocast the output is in the autocast dtype, as SDPA's is)."""
+    if isinstance(query, torch.Tensor) and query.dtype == torch.float32 and _autocast_dtype(query.device.type) is None:
+        return torch.float32
+    return None
+
+
+def _output(out: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return out if out_dtype is None else out.to(out_dtype)
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str):
     """Checks (B, H, N, D) operands (grouped KV heads allowed) by `input_problem`'s rules, raising its exception,
-    and returns them in a dtype the kernels take (autocast applied)."""
+    and returns them as the kernels take them (`_prepare_operands`)."""
     problem = input_problem(q, k, v, enable_gqa=True, ndims=(4,))
     if problem is not None:
         raise problem.exception(fn)
-    return tuple(t.to(run_dtype(t)) for t in (q, k, v))
+    return _prepare_operands(q, k, v)
 
 
 # Additive mask values at or below this count as -inf. Models mask with torch.finfo(dtype).min, which
@@ -204,8 +231,12 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """Drop-in replacement for `torch.nn.functional.scaled_dot_product_attention` with 4-bit attention.
 
-    query (B, H, Nq, D), key and value (B, H_kv, Nk, D) (or without the batch dimension), bfloat16 or
-    float16 (float32 under autocast), D in {64, 128}, any strides with a contiguous last dimension.
+    query (B, H, Nq, D), key and value (B, H_kv, Nk, D) (or without the batch dimension), D in {64, 128}, any
+    strides (an operand whose last dimension is strided is copied once, as SDPA copies it). bfloat16 or float16
+    run as they are. float32 runs in bfloat16 (in the autocast dtype under autocast): the operands are cast at the
+    call, the FP4 numerics are those of the 16-bit operands, and outside autocast the output comes back in float32
+    and the gradients flow back to the float32 operands (under autocast the output is in the autocast dtype, as
+    SDPA's is).
     `is_causal` aligns top-left like SDPA (key j visible to query i iff j <= i). `attn_mask` is bool
     (True = attend) or additive float, broadcastable to (B, H, Nq, Nk). H != H_kv needs
     `enable_gqa=True`, as in SDPA. Dropout is not supported. `mode` picks the numerics (numerics.md §5):
@@ -221,7 +252,8 @@ def scaled_dot_product_attention(
     unbatched = query.dim() == 3
     if unbatched:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    query, key, value = (t.to(run_dtype(t)) for t in (query, key, value))
+    out_dtype = _output_dtype(query)
+    query, key, value = _prepare_operands(query, key, value)
     mode_code(mode)  # a bad mode fails here, empty inputs or not
     along_tokens = v_along_tokens(v_block_axis, is_causal or attn_mask is not None, fn)
     mask = None if attn_mask is None else _kernel_mask(attn_mask, query, key)
@@ -231,6 +263,7 @@ def scaled_dot_product_attention(
     else:
         out = _run(query, key, value, mask, scale, CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, mode,
                    along_tokens)[0]
+    out = _output(out, out_dtype)
     return out.squeeze(0) if unbatched else out
 
 
@@ -249,7 +282,8 @@ def attention(
     """FlashAttention-style 4-bit attention.
 
     `layout="bshd"`: q (B, Nq, H, D), k and v (B, Nk, H_kv, D), output (B, Nq, H, D);
-    `layout="bhsd"`: the heads before the tokens. Grouped KV heads need H % H_kv == 0.
+    `layout="bhsd"`: the heads before the tokens. Grouped KV heads need H % H_kv == 0. dtypes (float32 runs in
+    bfloat16 and comes back in float32) and strides as in `scaled_dot_product_attention`.
     `causal` aligns bottom-right like FlashAttention (key j visible to query i iff j <= i + Nk - Nq).
     With `return_lse`, also returns the natural-log log-sum-exp of the scores, (B, H, Nq) float32
     (-inf for a row with no visible key); it is not differentiable. `v_block_axis` as in
@@ -265,6 +299,7 @@ def attention(
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"attn_qat.{fn}: {name} must be a 4-D (batch, tokens, heads, head_dim) tensor")
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out_dtype = _output_dtype(q)
     q, k, v = _check_qkv(q, k, v, fn)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else check_softmax_scale(softmax_scale,
                                                                                              "softmax_scale", fn)
@@ -276,6 +311,7 @@ def attention(
         out, _, frame, row_sum, *_ = _run(q, k, v, None, scale, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, mode,
                                           along_tokens)
         lse = lse_from_stats(frame.detach(), row_sum.detach()) if return_lse else None
+    out = _output(out, out_dtype)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from . import _C
-from .attention import _EmptyAttention, _check_qkv, lse_from_stats
+from .attention import _EmptyAttention, _check_qkv, _output, _output_dtype, lse_from_stats
 from .host_cache import version_of
 from .ops import (CAUSAL_NONE, check_softmax_scale, makes_o_prime, mode_code, mode_has, ops, positive_scale,
                   v_along_tokens)
@@ -269,8 +269,9 @@ def attention_varlen(
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """4-bit attention over packed sequences, like `flash_attn_varlen_func`.
 
-    q (total_q, H, D), k and v (total_k, H_kv, D): the sequences' tokens one after another, bfloat16 or float16
-    (float32 under autocast), D in {64, 128}, H a multiple of H_kv, any strides with a contiguous last dimension.
+    q (total_q, H, D), k and v (total_k, H_kv, D): the sequences' tokens one after another, D in {64, 128}, H a
+    multiple of H_kv; dtypes (float32 runs in bfloat16 and comes back in float32) and strides as in
+    `attn_qat.scaled_dot_product_attention`.
     cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) on q's device, the cumulative lengths (0 first, the totals last;
     a sequence may be empty). max_seqlen_q, max_seqlen_k: ints at least the longest lengths (only checked). Sequence s
     is queries cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1 attending to keys cu_seqlens_k[s] .. cu_seqlens_k[s+1] - 1,
@@ -297,6 +298,7 @@ def attention_varlen(
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_packed(name, t, fn)
     # (1, H, N, D) views of the packed (N, H, D) memory: the kernels' batch of one
+    out_dtype = _output_dtype(q)
     q4, k4, v4 = _check_qkv(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), fn)
     device = q4.device
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device, fn)
@@ -311,8 +313,11 @@ def attention_varlen(
     cu_q, cu_k, max_q, max_k = _host_values(cu_seqlens_q, cu_seqlens_k, max_tensors)
     max_q = max_seqlen_q if max_q is None else max_q
     max_k = max_seqlen_k if max_k is None else max_k
-    return _attention_varlen(q4, k4, v4, cu_q, cu_k, max_q, max_k, alignment, scale, mode, along_tokens, return_lse,
-                             fn)
+    result = _attention_varlen(q4, k4, v4, cu_q, cu_k, max_q, max_k, alignment, scale, mode, along_tokens,
+                               return_lse, fn)
+    if return_lse:
+        return _output(result[0], out_dtype), result[1]
+    return _output(result, out_dtype)
 
 
 def _attention_varlen(q4, k4, v4, cu_q: Sequence[int], cu_k: Sequence[int], max_q: int, max_k: int,

@@ -304,3 +304,36 @@ def test_reset_restores_the_active_backend(monkeypatch, restore_active_backend):
     set_active_backend(AttentionBackendName.NATIVE)
     attn_qat.reset_diffusers_backend()
     assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
+
+
+@pytest.mark.parametrize("undo", ["reset_attention_backend", "native"])
+def test_diffusers_own_calls_undo_the_attn_qat_backend(monkeypatch, restore_active_backend, undo):
+    """model.reset_attention_backend() and model.set_attention_backend("native") give diffusers' attention back, bit
+    for bit, in the model and in models built afterwards; other models set to attn_qat keep it."""
+    calls = []
+    original = df_integration.run_sdpa
+    monkeypatch.setattr(df_integration, "run_sdpa", lambda *a, **k: calls.append(1) or original(*a, **k))
+    inputs = wan_inputs("cpu")
+    set_active_backend(AttentionBackendName.NATIVE)
+    torch.manual_seed(2)
+    expected = tiny_wan(64)(**inputs).sample
+    attn_qat.register_diffusers_backend(QATConfig())
+    torch.manual_seed(2)
+    model, other = tiny_wan(64), tiny_wan(64)
+    other.set_attention_backend("attn_qat")
+    model.set_attention_backend("attn_qat")
+    assert not torch.equal(model(**inputs).sample, expected) and calls
+
+    if undo == "native":
+        model.set_attention_backend("native")
+    else:
+        model.reset_attention_backend()
+    assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
+    calls.clear()
+    assert torch.equal(model(**inputs).sample, expected) and not calls
+    torch.manual_seed(2)
+    assert torch.equal(tiny_wan(64)(**inputs).sample, expected) and not calls  # a model built afterwards
+    other(**inputs)  # its processors name attn_qat: it keeps it
+    assert len(calls) == 4
+    model.reset_attention_backend()  # again, with another backend active: diffusers' reset alone
+    assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE

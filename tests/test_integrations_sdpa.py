@@ -80,9 +80,9 @@ def _fallback_case(name, device):
     if name == "wan_vae":  # Wan's VAE: one head over the channels, head_dim 384
         x = randn(1, 1, 64, 384, device=device)
         return (x, x, x), {}, "head_dim 384"
-    if name == "float32":
-        x = randn(1, 2, 16, 64, dtype=torch.float32, device=device)
-        return (x, x, x), {}, "dtype torch.float32"
+    if name == "float64":
+        x = randn(1, 2, 16, 64, dtype=torch.float64, device=device)
+        return (x, x, x), {}, "dtype torch.float64"
     if name == "dropout":
         x = randn(1, 2, 16, 64, device=device)
         return (x, x, x), {"dropout_p": 0.5}, "dropout"
@@ -100,7 +100,7 @@ def _fallback_case(name, device):
     raise AssertionError(name)
 
 
-FALLBACKS = ["wan_vae", "float32", "dropout", "head_dim_80", "mask_requires_grad", "five_dims"]
+FALLBACKS = ["wan_vae", "float64", "dropout", "head_dim_80", "mask_requires_grad", "five_dims"]
 
 
 @pytest.mark.parametrize("name", FALLBACKS)
@@ -129,7 +129,7 @@ def test_strict_raises_instead_of_falling_back(name):
 def test_distinct_reasons_each_warn_once():
     with recording() as rec, patch_sdpa():
         for _ in range(2):
-            for name in ("wan_vae", "float32"):
+            for name in ("wan_vae", "float64"):
                 args, kwargs, _ = _fallback_case(name, "cpu")
                 F.scaled_dot_product_attention(*args, **kwargs)
     assert len(rec.fallbacks) == 2
@@ -222,9 +222,9 @@ def test_nesting():
             assert runs_attn_qat()  # the innermost context decides
             # a fallback runs torch's SDPA directly, never through the outer attn_qat context: one warning, the inner's
             with recording() as rec:
-                out = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+                out = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
             assert len(rec.fallbacks) == 1 and torch.equal(out, torch._C._nn.scaled_dot_product_attention(
-                q.float(), k.float(), v.float()))
+                q.double(), k.double(), v.double()))
         assert active_patches() == [outer] and runs_attn_qat(mode="bf16")
     assert not active_patches()
 

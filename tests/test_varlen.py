@@ -314,8 +314,8 @@ def test_bad_inputs_raise_clear_errors():
         fn(q[..., :32], k[..., :32], v[..., :32], cq, ck, 5, 4)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         fn(q[:, :1].expand(8, 3, 64), k, v, cq, ck, 5, 4)
-    with pytest.raises(TypeError, match="bfloat16 or float16"):
-        fn(q.float(), k.float(), v.float(), cq, ck, 5, 4)
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        fn(q.double(), k.double(), v.double(), cq, ck, 5, 4)
     with pytest.raises(ValueError, match="causal must be"):
         fn(q, k, v, cq, ck, 5, 4, causal="top")
     with pytest.raises(ValueError, match="mode"):

@@ -3,7 +3,7 @@ library version floors. How a call is routed lives in routing.py, which model a 
 import dataclasses
 import importlib
 import re
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -136,6 +136,21 @@ class QATConfig:
 
 
 @dataclasses.dataclass
+class AttentionRecord:
+    """How one attention module's calls run, for `attn_qat.attention_report` (report.py): its name in the prepared
+    model, the reason `prepare` found from its shapes that its calls will fall back (None: supported, or shapes
+    unknown), and a count of its calls per outcome ("fp4", "bf16", "fallback: <reason>", "disabled"). Under
+    torch.compile dynamo replays the count after each run of a graph, so compiled calls count too."""
+
+    name: Optional[str] = None
+    static_fallback: Optional[str] = None
+    calls: Dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def count(self, outcome: str) -> None:
+        self.calls[outcome] = self.calls.get(outcome, 0) + 1
+
+
+@dataclasses.dataclass
 class AttentionState:
     """Per-module switchboard that `prepare` installs and `enable`, `disable` and `convert` flip.
 
@@ -154,6 +169,7 @@ class AttentionState:
     kept_bf16: bool = False
     # While `calibrate_k_shift` runs: the module's qk_transforms.QKStats
     calibration: Optional[object] = None
+    record: AttentionRecord = dataclasses.field(default_factory=AttentionRecord)
 
     @property
     def active(self) -> bool:

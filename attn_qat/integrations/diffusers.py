@@ -7,8 +7,10 @@ backend; diffusers has no public way to add one, so this extends its private bac
 public `set_processor`: it runs diffusers' own `WanAttnProcessor` with its attention sent to that backend, and keeps
 per-module state, so the self/cross choice, `enable`/`disable` and `convert` work. `register_diffusers_backend()`
 makes `model.set_attention_backend("attn_qat")` work for every diffusers model that dispatches through
-`dispatch_attention_fn`; `reset_diffusers_backend()` gives the process-wide active backend back.
+`dispatch_attention_fn`; `model.reset_attention_backend()` (which attn_qat wraps, `_wrap_reset_attention_backend`),
+`model.set_attention_backend("native")` or `reset_diffusers_backend()` give the process-wide active backend back.
 """
+import functools
 import threading
 from typing import Optional
 
@@ -17,6 +19,7 @@ import torch
 from . import qk_transforms
 from .config import (DIFFUSERS_MIN, AttentionState, QATConfig, install_state, module_state, plan_states,
                      require_version)
+from .report import static_fallback
 from .routing import run_sdpa, torch_sdpa
 
 BACKEND = "attn_qat"
@@ -61,6 +64,8 @@ class WanAttnQATProcessor:
                  **kwargs):
         state = module_state(attn) or self._state
         if not state.active and state.calibration is None:
+            if state.selected:
+                state.record.count("disabled")
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         calls = getattr(_processor_calls, "stack", None)  # not __dict__.setdefault: torch < 2.12 cannot trace it
         if calls is None:
@@ -113,6 +118,8 @@ def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warn
         install_state(module, state)
         if selected:
             qk_transforms.prepare_module(module, state.config, name, module.heads, module.kv_inner_dim // module.heads)
+            state.record.static_fallback = static_fallback(module.heads, module.heads, module.inner_dim // module.heads,
+                                                           module.kv_inner_dim // module.heads)
         module.set_processor(WanAttnQATProcessor(processor))
         converted += selected
     if not found:
@@ -153,7 +160,8 @@ def _attn_qat_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     else:
         state, inference, where = _backend_state, False, "attn_qat (diffusers backend)"
     out = run_sdpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p, is_causal,
-                   scale, enable_gqa, config=state.config, warned=state.warned, inference=inference, where=where)
+                   scale, enable_gqa, config=state.config, warned=state.warned, inference=inference, where=where,
+                   record=state.record)
     return out.transpose(1, 2)
 
 
@@ -207,7 +215,48 @@ def _register_backend():
     active = registry._active_backend
     if getattr(active, "value", active) != BACKEND:
         _previous_active = active
+    _wrap_reset_attention_backend()
     return member
+
+
+def _restore_active_backend() -> None:
+    """When "attn_qat" is diffusers' process-wide active backend, makes the one active when attn_qat registered its
+    backend (diffusers' default otherwise: "native", or the `DIFFUSERS_ATTN_BACKEND` environment variable) active
+    again."""
+    from diffusers.models import attention_dispatch
+
+    registry, names = attention_dispatch._AttentionBackendRegistry, attention_dispatch.AttentionBackendName
+    active = registry._active_backend
+    if getattr(active, "value", active) == BACKEND:
+        previous = _previous_active
+        if previous is None:
+            previous = names(attention_dispatch.DIFFUSERS_ATTN_BACKEND)
+        _set_active_backend(registry, previous)
+
+
+def _wrap_reset_attention_backend() -> None:
+    """Makes diffusers' `ModelMixin.reset_attention_backend` undo `set_attention_backend("attn_qat")` (idempotent).
+
+    diffusers' reset clears the backend the model's processors name, so that they follow the process-wide active
+    backend; but `set_attention_backend` makes its backend the active one too (diffusers 0.42; 0.35 did not), so after
+    `set_attention_backend("attn_qat")` the reset model, and every model built afterwards, kept running attn_qat.
+    Wrapped, the reset also gives the active backend back (`_restore_active_backend`) when it is "attn_qat"; other
+    backends' behaviour is diffusers' own. (`set_attention_backend("native")` needs no help: it names "native" in the
+    model's processors and makes it the active backend.)"""
+    from diffusers import ModelMixin
+
+    reset = getattr(ModelMixin, "reset_attention_backend", None)
+    if reset is None or getattr(reset, "_attn_qat_restores_active", False):
+        return
+
+    @functools.wraps(reset)
+    def reset_attention_backend(self, *args, **kwargs):
+        result = reset(self, *args, **kwargs)
+        _restore_active_backend()
+        return result
+
+    reset_attention_backend._attn_qat_restores_active = True
+    ModelMixin.reset_attention_backend = reset_attention_backend
 
 
 def register_diffusers_backend(config: Optional[QATConfig] = None) -> None:
@@ -218,7 +267,8 @@ def register_diffusers_backend(config: Optional[QATConfig] = None) -> None:
     The backend applies to every attention call of the model that goes through diffusers' dispatcher: it
     cannot tell self- from cross-attention, `enable`/`disable`/`convert` do not reach it, and diffusers'
     `set_attention_backend` also makes it the process-wide active backend, which models built afterwards use
-    too: `reset_diffusers_backend()` gives that back. Use `attn_qat.prepare` for per-module control. Calls
+    too: `model.reset_attention_backend()` or `model.set_attention_backend("native")` (or
+    `reset_diffusers_backend()`) gives that back. Use `attn_qat.prepare` for per-module control. Calls
     attn_qat does not support fall back to PyTorch SDPA (diffusers' "native"). diffusers has no public way to
     add a backend: see `_register_backend`, which raises `RuntimeError` if a diffusers version changed what it
     relies on.
@@ -239,14 +289,6 @@ def reset_diffusers_backend(*models: torch.nn.Module) -> None:
     their processors follow the active backend again); other models set to "attn_qat" keep it, as do
     `WanAttnQATProcessor`s. The backend stays registered and keeps its config."""
     require_version("diffusers", DIFFUSERS_MIN, "attn_qat.reset_diffusers_backend")
-    from diffusers.models import attention_dispatch
-
     for model in models:
         model.reset_attention_backend()
-    registry, names = attention_dispatch._AttentionBackendRegistry, attention_dispatch.AttentionBackendName
-    active = registry._active_backend
-    if getattr(active, "value", active) == BACKEND:
-        previous = _previous_active
-        if previous is None:
-            previous = names(attention_dispatch.DIFFUSERS_ATTN_BACKEND)
-        _set_active_backend(registry, previous)
+    _restore_active_backend()

@@ -6,6 +6,7 @@ import torch
 
 from .config import QATConfig, module_state
 from .models import FilterFn, is_diffusers_model, is_transformers_model, unwrap_peft
+from .report import report_prepared
 
 
 def prepare(model: torch.nn.Module, config: Optional[QATConfig] = None,
@@ -26,6 +27,10 @@ def prepare(model: torch.nn.Module, config: Optional[QATConfig] = None,
     training and inference; the plan is saved in the state dict (a marker buffer on each kept module).
     Calling `prepare` again replaces the configuration. For any other model, wrap the forward in
     `attn_qat.patch_sdpa`.
+
+    It logs a per-module summary (logger "attn_qat", INFO) and warns (`AttnQATFallbackWarning`, naming the modules)
+    when a selected module's shapes (its head_dim, say) are ones attn_qat does not take, so its calls will fall back;
+    `attn_qat.attention_report(model)` tells, per module, that and how its calls ran since.
     """
     config = config if config is not None else QATConfig()
     warned = set()
@@ -43,6 +48,7 @@ def prepare(model: torch.nn.Module, config: Optional[QATConfig] = None,
         raise TypeError(f"attn_qat.prepare: {what} is neither a transformers PreTrainedModel nor a "
                         "diffusers model (for a pipeline, pass pipe.transformer); for other models wrap the forward "
                         "in `with attn_qat.patch_sdpa(config):`")
+    report_prepared(model)
     return model
 
 

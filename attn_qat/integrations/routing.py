@@ -9,7 +9,7 @@ import torch
 # unsupported_reason: the input rules attn_qat.scaled_dot_product_attention raises from; here they decide fallbacks
 from ..attention import scaled_dot_product_attention, unsupported_reason  # noqa: F401 (unsupported_reason re-exported)
 from . import sequence_parallel
-from .config import AttnQATFallbackWarning, QATConfig
+from .config import AttentionRecord, AttnQATFallbackWarning, QATConfig
 
 
 # Per thread: how many fallbacks to PyTorch's SDPA are running, during which `patch_sdpa` lets the call through.
@@ -35,14 +35,38 @@ def torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
 
 @torch.compiler.disable
-def warn_once(message: str, warned: Set[str], category=AttnQATFallbackWarning) -> None:
+def warn_once(message: str, warned: Set[str], category=AttnQATFallbackWarning, detail: str = "") -> None:
     """Warns once per distinct message per `warned` set (one set per patch_sdpa context, per prepared
-    model). Kept out of torch.compile graphs: it runs eagerly at every call, so the once-only bookkeeping
-    holds in compiled code too. (Python's default warning filter may further show an identical message
-    only once per process.)"""
+    model); `detail` (the module that met it first) is added to the warning, not to what makes it distinct. Kept
+    out of torch.compile graphs: it runs eagerly at every call, so the once-only bookkeeping holds in compiled code
+    too. (Python's default warning filter may further show an identical message only once per process.)"""
     if message not in warned:
         warned.add(message)
-        warnings.warn(f"attn_qat: {message}", category, stacklevel=3)
+        warnings.warn(f"attn_qat: {message}{detail}", category, stacklevel=3)
+
+
+def fallback_detail(record: Optional[AttentionRecord]) -> str:
+    """What a fallback warning adds about the module it came from: its name, and where to see the others."""
+    if record is None or record.name is None:
+        return ""
+    return f" (first in {record.name}; attn_qat.attention_report(model) lists how every module's calls ran)"
+
+
+def count_call(record: Optional[AttentionRecord], outcome: str) -> None:
+    if record is not None:
+        record.count(outcome)
+
+
+FALLBACK = "fallback: "  # how the outcome of a call that fell back starts, the reason after it
+
+
+def fallback_outcome(reason: str) -> str:
+    return f"{FALLBACK}{reason}"
+
+
+def attn_qat_outcome(mode: str) -> str:
+    """The outcome a call that attn_qat ran is counted under: "fp4", or "bf16" for the unquantized mode."""
+    return "bf16" if mode == "bf16" else "fp4"
 
 
 def inference_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, mode, warned, v_block_axis="auto"):
@@ -62,26 +86,33 @@ def inference_attention(query, key, value, attn_mask, is_causal, scale, enable_g
 
 def run_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, config: QATConfig,
              warned: Set[str], inference: bool = False, where: str = "attn_qat",
-             v_block_axis: Optional[str] = None) -> torch.Tensor:
+             v_block_axis: Optional[str] = None, record: Optional[AttentionRecord] = None) -> torch.Tensor:
     """One SDPA-shaped call (torch's argument conventions, top-left causal) through attn_qat, or through
     PyTorch's SDPA when attn_qat does not support it: a warning once per reason, or, with
     `config.strict`, a `NotImplementedError` naming the reason. `v_block_axis` (default: the config's) lets an
     integration that knows the model is causal keep V blocked along head_dim in calls that hide no key.
-    Inside a module that `ulysses_wan` runs sequence-parallel, the call goes through its all-to-all first."""
+    `record` (the module's, when an integration knows the module) counts how the call ran, and names the module in
+    the warning. Inside a module that `ulysses_wan` runs sequence-parallel, the call goes through its all-to-all
+    first."""
     ulysses = sequence_parallel.current()
     if ulysses is not None:
         return ulysses.sdpa(run_sdpa, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                            config=config, warned=warned, inference=inference, where=where, v_block_axis=v_block_axis)
+                            config=config, warned=warned, inference=inference, where=where, v_block_axis=v_block_axis,
+                            record=record)
     v_block_axis = config.v_block_axis if v_block_axis is None else v_block_axis
     reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if reason is not None:
         if config.strict:
             raise NotImplementedError(f"{where}: {reason} (strict=True forbids falling back to PyTorch SDPA)")
-        warn_once(f"falling back to PyTorch scaled_dot_product_attention: {reason}", warned)
+        count_call(record, fallback_outcome(reason))
+        warn_once(f"falling back to PyTorch scaled_dot_product_attention: {reason}", warned,
+                  detail=fallback_detail(record))
         return torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                           scale=scale, enable_gqa=enable_gqa)
     if inference:
+        count_call(record, attn_qat_outcome(config.inference_mode))
         return inference_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                                    config.inference_mode, warned, v_block_axis)
+    count_call(record, attn_qat_outcome(config.mode))
     return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                         enable_gqa=enable_gqa, mode=config.mode, v_block_axis=v_block_axis)

@@ -21,7 +21,9 @@ from ..host_cache import HostCache
 from . import qk_transforms
 from .config import (TRANSFORMERS_MIN, AttentionState, QATConfig, install_state, module_state, plan_states,
                      require_version)
-from .routing import run_sdpa, unsupported_reason, warn_once
+from .report import static_fallback
+from .routing import (attn_qat_outcome, count_call, fallback_detail, fallback_outcome, run_sdpa, unsupported_reason,
+                      warn_once)
 
 IMPLEMENTATION = "attn_qat"
 # The tag an `attn_qat.NVFP4Cache` puts on the keys it returns (kv_cache_transformers.CACHE_LAYER_ATTR; kept
@@ -82,6 +84,8 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
     if state.calibration is not None:  # calibrate_k_shift: record Q and K, attend as the model's own attention does
         qk_transforms.record_qk(state.calibration, query, key, heads_axis=1)
     if not state.active or state.calibration is not None:
+        if state.selected and state.calibration is None:
+            count_call(state.record, "disabled")
         return _sdpa_attention_forward()(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, is_causal=is_causal, **kwargs)
     if kwargs.get("softcap") is not None:
@@ -92,7 +96,9 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
         if kwargs.get(name) is not None:
             if state.config.strict:
                 raise NotImplementedError(f"attn_qat (transformers): {reason} (strict=True forbids falling back)")
-            warn_once(f"falling back to transformers' sdpa attention: {reason}", state.warned)
+            count_call(state.record, fallback_outcome(reason))
+            warn_once(f"falling back to transformers' sdpa attention: {reason}", state.warned,
+                      detail=fallback_detail(state.record))
             return _sdpa_attention_forward()(module, query, key, value, attention_mask, dropout=dropout,
                                              scaling=scaling, is_causal=is_causal, **kwargs)
     if kwargs.get("output_attentions", False):
@@ -123,7 +129,7 @@ def attn_qat_attention_forward(module, query, key, value, attention_mask, dropou
 
     out = run_sdpa(query, key, value, attention_mask, dropout, is_causal, scaling, query.shape[1] != key.shape[1],
                    config=state.config, warned=state.warned, inference=state.inference,
-                   where="attn_qat (transformers)", v_block_axis=v_block_axis)
+                   where="attn_qat (transformers)", v_block_axis=v_block_axis, record=state.record)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -241,12 +247,14 @@ def _attend_packed(query, key, value, cu_q, cu_k, causal, scaling, state, v_bloc
     """A packed batch through attn_qat.attention_varlen: query (1, H, S, D), key and value (1, H_kv, S_kv, D) hold
     the sequences one after another; returns (1, S, H, D). Causal sequences align bottom-right, as FlashAttention's
     varlen kernel (the same as top-left where each sequence has as many queries as keys)."""
-    from ..attention import _check_qkv
+    from ..attention import _check_qkv, _output, _output_dtype
     from ..ops import v_along_tokens
     from ..varlen import _attention_varlen
 
     fn = "attention_varlen (transformers)"
     mode = state.config.inference_mode if state.inference else state.config.mode
+    count_call(state.record, attn_qat_outcome(mode))
+    out_dtype = _output_dtype(query)
     query, key, value = _check_qkv(query, key, value, fn)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
@@ -262,7 +270,7 @@ def _attend_packed(query, key, value, cu_q, cu_k, causal, scaling, state, v_bloc
             out = run()
     else:
         out = run()
-    return out.unsqueeze(0)
+    return _output(out, out_dtype).unsqueeze(0)
 
 
 def _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, scaling, is_causal, state, kwargs):
@@ -299,6 +307,7 @@ def _attend_nvfp4_cache(cache_layer, module, query, attention_mask, dropout, sca
         warn_once("attention through an NVFP4Cache is inference only; its output carries no gradient", state.warned,
                   UserWarning)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    count_call(state.record, "fp4")
     with torch.no_grad():
         if state.config.transforms_qk and cache_layer.pending is not None:  # the cache stores K as attention sees it
             key, value = cache_layer.pending
@@ -316,6 +325,19 @@ def is_attention_module(module: torch.nn.Module) -> bool:
     """Attention modules of transformers models that dispatch through the AttentionInterface: by
     convention their class names end in "Attention" and they carry the model config."""
     return type(module).__name__.endswith("Attention") and hasattr(module, "config")
+
+
+def _module_shape(module):
+    """(query heads, KV heads, Q/K head_dim, V head_dim) of an attention module, from its attributes and the model
+    config (None where they do not tell): multi-head latent attention (DeepSeek) has its own Q/K and V dims."""
+    config = module.config
+    heads = getattr(config, "num_attention_heads", None)
+    heads_kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(module, "qk_head_dim", None) or getattr(module, "head_dim", None) or \
+        getattr(config, "head_dim", None)
+    if head_dim is None and isinstance(heads, int) and heads and isinstance(getattr(config, "hidden_size", None), int):
+        head_dim = config.hidden_size // heads
+    return heads, heads_kv, head_dim, getattr(config, "v_head_dim", None) or head_dim
 
 
 def prepare_transformers(model, config: QATConfig, filter_fn, warned, prefix: str = "") -> None:
@@ -339,6 +361,7 @@ def prepare_transformers(model, config: QATConfig, filter_fn, warned, prefix: st
                 module, state.config, name,
                 getattr(shape, "num_key_value_heads", None) or getattr(shape, "num_attention_heads", None),
                 getattr(module, "head_dim", None) or getattr(shape, "head_dim", None))
+            state.record.static_fallback = static_fallback(*_module_shape(module))
         converted += selected
     if converted == 0:
         raise ValueError(f"attn_qat.prepare: no attention module of {type(model).__name__} was selected (looked for "

@@ -1,11 +1,22 @@
 /* NVFP4 attention forward and backward on the CPU, in C: the exact two-pass form of numerics.md §3/§4.
    Scores use fp32 accumulation like the GPU (they decide the frame M and the P codes); every other sum is double.
-   P's fp16 path is attn_qat.reference's bit for bit, given the same fp32 exponent arguments (aq_p_fp16_path_cpu). */
+   P's fp16 path is attn_qat.reference's bit for bit, given the same fp32 exponent arguments (aq_p_fp16_path_cpu).
+   Built with OpenMP, the forward runs its (batch, query head) items and the backward its (batch, KV head) items on
+   omp_get_max_threads() threads, which is torch.get_num_threads() where torch and this share one OpenMP runtime (they
+   do with torch's libgomp); every item writes only its own outputs and sums in one fixed order, so the bits do not
+   depend on the thread count. Without OpenMP the pragmas vanish and the items run one after another. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "attn_qat.h"
 #include "format/nvfp4.h"
+
+#ifdef _OPENMP
+/* dynamic: causal items differ in work */
+#define AQ_PARALLEL_FOR _Pragma("omp parallel for schedule(dynamic, 1)")
+#else
+#define AQ_PARALLEL_FOR
+#endif
 
 static float load_half(const void *base, aq_dtype dtype, int64_t offset) {
     uint16_t h = ((const uint16_t *)base)[offset];
@@ -160,12 +171,10 @@ const char *aq_p_fp16_path_cpu(const float *x, int64_t rows, int64_t n, float *w
     return NULL;
 }
 
-const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
-    const char *err = aq_attention_sizes_problem(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv,
-                                                 p->seqlen_q, p->seqlen_k);
-    if (err) return err;
-    const int64_t nk = p->seqlen_k, dim = p->head_dim, group = p->heads_q / p->heads_kv;
-
+/* The forward of query head h of batch b, every row; returns 0, or 1 when out of memory. */
+static int forward_item(const void *params, int64_t b, int64_t h) {
+    const aq_attention_fwd_params *p = (const aq_attention_fwd_params *)params;
+    const int64_t nk = p->seqlen_k, dim = p->head_dim, hkv = h / (p->heads_q / p->heads_kv);
     float *k_head = (float *)alloc_array(nk * dim, sizeof(float));
     float *v_head = (float *)alloc_array(nk * dim, sizeof(float));
     float *q_row = (float *)alloc_array(dim, sizeof(float));
@@ -176,52 +185,46 @@ const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
     float *p_fq = (float *)alloc_array(nk, sizeof(float));
     double *o_acc = (double *)alloc_array(dim, sizeof(double));
     double *o_prime_acc = (double *)alloc_array(dim, sizeof(double));
-    if (!k_head || !v_head || !q_row || !t || !visible || !w || !p_hat || !p_fq || !o_acc || !o_prime_acc)
-        err = "out of memory";
-    for (int64_t b = 0; !err && b < p->batch; b++) {
-        for (int64_t hkv = 0; hkv < p->heads_kv; hkv++) {
-            load_kv_head(p->k, p->dtype, p->k_stride, b, hkv, nk, dim, k_head);
-            load_kv_head(p->v, p->dtype, p->v_stride, b, hkv, nk, dim, v_head);
-            for (int64_t h = hkv * group; h < (hkv + 1) * group; h++) {
-                for (int64_t i = 0; i < p->seqlen_q; i++) {
-                    const score_row r = score_row_at(k_head, p->mask, p->mask_stride, b, h, i, nk, dim,
-                                                     p->softmax_scale, p->causal, p->causal_offset, p->q_span);
-                    load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
-                    const int any_visible = compute_scores(&r, q_row, t, visible);
-                    const float frame = row_frame(t, visible, &r);
-                    frame_values(t, visible, &r, frame, p->quantize_p, w, p_hat);
-                    /* exact with fp16 P̂ (multiples of 2^-35 below 2, fewer than 2^17 keys), as the reference's */
-                    double row_sum = 0.0;
-                    for (int64_t j = r.first; j < r.key_end; j++) row_sum += p_hat[j];
-                    if (p->quantize_p) quantize_frame_values(w, r.first, r.key_end, p_fq);
-                    const float *weight = p->quantize_p ? p_fq : p_hat;
+    const int failed = !k_head || !v_head || !q_row || !t || !visible || !w || !p_hat || !p_fq || !o_acc ||
+                       !o_prime_acc;
+    if (!failed) {
+        load_kv_head(p->k, p->dtype, p->k_stride, b, hkv, nk, dim, k_head);
+        load_kv_head(p->v, p->dtype, p->v_stride, b, hkv, nk, dim, v_head);
+    }
+    for (int64_t i = 0; !failed && i < p->seqlen_q; i++) {
+        const score_row r = score_row_at(k_head, p->mask, p->mask_stride, b, h, i, nk, dim, p->softmax_scale,
+                                         p->causal, p->causal_offset, p->q_span);
+        load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
+        const int any_visible = compute_scores(&r, q_row, t, visible);
+        const float frame = row_frame(t, visible, &r);
+        frame_values(t, visible, &r, frame, p->quantize_p, w, p_hat);
+        /* exact with fp16 P̂ (multiples of 2^-35 below 2, fewer than 2^17 keys), as the reference's */
+        double row_sum = 0.0;
+        for (int64_t j = r.first; j < r.key_end; j++) row_sum += p_hat[j];
+        if (p->quantize_p) quantize_frame_values(w, r.first, r.key_end, p_fq);
+        const float *weight = p->quantize_p ? p_fq : p_hat;
 
-                    for (int64_t d = 0; d < dim; d++) o_acc[d] = o_prime_acc[d] = 0.0;
-                    /* Hidden keys are skipped, so a NaN in a masked-out V row stays out of O. */
-                    for (int64_t j = r.first; j < r.key_end; j++) {
-                        if (!visible[j]) continue;
-                        const float *v = v_head + j * dim;
-                        const double w = weight[j], w_prime = p_hat[j];
-                        for (int64_t d = 0; d < dim; d++) o_acc[d] += w * v[d];
-                        if (p->o_prime)
-                            for (int64_t d = 0; d < dim; d++) o_prime_acc[d] += w_prime * v[d];
-                    }
-                    /* An empty row has l = 0 and all-zero accumulators: it writes O = O' = 0, not 0/0. */
-                    const double l = any_visible ? row_sum : 1.0;
-                    const int64_t o_base = b * p->o_stride[0] + h * p->o_stride[1] + i * p->o_stride[2];
-                    for (int64_t d = 0; d < dim; d++) store_half(p->o, p->dtype, o_base + d, (float)(o_acc[d] / l));
-                    if (p->o_prime) {
-                        const int64_t base = b * p->o_prime_stride[0] + h * p->o_prime_stride[1] +
-                                             i * p->o_prime_stride[2];
-                        for (int64_t d = 0; d < dim; d++)
-                            store_half(p->o_prime, p->dtype, base + d, (float)(o_prime_acc[d] / l));
-                    }
-                    const int64_t stat = (b * p->heads_q + h) * p->seqlen_q + i;
-                    p->frame_m[stat] = frame;
-                    p->row_sum[stat] = (float)row_sum;
-                }
-            }
+        for (int64_t d = 0; d < dim; d++) o_acc[d] = o_prime_acc[d] = 0.0;
+        /* Hidden keys are skipped, so a NaN in a masked-out V row stays out of O. */
+        for (int64_t j = r.first; j < r.key_end; j++) {
+            if (!visible[j]) continue;
+            const float *v = v_head + j * dim;
+            const double w_j = weight[j], w_prime = p_hat[j];
+            for (int64_t d = 0; d < dim; d++) o_acc[d] += w_j * v[d];
+            if (p->o_prime)
+                for (int64_t d = 0; d < dim; d++) o_prime_acc[d] += w_prime * v[d];
         }
+        /* An empty row has l = 0 and all-zero accumulators: it writes O = O' = 0, not 0/0. */
+        const double l = any_visible ? row_sum : 1.0;
+        const int64_t o_base = b * p->o_stride[0] + h * p->o_stride[1] + i * p->o_stride[2];
+        for (int64_t d = 0; d < dim; d++) store_half(p->o, p->dtype, o_base + d, (float)(o_acc[d] / l));
+        if (p->o_prime) {
+            const int64_t base = b * p->o_prime_stride[0] + h * p->o_prime_stride[1] + i * p->o_prime_stride[2];
+            for (int64_t d = 0; d < dim; d++) store_half(p->o_prime, p->dtype, base + d, (float)(o_prime_acc[d] / l));
+        }
+        const int64_t stat = (b * p->heads_q + h) * p->seqlen_q + i;
+        p->frame_m[stat] = frame;
+        p->row_sum[stat] = (float)row_sum;
     }
     free(k_head);
     free(v_head);
@@ -233,30 +236,55 @@ const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
     free(p_fq);
     free(o_acc);
     free(o_prime_acc);
+    return failed;
+}
+
+/* Runs item(params, b, h) for every b < batch, h < heads (in parallel with OpenMP); returns "out of memory" if an
+   item ran out, else NULL. */
+typedef int (*work_item)(const void *params, int64_t b, int64_t h);
+
+static const char *run_items(work_item item, const void *params, int64_t batch, int64_t heads) {
+    const int64_t items = batch * heads;
+    uint8_t *failed = (uint8_t *)calloc((size_t)(items > 0 ? items : 1), 1);
+    if (!failed) return "out of memory";
+    AQ_PARALLEL_FOR
+    for (int64_t it = 0; it < items; it++) failed[it] = (uint8_t)item(params, it / heads, it % heads);
+    const char *err = NULL;
+    for (int64_t it = 0; it < items; it++)
+        if (failed[it]) err = "out of memory";
+    free(failed);
     return err;
 }
 
-const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
+const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
     const char *err = aq_attention_sizes_problem(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv,
                                                  p->seqlen_q, p->seqlen_k);
-    if (err) return err;
+    return err ? err : run_items(forward_item, p, p->batch, p->heads_q);
+}
+
+/* delta_i = dO_i . out_for_delta_i (O' in attn_qat mode, so that each row of dS sums to zero), for query head h of
+   batch b. */
+static int delta_item(const void *params, int64_t b, int64_t h) {
+    const aq_attention_bwd_params *p = (const aq_attention_bwd_params *)params;
+    for (int64_t i = 0; i < p->seqlen_q; i++) {
+        const int64_t dout_base = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
+        const int64_t out_base = b * p->out_for_delta_stride[0] + h * p->out_for_delta_stride[1] +
+                                 i * p->out_for_delta_stride[2];
+        double delta = 0.0;
+        for (int64_t d = 0; d < p->head_dim; d++)
+            delta += (double)load_half(p->dout, p->dtype, dout_base + d) *
+                     load_half(p->out_for_delta, p->dtype, out_base + d);
+        p->delta[(b * p->heads_q + h) * p->seqlen_q + i] = (float)delta;
+    }
+    return 0;
+}
+
+/* The backward of KV head hkv of batch b: dQ of its query heads, and dK, dV summed over them in head, then row
+   order. Returns 0, or 1 when out of memory. */
+static int backward_item(const void *params, int64_t b, int64_t hkv) {
+    const aq_attention_bwd_params *p = (const aq_attention_bwd_params *)params;
     const int64_t nk = p->seqlen_k, dim = p->head_dim, group = p->heads_q / p->heads_kv;
     const double scale = p->softmax_scale;
-
-    /* delta_i = dO_i . out_for_delta_i (O' in attn_qat mode, so that each row of dS sums to zero). */
-    for (int64_t b = 0; b < p->batch; b++)
-        for (int64_t h = 0; h < p->heads_q; h++)
-            for (int64_t i = 0; i < p->seqlen_q; i++) {
-                const int64_t dout_base = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
-                const int64_t out_base = b * p->out_for_delta_stride[0] + h * p->out_for_delta_stride[1] +
-                                         i * p->out_for_delta_stride[2];
-                double delta = 0.0;
-                for (int64_t d = 0; d < dim; d++)
-                    delta += (double)load_half(p->dout, p->dtype, dout_base + d) *
-                             load_half(p->out_for_delta, p->dtype, out_base + d);
-                p->delta[(b * p->heads_q + h) * p->seqlen_q + i] = (float)delta;
-            }
-
     float *k_head = (float *)alloc_array(nk * dim, sizeof(float));
     float *v_head = (float *)alloc_array(nk * dim, sizeof(float));
     double *dk_acc = (double *)alloc_array(nk * dim, sizeof(double));
@@ -269,56 +297,52 @@ const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
     float *w = (float *)alloc_array(nk, sizeof(float));
     float *p_hat = (float *)alloc_array(nk, sizeof(float));
     float *p_fq = (float *)alloc_array(nk, sizeof(float));
-    if (!k_head || !v_head || !dk_acc || !dv_acc || !q_row || !dout_row || !dq_acc || !t || !visible || !w ||
-        !p_hat || !p_fq)
-        err = "out of memory";
-    for (int64_t b = 0; !err && b < p->batch; b++) {
-        for (int64_t hkv = 0; hkv < p->heads_kv; hkv++) {
-            load_kv_head(p->k, p->dtype, p->k_stride, b, hkv, nk, dim, k_head);
-            load_kv_head(p->v, p->dtype, p->v_stride, b, hkv, nk, dim, v_head);
-            for (int64_t e = 0; e < nk * dim; e++) dk_acc[e] = dv_acc[e] = 0.0;
-            for (int64_t h = hkv * group; h < (hkv + 1) * group; h++) {
-                for (int64_t i = 0; i < p->seqlen_q; i++) {
-                    const int64_t stat = (b * p->heads_q + h) * p->seqlen_q + i;
-                    const float frame = p->frame_m[stat], row_sum = p->row_sum[stat], delta = p->delta[stat];
-                    for (int64_t d = 0; d < dim; d++) dq_acc[d] = 0.0;
-                    if (row_sum != 0.0f) {
-                        const score_row r = score_row_at(k_head, p->mask, p->mask_stride, b, h, i, nk, dim,
-                                                         p->softmax_scale, p->causal, p->causal_offset, p->q_span);
-                        load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
-                        load_row(p->dout, p->dtype, p->dout_stride, b, h, i, dim, dout_row);
-                        compute_scores(&r, q_row, t, visible);
-                        frame_values(t, visible, &r, frame, p->p_fp16 || p->quantize_p_for_dv, w, p_hat);
-                        if (p->quantize_p_for_dv) quantize_frame_values(w, r.first, r.key_end, p_fq);
-                        for (int64_t j = r.first; j < r.key_end; j++) {
-                            if (!visible[j]) continue;
-                            const float prob = p_hat[j] / row_sum;
-                            const double dv_weight = p->quantize_p_for_dv ? p_fq[j] / row_sum : prob;
-                            const float *k = k_head + j * dim, *v = v_head + j * dim;
-                            double dprob = 0.0;
-                            for (int64_t d = 0; d < dim; d++) dprob += (double)dout_row[d] * v[d];
-                            const double dscore = prob * (dprob - delta);
-                            double *dk = dk_acc + j * dim, *dv = dv_acc + j * dim;
-                            for (int64_t d = 0; d < dim; d++) {
-                                dq_acc[d] += dscore * k[d];
-                                dk[d] += dscore * q_row[d];
-                                dv[d] += dv_weight * dout_row[d];
-                            }
-                        }
+    const int failed = !k_head || !v_head || !dk_acc || !dv_acc || !q_row || !dout_row || !dq_acc || !t ||
+                       !visible || !w || !p_hat || !p_fq;
+    if (!failed) {
+        load_kv_head(p->k, p->dtype, p->k_stride, b, hkv, nk, dim, k_head);
+        load_kv_head(p->v, p->dtype, p->v_stride, b, hkv, nk, dim, v_head);
+        for (int64_t e = 0; e < nk * dim; e++) dk_acc[e] = dv_acc[e] = 0.0;
+    }
+    for (int64_t h = hkv * group; !failed && h < (hkv + 1) * group; h++) {
+        for (int64_t i = 0; i < p->seqlen_q; i++) {
+            const int64_t stat = (b * p->heads_q + h) * p->seqlen_q + i;
+            const float frame = p->frame_m[stat], row_sum = p->row_sum[stat], delta = p->delta[stat];
+            for (int64_t d = 0; d < dim; d++) dq_acc[d] = 0.0;
+            if (row_sum != 0.0f) {
+                const score_row r = score_row_at(k_head, p->mask, p->mask_stride, b, h, i, nk, dim,
+                                                 p->softmax_scale, p->causal, p->causal_offset, p->q_span);
+                load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
+                load_row(p->dout, p->dtype, p->dout_stride, b, h, i, dim, dout_row);
+                compute_scores(&r, q_row, t, visible);
+                frame_values(t, visible, &r, frame, p->p_fp16 || p->quantize_p_for_dv, w, p_hat);
+                if (p->quantize_p_for_dv) quantize_frame_values(w, r.first, r.key_end, p_fq);
+                for (int64_t j = r.first; j < r.key_end; j++) {
+                    if (!visible[j]) continue;
+                    const float prob = p_hat[j] / row_sum;
+                    const double dv_weight = p->quantize_p_for_dv ? p_fq[j] / row_sum : prob;
+                    const float *k = k_head + j * dim, *v = v_head + j * dim;
+                    double dprob = 0.0;
+                    for (int64_t d = 0; d < dim; d++) dprob += (double)dout_row[d] * v[d];
+                    const double dscore = prob * (dprob - delta);
+                    double *dk = dk_acc + j * dim, *dv = dv_acc + j * dim;
+                    for (int64_t d = 0; d < dim; d++) {
+                        dq_acc[d] += dscore * k[d];
+                        dk[d] += dscore * q_row[d];
+                        dv[d] += dv_weight * dout_row[d];
                     }
-                    const int64_t dq_base = b * p->dq_stride[0] + h * p->dq_stride[1] + i * p->dq_stride[2];
-                    for (int64_t d = 0; d < dim; d++)
-                        store_half(p->dq, p->dtype, dq_base + d, (float)(scale * dq_acc[d]));
                 }
             }
-            for (int64_t j = 0; j < nk; j++) {
-                const int64_t dk_base = b * p->dk_stride[0] + hkv * p->dk_stride[1] + j * p->dk_stride[2];
-                const int64_t dv_base = b * p->dv_stride[0] + hkv * p->dv_stride[1] + j * p->dv_stride[2];
-                for (int64_t d = 0; d < dim; d++) {
-                    store_half(p->dk, p->dtype, dk_base + d, (float)(scale * dk_acc[j * dim + d]));
-                    store_half(p->dv, p->dtype, dv_base + d, (float)dv_acc[j * dim + d]);
-                }
-            }
+            const int64_t dq_base = b * p->dq_stride[0] + h * p->dq_stride[1] + i * p->dq_stride[2];
+            for (int64_t d = 0; d < dim; d++) store_half(p->dq, p->dtype, dq_base + d, (float)(scale * dq_acc[d]));
+        }
+    }
+    for (int64_t j = 0; !failed && j < nk; j++) {
+        const int64_t dk_base = b * p->dk_stride[0] + hkv * p->dk_stride[1] + j * p->dk_stride[2];
+        const int64_t dv_base = b * p->dv_stride[0] + hkv * p->dv_stride[1] + j * p->dv_stride[2];
+        for (int64_t d = 0; d < dim; d++) {
+            store_half(p->dk, p->dtype, dk_base + d, (float)(scale * dk_acc[j * dim + d]));
+            store_half(p->dv, p->dtype, dv_base + d, (float)dv_acc[j * dim + d]);
         }
     }
     free(k_head);
@@ -333,5 +357,12 @@ const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
     free(w);
     free(p_hat);
     free(p_fq);
-    return err;
+    return failed;
+}
+
+const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
+    const char *err = aq_attention_sizes_problem(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv,
+                                                 p->seqlen_q, p->seqlen_k);
+    if (!err) err = run_items(delta_item, p, p->batch, p->heads_q);
+    return err ? err : run_items(backward_item, p, p->batch, p->heads_kv);
 }
