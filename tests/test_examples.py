@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from conftest import importorskip
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARMS = ("bf16", "fp4_inference", "attn_qat", "drop_in")
 
@@ -38,8 +40,9 @@ def check_outputs(out, arms):
     return summary
 
 
+@pytest.mark.slow
 def test_train_lm_tiny_cpu(tmp_path):
-    pytest.importorskip("transformers")
+    importorskip("transformers")
     out = tmp_path / "lm"
     cmd = [sys.executable, "examples/train_lm.py", "--size", "tiny", "--steps", "3", "--eval-every", "2",
            "--eval-batches", "1", "--batch-size", "2", "--arms", ",".join(ARMS), "--device", "cpu", "--out", str(out)]
@@ -49,8 +52,9 @@ def test_train_lm_tiny_cpu(tmp_path):
     check_outputs(out, ARMS)
 
 
+@pytest.mark.slow
 def test_train_wan_tiny_cpu(tmp_path):
-    pytest.importorskip("diffusers")
+    importorskip("diffusers")
     out = tmp_path / "wan"
     cmd = [sys.executable, "examples/train_wan.py", "--size", "tiny", "--steps", "3", "--eval-every", "2",
            "--eval-batches", "1", "--batch-size", "2", "--arms", ",".join(ARMS), "--device", "cpu", "--cross-attention",
@@ -87,6 +91,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, library", [("train_lm.py", "transformers"), ("train_wan.py", "diffusers")])
 def test_help_without_transformers_or_diffusers(script, library):
     cmd = [sys.executable, "-c", HIDDEN_IMPORTS, f"examples/{script}"]

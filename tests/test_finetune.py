@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from conftest import importorskip
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o")
 ENTRIES = ("base", "base_ptq", "bf16", "ptq") + ARMS[1:]
@@ -60,7 +62,7 @@ def permute_qk(w, heads):
 def write_tiny_llama_gguf(path, hidden=128, layers=2, heads=2, kv_heads=1, ffn=256, seed=0):
     """Writes the tiny Llama GGUF; returns the HF-ordered weights as the loader must give them back (float32,
     after the file's quantization)."""
-    gguf = pytest.importorskip("gguf")
+    gguf = importorskip("gguf")
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
@@ -133,8 +135,8 @@ def sha256(path):
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    importorskip("transformers")
+    importorskip("accelerate")
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
     expected = write_tiny_llama_gguf(path)
     return path, expected
@@ -272,6 +274,7 @@ def check_report(out, extra_keys, arms=ARMS, entries=ENTRIES):
     return summary
 
 
+@pytest.mark.slow
 def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
     path, _ = tiny_gguf
     out = tmp_path / "lm"
@@ -292,8 +295,9 @@ def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
     assert summary["config"]["data"]["heldout"]["tokens_sha256"]
 
 
+@pytest.mark.slow
 def test_finetune_wan_smoke_cpu(tmp_path):
-    pytest.importorskip("diffusers")
+    importorskip("diffusers")
     out = tmp_path / "wan"
     run_script(["examples/finetune_wan.py", "--preset", "smoke", "--device", "cpu", "--out", str(out),
                 "--pretrained", str(tmp_path / "pretrained.pt")])
@@ -302,6 +306,7 @@ def test_finetune_wan_smoke_cpu(tmp_path):
     assert summary["config"]["pretrain_result"]["weights_sha256"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, library", [("finetune_lm.py", "transformers"), ("finetune_wan.py", "diffusers")])
 def test_help_without_the_libraries(script, library):
     from test_examples import HIDDEN_IMPORTS
