@@ -5,7 +5,10 @@ The extension uses only the LibTorch stable ABI (targeting torch 2.10) and Pytho
 torch and Python.
 
 Environment:
-  ATTN_QAT_CUDA=auto|1|0     build the CUDA kernels when nvcc is found (auto, default), always, or never
+  ATTN_QAT_CUDA=auto|1|0     auto (default): build the CUDA kernels when nvcc is found, torch is a CUDA build and a
+                             GPU is visible (torch.cuda.is_available()); on a machine without one they would cost
+                             minutes to compile and never run. 1: always (a wheel built on a GPU-less host, or CI
+                             proving they compile); 0: never (the C CPU kernels only)
   ATTN_QAT_CUDA_ARCHS="90a"  space-separated SM targets for nvcc (default: 90a)
   MAX_JOBS                   parallel compile jobs (torch's cpp_extension setting)
 """
@@ -19,6 +22,7 @@ from setuptools import setup
 if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
+import torch  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 TORCH_TARGET_VERSION = "0x020a000000000000"  # the stable ABI of torch 2.10
@@ -31,7 +35,17 @@ has_nvcc = CUDA_HOME is not None and os.path.exists(os.path.join(CUDA_HOME, "bin
 if want_cuda == "1" and not has_nvcc:
     sys.exit("ATTN_QAT_CUDA=1 but nvcc was not found: install the CUDA toolkit or set CUDA_HOME "
              "(ATTN_QAT_CUDA=0 builds the CPU kernels only)")
-with_cuda = has_nvcc and want_cuda != "0"
+if want_cuda == "1" and torch.version.cuda is None:
+    sys.exit(f"ATTN_QAT_CUDA=1 but torch {torch.__version__} is a CPU-only build: install a CUDA build of torch")
+if want_cuda == "auto":
+    # torch.cuda.is_available(): the driver's device count, no CUDA context; False without a driver
+    with_cuda = has_nvcc and torch.version.cuda is not None and torch.cuda.is_available()
+    if has_nvcc and not with_cuda:
+        why = "no visible CUDA GPU" if torch.version.cuda else f"torch {torch.__version__} is a CPU-only build"
+        print(f"attn_qat: {why}, building the C CPU kernels only (ATTN_QAT_CUDA=1 forces the CUDA kernels)",
+              file=sys.stderr)
+else:
+    with_cuda = want_cuda == "1"
 archs = os.environ.get("ATTN_QAT_CUDA_ARCHS", "90a").split()
 if "90" in archs:
     # An sm_90 (not 90a) image would hold the Hopper kernels with empty bodies: wgmma and setmaxnreg exist
@@ -71,8 +85,19 @@ if with_cuda:
 else:
     ext = CppExtension("attn_qat._C", sources, extra_compile_args={"cxx": cxx_flags}, **extension_kwargs)
 
+
+class BuildExtensionKeepingObjects(BuildExtension):
+    """pip's editable build compiles in a fresh temporary folder; in build/temp ninja keeps the objects, so a second
+    `pip install -e` (README's test command installs the extras so) recompiles only what changed."""
+
+    def finalize_options(self):
+        if self.build_temp is None:
+            self.build_temp = os.path.join(here, "build", "temp")
+        super().finalize_options()
+
+
 setup(
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtensionKeepingObjects},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -11,10 +11,21 @@ import attn_qat
 from attn_qat import _C, reference
 
 
+REBUILD_WITH_CUDA = "ATTN_QAT_CUDA=1 python -m pip install --no-build-isolation -e ."
+
+
 def environment():
     print(f"attn_qat {attn_qat.__version__}  torch {torch.__version__}  python {platform.python_version()}")
-    print(f"  CUDA kernels built: {'yes (sm_90a)' if _C.with_cuda else 'no'}")
-    if torch.cuda.is_available():
+    gpu = torch.cuda.is_available()
+    if _C.with_cuda:
+        print("  CUDA kernels built: yes (sm_90a)")
+    elif gpu:
+        print("  CUDA kernels built: NO: this build has the C CPU kernels only, so the GPU below goes unused; "
+              f"rebuild with them\n    (needs nvcc): {REBUILD_WITH_CUDA}")
+    else:
+        print("  CUDA kernels built: no (the C CPU kernels only: the default build skips the CUDA kernels where no "
+              f"GPU is visible);\n    to build them anyway (needs nvcc): {REBUILD_WITH_CUDA}")
+    if gpu:
         p = torch.cuda.get_device_properties(0)
         print(f"  GPU: {p.name}, compute capability {p.major}.{p.minor}, {p.multi_processor_count} SMs")
     else:

@@ -12,7 +12,7 @@ import torch
 
 import attn_qat
 from attn_qat import reference
-from conftest import DEVICES, HAS_CUDA, rel_error, requires_cuda
+from conftest import DEVICES, HAS_CUDA, rel_error
 
 try:
     import triton
@@ -494,7 +494,7 @@ def test_torch_compile_fullgraph(device):
     assert torch.equal(out, ref)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_cuda_graph_capture():
     q, k, v, dout = make_inputs(1, 2, 2, 100, 100, 64, torch.bfloat16, "cuda")
     q.requires_grad_()
@@ -514,7 +514,7 @@ def test_cuda_graph_capture():
     assert torch.equal(out, eager_out) and torch.equal(q.grad, eager_dq)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_cpu_and_cuda_agree():
     q, k, v, dout = make_inputs(1, 4, 2, 70, 90, 128, torch.bfloat16, "cpu")
     cpu = run(q, k, v, dout, causal="top_left")
@@ -523,7 +523,7 @@ def test_cpu_and_cuda_agree():
         assert rel_error(b, a) < 5e-3
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [1000, 2049])
 def test_longer_sequences_cuda(n):
     q, k, v, dout = make_inputs(1, 2, 1, n, n, 128, torch.bfloat16, "cuda")
@@ -531,7 +531,7 @@ def test_longer_sequences_cuda(n):
     check(q, k, v, dout, label=f"n={n}")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
 def test_fused_dq_chunks_complete(d, causal):
@@ -551,7 +551,7 @@ def test_fused_dq_chunks_complete(d, causal):
             assert not dq[:, :, : nq - nk].any()
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernels", ["default", "deterministic", "mma_sync"])
 def test_causal_backward_order_covers_every_tile(kernel_options, kernels):
     """A short causal backward grid goes longest first across chunks of heads (work_item_at in
@@ -571,7 +571,7 @@ def forward_op(q, k, v):
                                                 True, True)[:4]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
 @pytest.mark.parametrize("case", ["plain", "masked", "deterministic"])
@@ -615,7 +615,7 @@ def test_split_last_wave(kernel_options, d, mode, case):
         assert not torch.equal(split[2], whole[2]), "the dK/dV kernel did not split"
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=[s[0] for s in SHAPES[:4]])
 def test_mma_sync_kernels_on_any_gpu(kernel_options, shape, mode):
@@ -708,8 +708,8 @@ if triton is not None:
         tl.store(y_ptr + offs, y, mask=offs < n)
 
 
-@requires_cuda
-@pytest.mark.skipif(triton is None, reason="needs triton")
+@pytest.mark.gpu
+@pytest.mark.skipif(triton is None, reason="optional package triton missing")
 def test_ex2_approx_is_monotonic():
     """The Hopper kernels take a P block's amax as w at the block's largest logit (block_amax_w_from_logit in
     csrc/attention/softmax.cuh), which gives the block rule's amax exactly only if ex2.approx.ftz.f32, the kernels' exp,

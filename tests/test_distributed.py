@@ -207,10 +207,11 @@ def _launch(backend, wrapper, world_size=2, timeout_s=120.0):
 
 BACKENDS = [
     "gloo",
-    pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")),
+    pytest.param("nccl", marks=pytest.mark.gpu(2)),
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_data_parallel(backend, wrapper):

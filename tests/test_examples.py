@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from conftest import importorskip
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARMS = ("bf16", "fp4_inference", "attn_qat", "drop_in")
 
@@ -50,8 +52,9 @@ def check_outputs(out, arms):
     return summary
 
 
+@pytest.mark.slow
 def test_train_lm_tiny_cpu(tmp_path):
-    pytest.importorskip("transformers")
+    importorskip("transformers")
     out = tmp_path / "lm"
     cmd = [sys.executable, "examples/train_lm.py", "--size", "tiny", "--steps", "3", "--eval-every", "2",
            "--eval-batches", "1", "--batch-size", "2", "--arms", ",".join(ARMS), "--device", "cpu", "--out", str(out)]
@@ -61,8 +64,9 @@ def test_train_lm_tiny_cpu(tmp_path):
     check_outputs(out, ARMS)
 
 
+@pytest.mark.slow
 def test_train_wan_tiny_cpu(tmp_path):
-    pytest.importorskip("diffusers")
+    importorskip("diffusers")
     out = tmp_path / "wan"
     cmd = [sys.executable, "examples/train_wan.py", "--size", "tiny", "--steps", "3", "--eval-every", "2",
            "--eval-batches", "1", "--batch-size", "2", "--arms", ",".join(ARMS), "--device", "cpu", "--cross-attention",
@@ -99,6 +103,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, library", [("train_lm.py", "transformers"), ("train_wan.py", "diffusers")])
 def test_help_without_transformers_or_diffusers(script, library):
     cmd = [sys.executable, "-c", HIDDEN_IMPORTS, f"examples/{script}"]
@@ -151,7 +156,7 @@ def test_schedule_matches_the_hand_written_one(steps, warmup, peak):
     """transformers' warmup + cosine schedule, as common.warmup_cosine_schedule sets it up, gives the hand-written
     schedule's learning rate at every step: equal after warmup; in warmup within one unit in the last place of a
     double (peak * (k / w) against (peak * k) / w), and equal as float32."""
-    pytest.importorskip("transformers")
+    importorskip("transformers")
     common = load_script("common")
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
     schedule = common.warmup_cosine_schedule(optimizer, warmup, steps)

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from conftest import importorskip
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o")
 ENTRIES = ("base", "base_ptq", "bf16", "ptq") + ARMS[1:]
@@ -60,7 +62,7 @@ def permute_qk(w, heads):
 def write_tiny_llama_gguf(path, hidden=128, layers=2, heads=2, kv_heads=1, ffn=256, seed=0):
     """Writes the tiny Llama GGUF; returns the HF-ordered weights as the loader must give them back (float32,
     after the file's quantization)."""
-    gguf = pytest.importorskip("gguf")
+    gguf = importorskip("gguf")
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
@@ -133,8 +135,8 @@ def sha256(path):
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    importorskip("transformers")
+    importorskip("accelerate")
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
     expected = write_tiny_llama_gguf(path)
     return path, expected
@@ -208,7 +210,7 @@ def test_site_package_files_leave_out_held_out_copies(tmp_path):
 
 
 def test_bootstrap_intervals():
-    pytest.importorskip("scipy")
+    importorskip("scipy")
     common = load_example("finetune_common")
     torch.manual_seed(0)
     boot = common.Bootstrap(400)
@@ -240,7 +242,7 @@ def test_bootstrap_matches_the_hand_written_one(n):
     """scipy.stats.bootstrap(paired=True) gives the hand-written bootstrap's intervals up to Monte-Carlo error (the
     two draw different resamples): each end within 5% of the interval's width, on held-out-loss-like items (a PTQ
     gap per item, and the fraction of it an arm recovers)."""
-    pytest.importorskip("scipy")
+    importorskip("scipy")
     common = load_example("finetune_common")
     generator = torch.Generator().manual_seed(n)
     bf16 = 2.0 + 0.3 * torch.randn(n, generator=generator, dtype=torch.float64)
@@ -345,8 +347,9 @@ def check_report(out, extra_keys, arms=ARMS, entries=ENTRIES):
     return summary
 
 
+@pytest.mark.slow
 def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
-    pytest.importorskip("scipy")  # the report's bootstrap
+    importorskip("scipy")  # the report's bootstrap
     path, _ = tiny_gguf
     out = tmp_path / "lm"
     run_script(["examples/finetune_lm.py", "--preset", "smoke", "--device", "cpu", "--gguf", str(path),
@@ -368,6 +371,7 @@ def test_finetune_lm_smoke_cpu(tiny_gguf, tmp_path):
     assert summary["config"]["data"]["heldout"]["tokens_sha256"]
 
 
+@pytest.mark.slow
 def test_finetune_lm_pareto_smoke_cpu(tiny_gguf, tmp_path):
     """--keep-bf16 / --keep-by (the precision knob's Pareto): the bf16 fine-tune again with its sensitivity map, PTQ
     and attn_qat_qk with K layers kept in bf16 chosen by the map or at random, and the recovered fractions."""
@@ -401,8 +405,9 @@ def test_finetune_lm_pareto_smoke_cpu(tiny_gguf, tmp_path):
     assert (out / "pareto.md").read_text().count("| `") == len(expected)
 
 
+@pytest.mark.slow
 def test_finetune_wan_pareto_smoke_cpu(tmp_path):
-    pytest.importorskip("diffusers")
+    importorskip("diffusers")
     out = tmp_path / "wan_pareto"
     run_script(["examples/finetune_wan.py", "--preset", "smoke", "--device", "cpu", "--out", str(out),
                 "--pretrained", str(tmp_path / "pretrained.pt"), "--arms", "bf16", "--keep-bf16", "0,1",
@@ -425,9 +430,10 @@ def test_pareto_options_are_checked():
     assert finetune_lm.parse_args(["--device", "cpu"]).keep_bf16 == []
 
 
+@pytest.mark.slow
 def test_finetune_wan_smoke_cpu(tmp_path):
-    pytest.importorskip("diffusers")
-    pytest.importorskip("scipy")  # the report's bootstrap
+    importorskip("diffusers")
+    importorskip("scipy")  # the report's bootstrap
     out = tmp_path / "wan"
     run_script(["examples/finetune_wan.py", "--preset", "smoke", "--device", "cpu", "--out", str(out),
                 "--pretrained", str(tmp_path / "pretrained.pt")])
@@ -436,6 +442,7 @@ def test_finetune_wan_smoke_cpu(tmp_path):
     assert summary["config"]["pretrain_result"]["weights_sha256"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, library", [("finetune_lm.py", "transformers"), ("finetune_wan.py", "diffusers")])
 def test_help_without_the_libraries(script, library):
     from test_examples import HIDDEN_IMPORTS

@@ -29,7 +29,7 @@ import torch
 
 import attn_qat
 from attn_qat import reference
-from conftest import rel_error
+from conftest import importorskip, rel_error
 from test_attention import FWD_TOL, deterministic_algorithms, forward_error
 HOWS = ["x8", "nan", "inf"]
 MASKED_BELOW = -1e30  # numerics.md §8: additive mask values at or below this count as -inf
@@ -267,7 +267,7 @@ VOCAB = 128
 def tiny_qwen3(device, config=None, seed=0):
     """A fresh random 2-layer Qwen3 (4 query heads, 2 KV heads, head_dim 64) in bfloat16, prepared with attn_qat
     (attn_implementation "attn_qat"), as in tests/test_integrations_transformers.py."""
-    transformers = pytest.importorskip("transformers")
+    transformers = importorskip("transformers")
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, head_dim=64, vocab_size=VOCAB, max_position_embeddings=256,

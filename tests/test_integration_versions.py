@@ -6,6 +6,7 @@ import pytest
 
 import attn_qat
 from attn_qat.integrations.config import require_version
+from conftest import importorskip
 
 
 def test_require_version_parses_releases(monkeypatch):
@@ -21,7 +22,7 @@ def test_require_version_parses_releases(monkeypatch):
 
 
 def test_transformers_below_the_floor(monkeypatch):
-    transformers = pytest.importorskip("transformers")
+    transformers = importorskip("transformers")
     monkeypatch.setattr(transformers, "__version__", "4.53.3")
     with pytest.raises(ImportError, match=r"transformers >= 4\.54, found 4\.53\.3"):
         attn_qat.register_transformers()
@@ -33,7 +34,7 @@ def test_transformers_below_the_floor(monkeypatch):
 
 
 def test_diffusers_below_the_floor(monkeypatch):
-    diffusers = pytest.importorskip("diffusers")
+    diffusers = importorskip("diffusers")
     monkeypatch.setattr(diffusers, "__version__", "0.34.0")
     with pytest.raises(ImportError, match=r"diffusers >= 0\.35, found 0\.34\.0"):
         attn_qat.register_diffusers_backend()
@@ -45,7 +46,7 @@ def test_diffusers_below_the_floor(monkeypatch):
 
 def test_nvfp4_cache_imports_under_transformers_4(monkeypatch):
     """transformers 4.x calls the config class PretrainedConfig; 5.x PreTrainedConfig."""
-    configuration_utils = pytest.importorskip("transformers.configuration_utils")
+    configuration_utils = importorskip("transformers.configuration_utils")
     try:
         require_version("transformers", (4, 56), "NVFP4Cache")
     except ImportError as e:

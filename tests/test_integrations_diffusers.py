@@ -7,7 +7,9 @@ import logging
 import pytest
 import torch
 
-diffusers = pytest.importorskip("diffusers")
+from conftest import importorskip  # noqa: E402
+
+diffusers = importorskip("diffusers")
 from diffusers import WanTransformer3DModel  # noqa: E402
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry  # noqa: E402
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor  # noqa: E402

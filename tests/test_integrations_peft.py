@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+from conftest import importorskip
+
+importorskip("transformers")
+peft = importorskip("peft")
 
 import attn_qat  # noqa: E402
 from attn_qat import QATConfig  # noqa: E402

@@ -10,6 +10,7 @@ import torch
 import attn_qat
 from attn_qat import AttnQATFallbackWarning, QATConfig
 from attn_qat.integrations.report import static_fallback
+from conftest import importorskip
 
 HEAD_DIM_96 = f"head_dim 96 is not supported (one of {attn_qat.SUPPORTED_HEAD_DIMS})"
 needs_96_unsupported = pytest.mark.skipif(96 in attn_qat.SUPPORTED_HEAD_DIMS, reason="head_dim 96 is supported")
@@ -31,7 +32,7 @@ def test_static_fallback_reads_the_input_rules():
 # ------------------------------------------------------------------------------------------------- transformers
 
 def _qwen3(head_dim, dtype=torch.bfloat16):
-    transformers = pytest.importorskip("transformers")
+    transformers = importorskip("transformers")
     torch.manual_seed(head_dim)
     config = transformers.Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, vocab_size=64,
@@ -110,7 +111,7 @@ def test_report_of_an_unprepared_model_raises():
 # ------------------------------------------------------------------------------------------------------ diffusers
 
 def _wan(head_dim):
-    diffusers = pytest.importorskip("diffusers")
+    diffusers = importorskip("diffusers")
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     torch.manual_seed(head_dim)
     model = diffusers.WanTransformer3DModel(

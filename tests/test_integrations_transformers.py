@@ -8,7 +8,9 @@ import warnings
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from conftest import importorskip
+
+transformers = importorskip("transformers")
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 

@@ -35,6 +35,7 @@ def options_at_load(env):
     return eval(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env, expected", [
     ({}, (True, "auto", "auto", "auto", "lpt")),
     ({"ATTN_QAT_SM90": "0", "ATTN_QAT_TAIL_SPLIT": "5,3"}, (False, (5, 3), "auto", "auto", "lpt")),

@@ -11,7 +11,7 @@ import torch
 import attn_qat
 from attn_qat import NVFP4KVCache, reference
 from attn_qat.ops import ops
-from conftest import DEVICES, rel_error, requires_cuda
+from conftest import DEVICES, rel_error
 from test_attention import FWD_TOL, forward_error, fresh_generator, poison_cuda_allocator
 
 
@@ -361,7 +361,7 @@ def test_misuse_raises_clear_errors():
         cache.attention(torch.zeros(3, 4, 1, 64, dtype=torch.bfloat16))
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_device_mismatch_raises():
     cache = NVFP4KVCache(1, 1, 64, 16, device="cuda")
     x = torch.zeros(1, 1, 2, 64, dtype=torch.bfloat16)
@@ -486,7 +486,7 @@ def kernel(f, q, causal=True, block_table=None, scale=None):
                                q.shape[-1] ** -0.5 if scale is None else scale, causal)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_kernel_rejects_nonpositive_scale():
     # The kernel finds the row max on raw scores and scales inside the exp: the op itself takes scale > 0 only.
     f = fill(1, 1, 64, [(20, [20])], device="cuda")
@@ -495,7 +495,7 @@ def test_kernel_rejects_nonpositive_scale():
             kernel(f, f.query(2, 1), scale=scale)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kernel_long_context_many_splits(dtype, head_dim):
@@ -510,7 +510,7 @@ def test_kernel_long_context_many_splits(dtype, head_dim):
     assert forward_error(out, composite)[0] <= FWD_TOL
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("tq", [1, 7, 16])
 def test_kernel_many_row_tiles(tq):
     # 8 query heads per KV head x up to 16 tokens = up to 128 rows: several 16-row tiles per KV group.
@@ -521,7 +521,7 @@ def test_kernel_many_row_tiles(tq):
         assert error <= FWD_TOL, f"tq={tq} causal={causal}: {error}"
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_kernel_is_deterministic_and_matches_composite():
     f = fill(3, 2, 128, UNEQUAL + [(4, None)], device="cuda")
     q = f.query(8, 4)
@@ -530,7 +530,7 @@ def test_kernel_is_deterministic_and_matches_composite():
     assert forward_error(out, f.cache._attention_composite(q, 128 ** -0.5, True))[0] <= FWD_TOL
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 272])
 def test_kernel_paged_long_context(page_size):
     # Chunks of up to 4096 keys spanning up to 256 pages (page_size 16) or starting mid-page (272 = 17 units).
@@ -545,7 +545,7 @@ def test_kernel_paged_long_context(page_size):
     assert torch.equal(out, kernel(unpaged, q))
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_misaligned_query_view():
     # A contiguous q whose storage starts 6 bytes into a buffer: the kernel reads 16-byte rows, so the cache copies it.
     f = fill(2, 2, 64, [(40, [40, 33])], device="cuda")
@@ -557,7 +557,7 @@ def test_misaligned_query_view():
     assert torch.equal(f.cache.attention(shifted), f.cache.attention(q))
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_kernel_block_table_outside_the_pool_gives_nan():
     # The block table is the cache's own, but the op takes it as an argument: a page index outside the pool
     # must not read outside it, nor give plausible numbers.
@@ -609,7 +609,7 @@ MERGE_CASES = {
 }
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", MERGE_CASES)
 @pytest.mark.parametrize("chunk", [None, 64], ids=["planned_chunks", "chunks_of_64"])
 def test_kernel_variants_are_bit_identical(case, chunk):
@@ -625,7 +625,7 @@ def test_kernel_variants_are_bit_identical(case, chunk):
         assert not outs[0][1].any() and outs[0][2].isfinite().all()
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_kernel_variants_agree_on_a_block_table_outside_the_pool():
     # The NaN rows of a sequence that meets a bad page, in a chunk that is not its last; the calls after it find
     # the counters at 0 again and give the good output.
@@ -670,7 +670,7 @@ WINDOW_EDGES = {"d64_160": (64, 160, 0), "d64_161": (64, 160, 1), "d64_320": (64
                 "d128_320": (128, 320, 0), "d128_321": (128, 320, 1)}
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", WINDOW_EDGES)
 def test_kernel_merge_window_edges(case):
     # Beside the long sequence, one of a chunk fewer whose last chunk ends mid-unit (59 keys); 4 query heads over
@@ -686,7 +686,7 @@ def test_kernel_merge_window_edges(case):
         check_variants(f, q, causal, ref)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads_q, tq", [(16, 1), (8, 2), (16, 2), (4, 1), (3, 1)],
                          ids=["16_rows", "16_rows_2_tokens", "two_tiles_of_16", "4_rows", "3_rows"])
 def test_kernel_merge_windows_d128_rows_a_tile(heads_q, tq):
@@ -706,7 +706,7 @@ def test_kernel_merge_windows_d128_rows_a_tile(heads_q, tq):
 CAUSAL_EDGES = {"d64_12_rows": (64, 4), "d64_6_rows": (64, 2), "d128_6_rows": (128, 2), "d128_15_rows": (128, 5)}
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", CAUSAL_EDGES)
 def test_kernel_merge_windows_causal_rows_without_keys_in_a_chunk(case):
     head_dim, heads_q = CAUSAL_EDGES[case]
@@ -721,7 +721,7 @@ def test_kernel_merge_windows_causal_rows_without_keys_in_a_chunk(case):
     assert not out[3, :, 0].any() and out[3, :, 1:].isfinite().all() and out[:3].isfinite().all()
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("where", ["first_window", "second_window", "last_chunk"])
 def test_kernel_merge_windows_block_table_outside_the_pool(head_dim, where):
@@ -747,7 +747,7 @@ def test_kernel_merge_windows_block_table_outside_the_pool(head_dim, where):
             assert torch.equal(bits(out), bits(good[0])), f"variant {variant} after the bad page"
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_kernel_graph_replays_with_new_lengths():
     # A CUDA graph captured on a fresh stream (the merge's counters for it are allocated during the capture), then
     # replayed with lengths that change each sequence's number of chunks: every replay must find the counters at 0

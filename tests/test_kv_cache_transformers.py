@@ -14,7 +14,9 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from conftest import importorskip
+
+transformers = importorskip("transformers")
 from packaging.version import Version  # noqa: E402
 
 if Version(transformers.__version__) < Version("4.56"):

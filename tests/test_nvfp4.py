@@ -4,7 +4,7 @@ import torch
 
 import attn_qat
 from attn_qat import reference
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES
 
 E2M1_MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -162,7 +162,7 @@ def test_straight_through_gradient():
     assert torch.equal(x.grad, g)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_and_cuda_bit_identical(dtype):
     g = torch.Generator().manual_seed(4)
@@ -176,7 +176,7 @@ def test_cpu_and_cuda_bit_identical(dtype):
         assert same_bits(attn_qat.fake_quantize(x, axis), attn_qat.fake_quantize(x.cuda(), axis))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_dequantize_layouts(dtype):
     """The CUDA dequantizers (a block a thread along the innermost axis; a code row of 4 columns along an outer
@@ -194,7 +194,7 @@ def test_cuda_dequantize_layouts(dtype):
         assert same_bits(gpu, attn_qat.fake_quantize(x, axis, partial_last_block=True)), f"{shape} axis {axis}"
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_tokens_fake_quantize_every_16_bit_value(dtype):
     """The V pre-pass's kernel (blocks along an outer axis, eight 16-bit columns a thread: fake_quantize_tokens_kernel
@@ -211,7 +211,7 @@ def test_cuda_tokens_fake_quantize_every_16_bit_value(dtype):
         assert same_bits(gpu, attn_qat.fake_quantize(t, 0, partial_last_block=True))
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_cuda_matches_reference_on_many_random_values():
     # Wide dynamic range so every scale exponent, subnormal scales and flushed blocks all occur.
     g = torch.Generator().manual_seed(5)

@@ -9,15 +9,12 @@ import torch
 
 import attn_qat
 from attn_qat.ops import MODES
-from conftest import HAS_CUDA
+from conftest import DEVICES
 
 ops = torch.ops.attn_qat
 ALL_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 # test_schema perturbs the inputs arithmetically, which float8 tensors do not support
 NO_FLOAT8_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-
-OPCHECK_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not HAS_CUDA, reason="needs a CUDA GPU")])]
 
 
 def _randn(*shape, device, dtype=torch.bfloat16, seed=0):
@@ -145,7 +142,7 @@ def test_every_op_has_cases():
     assert len(MODES) == 5  # attention_forward_cases covers each mode code
 
 
-@pytest.mark.parametrize("device", OPCHECK_DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_opcheck(name, device):
     if device == "cpu" and name in CUDA_ONLY:

@@ -6,13 +6,14 @@ import math
 import pytest
 import torch
 
-hypothesis = pytest.importorskip("hypothesis")
+from conftest import importorskip
+
+hypothesis = importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import attn_qat  # noqa: E402
 from attn_qat import reference  # noqa: E402
-from conftest import HAS_CUDA  # noqa: E402
 from test_attention import BWD_TOL, FWD_TOL, forward_error, poison_cuda_allocator  # noqa: E402
 
 # derandomize: the same examples every run, so that CI fails only on a change of the code
@@ -128,7 +129,6 @@ def test_cpu_kernels_match_reference(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("path", ["sm90", "mma_sync"])
 def test_cuda_kernels_match_reference(kernel_options, path):
     """The same strategy on the CUDA kernels, both paths (kernel_options(sm90=False) forces the mma.sync kernels)."""

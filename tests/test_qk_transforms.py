@@ -12,9 +12,9 @@ import torch
 import attn_qat
 from attn_qat import QATConfig
 from attn_qat.transforms import qk_rotation, transform_qk
-from conftest import DEVICES
+from conftest import DEVICES, importorskip
 
-transformers = pytest.importorskip("transformers")
+transformers = importorskip("transformers")
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from attn_qat.integrations import qk_transforms as qk  # noqa: E402
@@ -235,7 +235,7 @@ def test_integrations_without_a_module_refuse_them():
     for config in (QATConfig(rotate_qk=True), QATConfig(balance_qk=0.5)):
         with pytest.raises(NotImplementedError, match="attn_qat.prepare"):
             attn_qat.patch_sdpa(config)
-    pytest.importorskip("diffusers")
+    importorskip("diffusers")
     with pytest.raises(NotImplementedError, match="attn_qat.prepare"):
         attn_qat.register_diffusers_backend(QATConfig(shift_k=True))
     with pytest.raises(NotImplementedError, match="attn_qat.prepare"):
@@ -245,7 +245,7 @@ def test_integrations_without_a_module_refuse_them():
 # ------------------------------------------------------------------------------------------------ Wan (diffusers)
 
 def tiny_wan_and_inputs(device, head_dim=64):
-    diffusers = pytest.importorskip("diffusers")
+    diffusers = importorskip("diffusers")
     torch.manual_seed(0)
     model = diffusers.WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=head_dim, in_channels=4, out_channels=4,

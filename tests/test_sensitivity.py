@@ -9,14 +9,15 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from conftest import importorskip, rel_error
+
+transformers = importorskip("transformers")
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import attn_qat  # noqa: E402
 from attn_qat import QATConfig  # noqa: E402
 from attn_qat.integrations import attention_states  # noqa: E402
 from attn_qat.integrations.config import KEEP_BF16_BUFFER  # noqa: E402
-from conftest import rel_error  # noqa: E402
 
 VOCAB = 128
 LAYERS = 4
@@ -86,7 +87,7 @@ def test_sensitivity_ranks_the_noisy_layer_first(device, tmp_path):
     table = report.table()
     assert table.splitlines()[2].startswith(f"| 1 | `{noisy}` |") and "leave-one-out" in table
     json.dumps(report.to_dict())
-    pytest.importorskip("matplotlib")
+    importorskip("matplotlib")
     report.plot(tmp_path / "sensitivity.png")
     assert (tmp_path / "sensitivity.png").stat().st_size > 0
     # the model is left as it was: prepared, every module enabled, in train mode
@@ -256,7 +257,7 @@ def test_unknown_names_raise():
 
 
 def test_peft_names():
-    peft = pytest.importorskip("peft")
+    peft = importorskip("peft")
     model = peft.get_peft_model(tiny_qwen3(layers=2), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     name = "base_model.model.model.layers.0.self_attn"
     assert name in dict(model.named_modules())
@@ -271,7 +272,7 @@ def test_peft_names():
 # ------------------------------------------------------------------------------------------ Wan
 
 def test_wan_sensitivity_and_knob(device):
-    pytest.importorskip("diffusers")
+    importorskip("diffusers")
     from test_integrations_diffusers import tiny_wan, wan_inputs
 
     torch.manual_seed(6)

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 import attn_qat
 from attn_qat.integrations import sequence_parallel
-from conftest import rel_error
+from conftest import importorskip, rel_error
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -221,7 +221,7 @@ def _launch(backend, parts, out, world=2, timeout_s=180.0):
 
 BACKENDS = [
     "gloo",
-    pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")),
+    pytest.param("nccl", marks=pytest.mark.gpu(2)),
 ]
 
 
@@ -240,12 +240,14 @@ def _passed(two_ranks, part, world=2):
         pytest.fail(f"{part} did not pass on every rank:\n{error}")
 
 
+@pytest.mark.slow
 def test_ulysses_attention(two_ranks):
     _passed(two_ranks, "attention")
 
 
+@pytest.mark.slow
 def test_wan_training_step(two_ranks):
-    pytest.importorskip("diffusers")
+    importorskip("diffusers")
     _passed(two_ranks, "wan")
 
 

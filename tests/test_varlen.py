@@ -12,7 +12,7 @@ import torch
 
 import attn_qat
 from attn_qat import reference
-from conftest import DEVICES, HAS_CUDA, rel_error, requires_cuda
+from conftest import DEVICES, HAS_CUDA, rel_error
 from test_attention import BWD_TOL, FWD_TOL, deterministic_algorithms, forward_error, poison_cuda_allocator
 
 _seed = [5000]
@@ -483,7 +483,6 @@ GPU_LENGTHS = [1, 17, 0, 15, 16, 4097, 63, 64, 65, 127, 128, 129, 5, 200]
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("path", ["sm90", "mma_sync"])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -501,7 +500,6 @@ def test_cuda_matches_reference_per_sequence(kernel_options, path, causal, d):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("variant", ["fp16", "deterministic", "split", "drop_in", "bf16"])
 def test_cuda_variants(kernel_options, variant):
     """fp16; the deterministic dQ kernel; a forced last-wave split (over each item's own key or query range, here
@@ -520,7 +518,6 @@ def test_cuda_variants(kernel_options, variant):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("variant", ["training", "inference", "deterministic", "split", "bf16", "d64"])
 def test_cuda_work_order_changes_no_bit(kernel_options, variant):
     """Longest first (the LPT tables) or index order: every output bit the same, as each item is computed alike
@@ -553,7 +550,6 @@ def test_cuda_work_order_changes_no_bit(kernel_options, variant):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_cuda_work_order_of_the_wrong_length_fails():
     lens = [300, 17, 129]
     q, k, v, _ = make(lens, lens, 2, 2, 64, torch.bfloat16, "cuda")
@@ -567,7 +563,6 @@ def test_cuda_work_order_of_the_wrong_length_fails():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_cuda_equal_sequences_match_the_dense_batch():
     """8 packed sequences of 256 are the dense (8, 256) batch: the same tiles, so the same numbers up to the order
     in which the backward's fused dQ adds its tiles."""
@@ -584,7 +579,6 @@ def test_cuda_equal_sequences_match_the_dense_batch():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_cpu_and_cuda_agree():
     lens = [33, 0, 16, 70]
     q, k, v, dout = make(lens, lens, 2, 2, 64, torch.bfloat16, "cpu")
