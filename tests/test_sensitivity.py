@@ -116,8 +116,8 @@ def test_sensitivity_prepares_a_plain_model_and_checks_its_inputs():
     with pytest.raises(TypeError, match="per-example losses"):
         attn_qat.sensitivity(model, [torch.zeros(1, 8, dtype=torch.long)], lambda m, b: 1.0)
     assert model.config._attn_implementation == "attn_qat"  # prepared (QATConfig()) and left so
-    with pytest.warns(RuntimeWarning, match="changed no loss"):  # float32 outside autocast: attn_qat falls back
-        attn_qat.sensitivity(model.float(), [torch.randint(0, VOCAB, (2, 16))], resamples=10)
+    with pytest.warns(RuntimeWarning, match="changed no loss"):  # float64: every attention call falls back to SDPA
+        attn_qat.sensitivity(model.double(), [torch.randint(0, VOCAB, (2, 16))], resamples=10)
 
 
 # ------------------------------------------------------------------------------------------ the knob

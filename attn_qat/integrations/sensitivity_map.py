@@ -269,7 +269,7 @@ def sensitivity(model: torch.nn.Module, batches: Sequence, loss_fn: Optional[Los
         raise ValueError("attn_qat.sensitivity: the losses are not finite")
     if torch.equal(fp4, bf16):
         warnings.warn("attn_qat.sensitivity: FP4 attention changed no loss at all; did the attention fall back to "
-                      "PyTorch's SDPA (a float32 model outside torch.autocast, an AttnQATFallbackWarning)?",
+                      "PyTorch's SDPA (an AttnQATFallbackWarning; attn_qat.attention_report(model) says why)?",
                       RuntimeWarning, stacklevel=2)
     boot = _PairedBootstrap(len(bf16), resamples, confidence, seed)
     return SensitivityReport(
