@@ -28,12 +28,10 @@ __all__ = [
     "fake_quantize", "fake_quantize_qkv", "nvfp4", "nvfp4_attention", "ops", "quantize", "quantize_qkv",
     "scaled_dot_product_attention",
     # integrations (docs/integrations.md)
-    "AttnQATFallbackWarning", "QATConfig", "WanAttnQATProcessor", "all_reduce_gradients", "attention_report",
-    "calibrate_k_shift",
-    "convert", "disable",
-    "enable", "merge_attention_states", "patch_sdpa", "plan_precision", "prepare", "register_diffusers_backend",
-    "register_transformers", "reset_diffusers_backend", "SensitivityReport", "sensitivity", "ulysses_attention",
-    "ulysses_wan",
+    "AttnQATFallbackWarning", "QATConfig", "SensitivityReport", "WanAttnQATProcessor", "all_reduce_gradients",
+    "attention_report", "calibrate_k_shift", "convert", "disable", "enable", "merge_attention_states", "patch_sdpa",
+    "plan_precision", "prepare", "register_diffusers_backend", "register_transformers", "reset_diffusers_backend",
+    "sensitivity", "ulysses_attention", "ulysses_wan",
 ]
 
 

@@ -134,8 +134,8 @@ class NVFP4KVCache:
 
     def _staged(self, values, dtype: torch.dtype) -> torch.Tensor:
         """`values` as a host tensor to copy to the cache's device. On a GPU it is pinned, so that the copy is queued
-        on the stream: from pageable memory CUDA first waits for the stream to drain, which stalled every decode
-        step of every layer (torch's pinned-memory allocator keeps the buffer alive until the copy is done)."""
+        on the stream (from pageable memory CUDA first waits for the stream to drain; torch's pinned-memory
+        allocator keeps the buffer alive until the copy is done)."""
         host = torch.tensor(values, dtype=dtype)
         return host.pin_memory() if self.device.type == "cuda" else host
 

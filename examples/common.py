@@ -77,7 +77,7 @@ def warmup_cosine_schedule(optimizer, warmup_steps, steps):
     trains at the schedule's value for step k: last_epoch=0 starts it one step in, so the first update does not
     train at step 0's lr of 0. Call step() after each optimizer step."""
     try:
-        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+        from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup  # not top-level in 4.56
     except ImportError as e:
         raise ImportError('the learning-rate schedule is transformers\' (the examples extra: python -m pip install '
                           '-e ".[examples]")') from e

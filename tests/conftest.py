@@ -1,6 +1,7 @@
 """Shared test helpers: the devices to run on, the `gpu` and `slow` markers (pyproject.toml declares them), a skip
 summary grouped by reason, and fresh-random-input generators."""
 import collections
+import math
 import os
 import textwrap
 
@@ -69,6 +70,15 @@ def kernel_options():
     """attn_qat.ops.kernel_options for one test: the options the test sets are undone when it ends."""
     with attn_qat.ops.kernel_options():
         yield attn_qat.ops.kernel_options
+
+
+def hand_written_lr(step, steps, warmup, peak):
+    """The schedule the runs in docs/results were trained with (before transformers' scheduler): linear warmup,
+    then cosine decay to 10% of the peak, step counting from 1."""
+    if step <= warmup:
+        return peak * step / max(1, warmup)
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

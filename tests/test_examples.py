@@ -11,19 +11,10 @@ import sys
 import pytest
 import torch
 
-from conftest import importorskip
+from conftest import hand_written_lr, importorskip
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARMS = ("bf16", "fp4_inference", "attn_qat", "drop_in")
-
-
-def hand_written_lr(step, steps, warmup, peak):
-    """The schedule the runs in docs/results were trained with (before transformers' scheduler): linear warmup,
-    then cosine decay to 10% of the peak, step counting from 1."""
-    if step <= warmup:
-        return peak * step / max(1, warmup)
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def check_outputs(out, arms):

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import importorskip
+from conftest import hand_written_lr, importorskip
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARMS = ("bf16", "attn_qat", "drop_in", "high_precision_p", "low_precision_o")
@@ -277,15 +277,6 @@ def test_epoch_windows_draw_without_replacement():
     assert sorted(targets.tolist()) == list(range(1, int(starts[-1]) + seq_len + 1))
     with pytest.raises(ValueError, match="fewer than one window"):
         lm.EpochWindows(seq_len, seq_len, seed=0)
-
-
-def hand_written_lr(step, steps, warmup, peak):
-    """The schedule the runs in docs/results were trained with (before transformers' scheduler): linear warmup,
-    then cosine decay to 10% of the peak, step counting from 1."""
-    if step <= warmup:
-        return peak * step / max(1, warmup)
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def run_script(args, timeout=600):

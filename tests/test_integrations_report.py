@@ -85,6 +85,16 @@ def test_transformers_report_counts_fp4_calls_and_the_lifecycle():
     assert report.fallbacks == {}
 
 
+def test_report_shows_the_modules_kept_in_bf16():
+    model = _qwen3(64)
+    attn_qat.prepare(model, QATConfig(bf16_modules=("model.layers.1.self_attn",)))
+    model(torch.randint(0, 64, (2, 20)))
+    report = attn_qat.attention_report(model)
+    assert [(m.name, m.status, m.calls) for m in report.modules] == [
+        ("model.layers.0.self_attn", "attn_qat", {"fp4": 1}), ("model.layers.1.self_attn", "kept bf16", {"bf16": 1})]
+    assert "1 on attn_qat, 1 kept in bf16, 0 falling back" in str(report)
+
+
 def test_transformers_runtime_fallback_is_counted_per_module():
     """A reason only a call shows (dropout in training) is counted in every module that met it."""
     model = _qwen3(64)
@@ -149,13 +159,19 @@ def test_diffusers_report_counts_fp4_calls():
     assert all(m.status == "attn_qat" and m.calls == {"fp4": 1} for m in report.modules)
 
 
-def test_counts_under_torch_compile():
-    """dynamo replays the count after each run of a compiled graph: compiled calls are counted as eager ones."""
+def test_compiled_calls_are_not_counted_and_do_not_recompile():
+    """Counting inside a compiled graph would put the count in dynamo's guards (a recompile at every call, then
+    eager after the recompile limit): compiled calls compile once and are not counted; eager ones are."""
+    import torch._dynamo
     model, inputs = _wan(64)
     attn_qat.prepare(model)
     module = model.blocks[0].attn1
     hidden = torch.randn(1, 32, 128, dtype=torch.bfloat16)
+    torch._dynamo.reset()
     compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
-    for _ in range(3):
-        compiled(hidden)
-    assert attn_qat.attention_report(model).modules[0].calls == {"fp4": 3}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            compiled(hidden)
+    assert attn_qat.attention_report(model).modules[0].calls == {}
+    module(hidden)
+    assert attn_qat.attention_report(model).modules[0].calls == {"fp4": 1}

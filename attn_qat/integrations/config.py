@@ -139,15 +139,16 @@ class QATConfig:
 class AttentionRecord:
     """How one attention module's calls run, for `attn_qat.attention_report` (report.py): its name in the prepared
     model, the reason `prepare` found from its shapes that its calls will fall back (None: supported, or shapes
-    unknown), and a count of its calls per outcome ("fp4", "bf16", "fallback: <reason>", "disabled"). Under
-    torch.compile dynamo replays the count after each run of a graph, so compiled calls count too."""
+    unknown), and a count of its eager calls per outcome ("fp4", "bf16", "fallback: <reason>", "disabled")."""
 
     name: Optional[str] = None
     static_fallback: Optional[str] = None
     calls: Dict[str, int] = dataclasses.field(default_factory=dict)
 
     def count(self, outcome: str) -> None:
-        self.calls[outcome] = self.calls.get(outcome, 0) + 1
+        # Not inside a torch.compile graph: dynamo would guard on the count it reads and recompile at every call.
+        if not torch.compiler.is_compiling():
+            self.calls[outcome] = self.calls.get(outcome, 0) + 1
 
 
 @dataclasses.dataclass

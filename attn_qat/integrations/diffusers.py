@@ -117,9 +117,10 @@ def prepare_diffusers(model: torch.nn.Module, config: QATConfig, filter_fn, warn
                                       "attn_qat processor does not support yet")
         install_state(module, state)
         if selected:
-            qk_transforms.prepare_module(module, state.config, name, module.heads, module.kv_inner_dim // module.heads)
-            state.record.static_fallback = static_fallback(module.heads, module.heads, module.inner_dim // module.heads,
-                                                           module.kv_inner_dim // module.heads)
+            head_dim = module.inner_dim // module.heads
+            heads_kv = module.kv_inner_dim // head_dim  # fewer than heads with WanAttention's kv_heads
+            qk_transforms.prepare_module(module, state.config, name, heads_kv, head_dim)
+            state.record.static_fallback = static_fallback(module.heads, heads_kv, head_dim, head_dim)
         module.set_processor(WanAttnQATProcessor(processor))
         converted += selected
     if not found:

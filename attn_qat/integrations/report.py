@@ -40,8 +40,8 @@ def static_fallback(heads_q, heads_kv, head_dim_qk, head_dim_v=None) -> Optional
 class ModuleReport:
     """One attention module `prepare` saw: `status` is "attn_qat" (selected, its shapes supported or unknown),
     "fallback: <reason>" (selected, but its shapes fall back), "left out" (filter_fn or the self/cross choice),
-    "disabled" (`attn_qat.disable`) or "converted" (`attn_qat.convert`); `calls` counts its calls per outcome:
-    "fp4", "bf16" (mode "bf16"), "fallback: <reason>", "disabled"."""
+    "disabled" (`attn_qat.disable`), "kept bf16" (`QATConfig.bf16_modules`) or "converted" (`attn_qat.convert`);
+    `calls` counts its eager calls per outcome: "fp4", "bf16" (mode "bf16"), "fallback: <reason>", "disabled"."""
 
     name: str
     status: str
@@ -68,6 +68,7 @@ class AttentionReport:
     def __str__(self) -> str:
         lines = [f"attn_qat: {len(self.modules)} attention modules, "
                  f"{sum(m.status == 'attn_qat' for m in self.modules)} on attn_qat, "
+                 f"{sum(m.status == 'kept bf16' for m in self.modules)} kept in bf16, "
                  f"{len(self.fallbacks)} falling back"]
         for m in self.modules:
             calls = ", ".join(f"{outcome} x{n}" for outcome, n in m.calls.items())
@@ -77,8 +78,8 @@ class AttentionReport:
 
 def attention_report(model: torch.nn.Module) -> AttentionReport:
     """Per attention module of a model `attn_qat.prepare` prepared: whether it runs attn_qat or falls back and why
-    (from its shapes, at prepare), and how its calls ran since (FP4, or fallback with the reason, counted per call;
-    under torch.compile too). `print(attn_qat.attention_report(model))` shows a table; `.fallbacks` maps the names
+    (from its shapes, at prepare), and how its calls ran since (FP4, or fallback with the reason, counted per eager
+    call; not inside torch.compile graphs). `print(attn_qat.attention_report(model))` shows a table; `.fallbacks` maps the names
     of the modules that fall back to their reasons."""
     modules = []
     for name, module in model.named_modules():
@@ -91,6 +92,8 @@ def attention_report(model: torch.nn.Module) -> AttentionReport:
             status = fallback_outcome(state.record.static_fallback)
         elif not state.enabled:
             status = "disabled"
+        elif state.kept_bf16:
+            status = "kept bf16"
         else:
             status = "converted" if state.inference else "attn_qat"
         modules.append(ModuleReport(name, status, dict(state.record.calls)))

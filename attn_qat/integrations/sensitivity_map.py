@@ -213,9 +213,9 @@ def sensitivity(model: torch.nn.Module, batches: Sequence, loss_fn: Optional[Los
         library's own attention (`attn_qat.disable`).
     confidence, resamples, seed: the paired bootstrap over the items (percentile intervals).
 
-    The model runs in eval mode without gradients and is left as it was (train/eval, enabled modules). attn_qat
-    attends in bf16 or fp16: run a float32 model under `torch.autocast`, or its attention falls back to PyTorch's
-    SDPA (with a warning) and measures nothing.
+    The model runs in eval mode without gradients and is left as it was (train/eval, enabled modules). Attention
+    attn_qat cannot take (float64, a head_dim its kernels lack) falls back to PyTorch's SDPA with a warning and
+    measures nothing; `attn_qat.attention_report(model)` says which modules do.
     """
     if not 0 < confidence < 1:
         raise ValueError(f"attn_qat.sensitivity: confidence must be in (0, 1); got {confidence!r}")

@@ -253,9 +253,9 @@ def _attend_packed(query, key, value, cu_q, cu_k, causal, scaling, state, v_bloc
 
     fn = "attention_varlen (transformers)"
     mode = state.config.inference_mode if state.inference else state.config.mode
-    count_call(state.record, attn_qat_outcome(mode))
     out_dtype = _output_dtype(query)
     query, key, value = _check_qkv(query, key, value, fn)
+    count_call(state.record, attn_qat_outcome(mode))
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
@@ -356,12 +356,9 @@ def prepare_transformers(model, config: QATConfig, filter_fn, warned, prefix: st
         selected = state.selected
         install_state(module, state)
         if selected:
-            shape = module.config
-            qk_transforms.prepare_module(
-                module, state.config, name,
-                getattr(shape, "num_key_value_heads", None) or getattr(shape, "num_attention_heads", None),
-                getattr(module, "head_dim", None) or getattr(shape, "head_dim", None))
-            state.record.static_fallback = static_fallback(*_module_shape(module))
+            heads, heads_kv, head_dim, v_head_dim = _module_shape(module)
+            qk_transforms.prepare_module(module, state.config, name, heads_kv, head_dim)
+            state.record.static_fallback = static_fallback(heads, heads_kv, head_dim, v_head_dim)
         converted += selected
     if converted == 0:
         raise ValueError(f"attn_qat.prepare: no attention module of {type(model).__name__} was selected (looked for "

@@ -16,9 +16,11 @@
 template <int D, aq_dtype DT>
 __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_delta_kernel(const aq_attention_bwd_params p) {
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-    const int row0 = ((int)blockIdx.x * (AQ_THREADS / 32) + warp) * DELTA_ROWS, h = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int row0 = ((int)blockIdx.x * (AQ_THREADS / 32) + warp) * DELTA_ROWS;
+    const int h = (int)blockIdx.y, b = (int)blockIdx.z;
     const uint16_t *dog = (const uint16_t *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1];
-    const uint16_t *og = (const uint16_t *)p.out_for_delta + b * p.out_for_delta_stride[0] + h * p.out_for_delta_stride[1];
+    const uint16_t *og =
+        (const uint16_t *)p.out_for_delta + b * p.out_for_delta_stride[0] + h * p.out_for_delta_stride[1];
     uint16_t dx[DELTA_ROWS][D / 32], ox[DELTA_ROWS][D / 32];
 #pragma unroll
     for (int r = 0; r < DELTA_ROWS; r++) {

@@ -8,10 +8,10 @@
 #include "decode/unit_load.cuh"
 
 #define DEC_COMBINE_THREADS 256 /* decode_combine_kernel's CTA: DEC_COMBINE_THREADS / D chains a channel (merge_term) */
-#ifndef DEC_MERGE_BATCH /* chunk results a thread of merge_chunks loads at once, a power of two (32 spills at D = 128) */
+#ifndef DEC_MERGE_BATCH /* chunk results a thread of merge_chunks loads at once, a power of two (more spill: performance.md) */
 #define DEC_MERGE_BATCH 16
 #endif
-#ifndef DEC_MERGE_BATCH_ITEMS /* the same, over a thread's items when it has several (16 spills at D = 128) */
+#ifndef DEC_MERGE_BATCH_ITEMS /* the same, over a thread's items when it has several (more spill) */
 #define DEC_MERGE_BATCH_ITEMS 8
 #endif
 

@@ -41,7 +41,8 @@ AQ_D void store_fwd_tail_part(const float (&o)[D / 8][4], const float (&o2)[D / 
         for (int n = 0; n < D / 8; n++) {
             const int col = 8 * n + frag_c_col(lane, 0);
             *(float2 *)(pt + P::O + row * D + col) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
-            if constexpr (WITH_O_PRIME) *(float2 *)(pt + P::O2 + row * D + col) = make_float2(o2[n][2 * r], o2[n][2 * r + 1]);
+            if constexpr (WITH_O_PRIME)
+                *(float2 *)(pt + P::O2 + row * D + col) = make_float2(o2[n][2 * r], o2[n][2 * r + 1]);
         }
     }
 }
