@@ -9,6 +9,8 @@ through SDPA's flash backend), in one process, with peak memory.
   through `prepare` + `convert` + `attn_qat.NVFP4Cache`, against SDPA with transformers' default cache. Reports
   tokens per second (new tokens over the whole call, prefill included) and the decode steps alone (the call minus
   a 1-token call).
+- max_batch_32k: the largest batch whose decode step fits in GPU memory at 32768 tokens a sequence, NVFP4Cache against
+  transformers' default bf16 cache (the caches filled with random K/V directly; no prefill).
 - wan13b_train (when diffusers is installed): one training step of Wan 2.1 1.3B's DiT (`WanTransformer3DModel`
   with its real config, random weights, bf16, 480x832x81 frames = 32760 tokens) with diffusers' gradient
   checkpointing; attn_qat through `attn_qat.prepare`, the others through diffusers' native attention (SDPA).
@@ -36,7 +38,7 @@ from common import metadata, parse_bench_args, write_json  # noqa: E402
 QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                   rope_theta=1000000.0, tie_word_embeddings=True)
-CASES = ("qwen3_train_4k", "qwen3_train_8k", "generate_b8", "wan13b_train")
+CASES = ("qwen3_train_4k", "qwen3_train_8k", "generate_b8", "max_batch_32k", "wan13b_train")
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
 
 
@@ -101,10 +103,15 @@ def qwen3_train(tokens: int, repeat: int, rounds: int) -> dict:
     return rounds_of(arms, repeat, rounds)
 
 
-def generate_b8(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, new: int = 128) -> dict:
+def cache_keyword() -> str:
+    """The keyword generate() and the models take the cache by: transformers 5.24 renamed past_key_values to cache."""
     import transformers
     from packaging.version import Version
-    cache_kw = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+    return "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+
+
+def generate_b8(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, new: int = 128) -> dict:
+    cache_kw = cache_keyword()
     base = qwen3_model().eval()
     ids = torch.randint(0, QWEN3_1_7B["vocab_size"], (batch, prompt), device="cuda")
     fp4 = attn_qat.convert(attn_qat.prepare(copy.deepcopy(base))).eval()
@@ -128,6 +135,60 @@ def generate_b8(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, ne
         if full is not None and one is not None:
             result[f"{arm}_{new}"]["tokens_per_s"] = batch * new / (full / 1e3)
             result[f"{arm}_{new}"]["decode_ms_per_step"] = (full - one) / (new - 1)
+    return result
+
+
+def fits(model, batch: int, context: int, nvfp4: bool) -> bool:
+    """Whether one decode step of `batch` sequences runs on a cache holding `context` tokens each (random K/V written
+    into the cache directly, as a prefill would leave it; no prefill activations), or the GPU runs out of memory."""
+    from transformers import DynamicCache
+    config, cache = model.config, None
+    heads_kv, dim = config.num_key_value_heads, config.head_dim
+    try:
+        if nvfp4:
+            cache = attn_qat.NVFP4Cache(config, max_cache_len=context + 1)
+            for layer in cache.layers:
+                for start in range(0, context, 4096):  # bounded bf16 staging
+                    n = min(4096, context - start)
+                    k, v = (torch.randn(batch, heads_kv, n, dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+                    if layer.kv is None:
+                        layer.lazy_initialization(k, v)
+                    layer.kv.append(k, v)
+                layer.seen = context
+        else:
+            cache = DynamicCache()
+            for i in range(config.num_hidden_layers):
+                cache.update(*(torch.randn(batch, heads_kv, context, dim, device="cuda", dtype=torch.bfloat16)
+                               for _ in "kv"), i)
+        ids = torch.randint(0, config.vocab_size, (batch, 1), device="cuda")
+        with torch.no_grad():
+            model(input_ids=ids, **{cache_keyword(): cache}, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        del cache
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def max_batch_32k(context: int = 32768, limit: int = 512) -> dict:
+    """The largest batch whose decode step fits at `context` tokens a sequence: NVFP4Cache (attn_qat, convert)
+    against transformers' default cache (SDPA), by doubling, then bisection."""
+    base = qwen3_model().eval()
+    fp4 = attn_qat.convert(attn_qat.prepare(copy.deepcopy(base))).eval()
+    result = {}
+    for arm, model, nvfp4 in (("attn_qat_nvfp4cache", fp4, True), ("sdpa_default", base, False)):
+        lo, hi = 0, 1
+        while hi <= limit and fits(model, hi, context, nvfp4):
+            lo, hi = hi, hi * 2
+        hi = min(hi, limit + 1)  # the answer is at most `limit`
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(model, mid, context, nvfp4) else (lo, mid)
+        result[arm] = {"max_batch": lo, "context": context, "limit": limit}
+        print(f"  {arm}: largest batch {lo} at {context} tokens", flush=True)
     return result
 
 
@@ -182,6 +243,9 @@ def main():
             results[case] = wan13b_train(args.repeat, args.rounds)
         elif case == "generate_b8":
             results[case] = generate_b8(args.repeat, args.rounds)
+        elif case == "max_batch_32k":
+            results[case] = max_batch_32k()
+            continue
         else:
             results[case] = qwen3_train(int(case.split("_")[-1][:-1]) * 1024, args.repeat, args.rounds)
         gc.collect()

@@ -187,6 +187,12 @@ def models_section(d):
             lines.append(f"| {title} | {name} | {fmt(a['ms'], '.1f')} | {fmt(a['peak_gib'], '.1f')} | "
                          f"{fmt(ratio, '.3f')} | {fmt(a.get('tokens_per_s'), '.0f')} | "
                          f"{fmt(a.get('decode_ms_per_step'), '.2f')} |")
+    fit = d["results"].get("max_batch_32k")
+    if fit:
+        ours, theirs = fit["attn_qat_nvfp4cache"]["max_batch"], fit["sdpa_default"]["max_batch"]
+        lines += ["", f"Largest batch whose decode step fits at {fit['sdpa_default']['context']} tokens a sequence "
+                  f"(caches filled directly, searched up to {fit['sdpa_default']['limit']}): NVFP4Cache {ours}, "
+                  f"transformers' default cache {theirs} ({fmt(ours / theirs if theirs else None, '.2f')}x)."]
     return "\n".join(lines) + "\n"
 
 
