@@ -264,17 +264,23 @@ def test_processor_under_torch_compile():
     assert torch.equal(compiled(hidden, context), module.processor.original(module, hidden, context))
 
 
-def test_reset_restores_the_active_backend(monkeypatch, restore_active_backend):
-    """set_attention_backend("attn_qat") makes attn_qat diffusers' process-wide active backend, which models built
-    afterwards use; reset_diffusers_backend gives back the backend active before, and they run it again."""
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """A list that grows by one at each call the attn_qat backend routes (integrations/diffusers.py's run_sdpa)."""
     calls = []
     original = df_integration.run_sdpa
     monkeypatch.setattr(df_integration, "run_sdpa", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def test_reset_restores_the_active_backend(sdpa_calls, restore_active_backend):
+    """set_attention_backend("attn_qat") makes attn_qat diffusers' process-wide active backend, which models built
+    afterwards use; reset_diffusers_backend gives back the backend active before, and they run it again."""
     inputs = wan_inputs("cpu")
     set_active_backend(AttentionBackendName.NATIVE)
     torch.manual_seed(1)
     expected = tiny_wan(64)(**inputs).sample  # diffusers' default attention
-    assert not calls
+    assert not sdpa_calls
 
     attn_qat.register_diffusers_backend(QATConfig(mode="bf16"))
     model = tiny_wan(64)
@@ -283,19 +289,19 @@ def test_reset_restores_the_active_backend(monkeypatch, restore_active_backend):
         set_active_backend(AttentionBackendName("attn_qat"))
     torch.manual_seed(1)
     fresh = tiny_wan(64)  # never set to attn_qat, yet it runs attn_qat through the active backend
-    assert not torch.equal(fresh(**inputs).sample, expected) and calls
+    assert not torch.equal(fresh(**inputs).sample, expected) and sdpa_calls
 
     attn_qat.reset_diffusers_backend()
     assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
-    calls.clear()
+    sdpa_calls.clear()
     torch.manual_seed(1)
-    assert torch.equal(tiny_wan(64)(**inputs).sample, expected) and not calls
+    assert torch.equal(tiny_wan(64)(**inputs).sample, expected) and not sdpa_calls
     model(**inputs)  # its processors still name attn_qat ...
-    assert calls
-    calls.clear()
+    assert sdpa_calls
+    sdpa_calls.clear()
     attn_qat.reset_diffusers_backend(model)  # ... until reset with it
     model(**inputs)
-    assert not calls
+    assert not sdpa_calls
 
     # the backend active before is what comes back, whichever it was; a reset with another one active leaves it
     set_active_backend(AttentionBackendName._NATIVE_MATH)
@@ -309,12 +315,9 @@ def test_reset_restores_the_active_backend(monkeypatch, restore_active_backend):
 
 
 @pytest.mark.parametrize("undo", ["reset_attention_backend", "native"])
-def test_diffusers_own_calls_undo_the_attn_qat_backend(monkeypatch, restore_active_backend, undo):
+def test_diffusers_own_calls_undo_the_attn_qat_backend(sdpa_calls, restore_active_backend, undo):
     """model.reset_attention_backend() and model.set_attention_backend("native") give diffusers' attention back, bit
     for bit, in the model and in models built afterwards; other models set to attn_qat keep it."""
-    calls = []
-    original = df_integration.run_sdpa
-    monkeypatch.setattr(df_integration, "run_sdpa", lambda *a, **k: calls.append(1) or original(*a, **k))
     inputs = wan_inputs("cpu")
     set_active_backend(AttentionBackendName.NATIVE)
     torch.manual_seed(2)
@@ -324,18 +327,18 @@ def test_diffusers_own_calls_undo_the_attn_qat_backend(monkeypatch, restore_acti
     model, other = tiny_wan(64), tiny_wan(64)
     other.set_attention_backend("attn_qat")
     model.set_attention_backend("attn_qat")
-    assert not torch.equal(model(**inputs).sample, expected) and calls
+    assert not torch.equal(model(**inputs).sample, expected) and sdpa_calls
 
     if undo == "native":
         model.set_attention_backend("native")
     else:
         model.reset_attention_backend()
     assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
-    calls.clear()
-    assert torch.equal(model(**inputs).sample, expected) and not calls
+    sdpa_calls.clear()
+    assert torch.equal(model(**inputs).sample, expected) and not sdpa_calls
     torch.manual_seed(2)
-    assert torch.equal(tiny_wan(64)(**inputs).sample, expected) and not calls  # a model built afterwards
+    assert torch.equal(tiny_wan(64)(**inputs).sample, expected) and not sdpa_calls  # a model built afterwards
     other(**inputs)  # its processors name attn_qat: it keeps it
-    assert len(calls) == 4
+    assert len(sdpa_calls) == 4
     model.reset_attention_backend()  # again, with another backend active: diffusers' reset alone
     assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE

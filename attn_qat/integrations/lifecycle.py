@@ -34,9 +34,8 @@ def prepare(model: torch.nn.Module, config: Optional[QATConfig] = None,
     """
     config = config if config is not None else QATConfig()
     warned = set()
-    base, base_filter_fn = unwrap_peft(model, filter_fn)
     # config.bf16_modules names modules as `model` does; a PeftModel's names carry the path to the model it wraps
-    prefix = "" if base is model else next(name for name, m in model.named_modules() if m is base) + "."
+    base, base_filter_fn, prefix = unwrap_peft(model, filter_fn)
     if is_transformers_model(base):
         from .transformers import prepare_transformers
         prepare_transformers(base, config, base_filter_fn, warned, prefix)

@@ -19,13 +19,15 @@ def is_diffusers_model(model: torch.nn.Module) -> bool:
 
 
 def unwrap_peft(model: torch.nn.Module, filter_fn: Optional[FilterFn]):
-    """The model a PEFT `PeftModel` wraps (`get_base_model()`: for LoRA, the transformers or diffusers model
-    whose linear layers carry the adapters) and `filter_fn` adapted so that it still sees names in `model`."""
+    """(base, filter_fn, prefix): the model a PEFT `PeftModel` wraps (`get_base_model()`: for LoRA, the transformers
+    or diffusers model whose linear layers carry the adapters), `filter_fn` adapted so that it still sees names in
+    `model`, and what names in `model` carry before the base model's ("" or ending in ".")."""
     peft = sys.modules.get("peft")
     if peft is None or not isinstance(model, peft.PeftModel):
-        return model, filter_fn
+        return model, filter_fn, ""
     base = model.get_base_model()
     prefix = next(name for name, module in model.named_modules() if module is base)
+    dotted = prefix + "." if prefix else ""
     if filter_fn is None or not prefix:
-        return base, filter_fn
-    return base, lambda module, name: filter_fn(module, f"{prefix}.{name}" if name else prefix)
+        return base, filter_fn, dotted
+    return base, lambda module, name: filter_fn(module, f"{prefix}.{name}" if name else prefix), dotted

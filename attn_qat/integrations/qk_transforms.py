@@ -155,7 +155,7 @@ def calibrate_k_shift(model, batches, run=None):
     model's numerics.
     """
 
-    base, _ = unwrap_peft(model, None)
+    base, _, _ = unwrap_peft(model, None)
     targets = [(m, s) for m in base.modules() if (s := module_state(m)) is not None and s.selected and
                s.config.calibrated_qk]
     if not targets:

@@ -221,7 +221,7 @@ def sensitivity(model: torch.nn.Module, batches: Sequence, loss_fn: Optional[Los
         raise ValueError(f"attn_qat.sensitivity: confidence must be in (0, 1); got {confidence!r}")
     if not isinstance(resamples, int) or resamples < 1:
         raise ValueError(f"attn_qat.sensitivity: resamples must be a positive int; got {resamples!r}")
-    base, _ = unwrap_peft(model, None)
+    base, _, _ = unwrap_peft(model, None)
     if loss_fn is None:
         if not is_transformers_model(base):
             raise TypeError(f"attn_qat.sensitivity: {type(base).__name__} has no default loss; pass loss_fn(model, "
