@@ -92,12 +92,14 @@ def input_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     if run_dtype(query) not in (torch.bfloat16, torch.float16):
         return Problem(f"dtype {dtypes[0]} is not supported (bfloat16, float16 or float32)", TypeError,
                        "; cast them")
-    d = query.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        return Problem(f"head_dim {d} is not supported (one of {SUPPORTED_HEAD_DIMS})", ValueError)
-    if key.shape[-1] != d or value.shape[-1] != d:
-        return Problem("query, key and value must share head_dim", ValueError,
-                       f"; got {d}, {key.shape[-1]}, {value.shape[-1]}")
+    d, d_v = query.shape[-1], value.shape[-1]
+    for size in (d, d_v):
+        if size not in SUPPORTED_HEAD_DIMS:
+            return Problem(f"head_dim {size} is not supported ({_C.HEAD_DIMS_TEXT})", ValueError,
+                           f"; got query, key and value head dims {d}, {key.shape[-1]}, {d_v}")
+    if key.shape[-1] != d:
+        return Problem("query and key must share head_dim", ValueError,
+                       f"; got {d} and {key.shape[-1]} (value's may differ)")
     if query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3]:
         return Problem("batch sizes differ", ValueError,
                        f"; got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
@@ -193,13 +195,14 @@ def _kernel_mask(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> t
 
 
 class _EmptyAttention(torch.autograd.Function):
-    """Attention with no batch, head, query or key: zeros of the query's shape, as torch's SDPA returns (a query
-    with no key is 0 there and here, numerics.md §6), and zero gradients. The ops refuse empty operands."""
+    """Attention with no batch, head, query or key: zeros of the output's shape (the query's, with the value's head
+    dim), as torch's SDPA returns (a query with no key is 0 there and here, numerics.md §6), and zero gradients. The
+    ops refuse empty operands."""
 
     @staticmethod
     def forward(ctx, q, k, v):
         ctx.save_for_backward(q, k, v)
-        return torch.zeros_like(q, memory_format=torch.contiguous_format)
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
 
     @staticmethod
     def backward(ctx, dout):

@@ -38,10 +38,10 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _C
-from .attention import SUPPORTED_HEAD_DIMS
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, ops, positive_scale
 
 BLOCK = 16
+DECODE_HEAD_DIMS = _C.DECODE_HEAD_DIMS  # the head dims the cache and its decode kernel take (csrc/attn_qat.h)
 MAX_KERNEL_QUERIES = 16  # query tokens the CUDA decode kernel takes; more use the composite path
 
 
@@ -68,8 +68,8 @@ class NVFP4KVCache:
         self.batch = _positive_int("batch", batch)
         self.heads_kv = _positive_int("heads_kv", heads_kv)
         capacity = _positive_int("capacity", capacity)
-        if head_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"attn_qat.NVFP4KVCache: head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim!r}")
+        if head_dim not in DECODE_HEAD_DIMS:
+            raise ValueError(f"attn_qat.NVFP4KVCache: head_dim must be one of {DECODE_HEAD_DIMS}, got {head_dim!r}")
         if dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"attn_qat.NVFP4KVCache: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         self.head_dim, self.dtype = head_dim, dtype

@@ -198,7 +198,7 @@ def _(q, k, v, v_along_tokens):
 @torch.library.register_fake("attn_qat::attention_forward")
 def _(q, k, v, mask, scale, causal, mode, need_grad, v_along_tokens, q_span=None, k_span=None, fwd_order=None,
       dkdv_order=None):
-    b, h, n, d = q.shape
+    b, h, n, d = (*q.shape[:3], v.shape[3])  # the output has V's head dim
     out = _empty_like_layout(q, b, h, n, d)
     out_prime = _empty_like_layout(q, b, h, n, d) if makes_o_prime(mode, need_grad) else q.new_empty(0)
     frame = q.new_empty(b, h, n, dtype=torch.float32)
@@ -215,7 +215,7 @@ def _(dout, q, k, v, out, out_prime, mask, frame, row_sum, scale, causal, mode, 
 
 @torch.library.register_fake("attn_qat::attention_forward_prequantized")
 def _(q, k, v, mask, scale, causal):
-    b, h, n, d = q.shape
+    b, h, n, d = (*q.shape[:3], v.shape[3])
     return (_empty_like_layout(q, b, h, n, d), q.new_empty(b, h, n, dtype=torch.float32),
             q.new_empty(b, h, n, dtype=torch.float32))
 

@@ -107,11 +107,14 @@ def _round_up(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
-def _fwd_tiles(mode: str, head_dim: int, need_grad: bool) -> Tuple[int, int]:
+def _fwd_tiles(mode: str, head_dim: int, head_dim_v: int, need_grad: bool) -> Optional[Tuple[int, int]]:
     """(query rows, keys) of the Hopper forward kernel's tiles for this call, which the kernel picks by head_dim,
-    whether the mode quantizes P, and whether the call makes O' (csrc/sm90/tile_shapes.h)."""
+    whether the mode quantizes P, and whether the call makes O' (csrc/sm90/tile_shapes.h); None for head dims the
+    Hopper kernels do not take (the mma.sync kernels, which take no work order, run those)."""
+    if head_dim != head_dim_v:
+        return None
     code = mode_code(mode)
-    return _C.SM90_FWD_TILES[(head_dim, int(mode_has(code, _C.QUANTIZES)), int(makes_o_prime(code, need_grad)))]
+    return _C.SM90_FWD_TILES.get((head_dim, int(mode_has(code, _C.QUANTIZES)), int(makes_o_prime(code, need_grad))))
 
 
 def _tile_work(span: torch.Tensor, n_other: int, rows: int, cols: int) -> torch.Tensor:
@@ -189,10 +192,12 @@ class _Plan:
             is_pad[k_rows] = False
             self.k_rows, self.pad_rows = k_rows.to(device), is_pad.nonzero().squeeze(1).to(device)
 
-    def orders(self, heads_q: int, heads_kv: int, fwd_tiles: Tuple[int, int]):
+    def orders(self, heads_q: int, heads_kv: int, fwd_tiles: Optional[Tuple[int, int]]):
         """(forward order, dK/dV order) for the ops (csrc/attn_qat.h's work_order), each None where every
-        item has the same work, and both None under a causal limit. Cached per (heads, tiles)."""
-        if self._causal:  # longest first was slower than index order there on the H100 (performance.md)
+        item has the same work, and both None under a causal limit or without Hopper tiles. Cached per (heads,
+        tiles)."""
+        # causal: longest first was slower than index order there on the H100 (performance.md)
+        if self._causal or fwd_tiles is None:
             return None, None
         key = (heads_q, heads_kv, fwd_tiles)
         if key not in self._orders:
@@ -346,7 +351,8 @@ def _attention_varlen(q4, k4, v4, cu_q: Sequence[int], cu_k: Sequence[int], max_
         k4, v4 = padded(k4), padded(v4)
     need_grad = torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad)
     qs, scale = positive_scale(q4, scale)
-    fwd_order, dkdv_order = plan.orders(q4.shape[1], k4.shape[1], _fwd_tiles(mode, q4.shape[-1], need_grad))
+    fwd_tiles = _fwd_tiles(mode, q4.shape[-1], v4.shape[-1], need_grad)
+    fwd_order, dkdv_order = plan.orders(q4.shape[1], k4.shape[1], fwd_tiles)
     out, _, frame, row_sum, *_ = ops.attention_forward(qs, k4, v4, None, scale, CAUSAL_NONE, mode_code(mode), need_grad,
                                                        along_tokens, plan.q_span, plan.k_span, fwd_order,
                                                        dkdv_order if need_grad else None)

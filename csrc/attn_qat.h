@@ -15,19 +15,34 @@ typedef enum { AQ_FLOAT32 = 0, AQ_BFLOAT16 = 1, AQ_FLOAT16 = 2 } aq_dtype;
 /* log2(e) as a float: the kernels compute exponents as 2^(scores * softmax_scale * AQ_LOG2E) */
 #define AQ_LOG2E 1.4426950408889634f
 
-/* The head dims and dtypes the attention and decode kernels are built for: the ops check their inputs against these,
-   the CUDA launchers pick the kernels' template arguments from them (attention/launch.h), and attn_qat/attention.py's
-   SUPPORTED_HEAD_DIMS reads the head dims through the module. */
-#define AQ_HEAD_DIMS_TEXT "64 or 128"
-static inline int aq_head_dim_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+/* The head dims the attention kernels take: any multiple of 16 (one NVFP4 block along D) from 32 to 256, for Q and K
+   (head_dim) and for V (head_dim_v, which may differ, as DeepSeek's 192 / 128). The ops check their inputs against
+   these, and attn_qat/attention.py's SUPPORTED_HEAD_DIMS reads them through the module. The kernels are built for a
+   few tile widths and zero-fill the columns past the call's head dims (attention/launch.h); the Hopper kernels take
+   only the head dims of aq_sm90_head_dims. The decode kernel takes 64 or 128 (aq_decode_head_dim_supported). */
+#define AQ_HEAD_DIM_MIN 32
+#define AQ_HEAD_DIM_MAX 256
+#define AQ_HEAD_DIM_STEP 16
+#define AQ_HEAD_DIMS_TEXT "a multiple of 16 from 32 to 256"
+static inline int aq_head_dim_supported(int64_t head_dim) {
+    return head_dim >= AQ_HEAD_DIM_MIN && head_dim <= AQ_HEAD_DIM_MAX && head_dim % AQ_HEAD_DIM_STEP == 0;
+}
+/* The Hopper (wgmma, TMA) kernels: equal head dims of Q/K and V, 64 or 128; the mma.sync kernels take the others. */
+static inline int aq_sm90_head_dims(int64_t head_dim, int64_t head_dim_v) {
+    return head_dim == head_dim_v && (head_dim == 64 || head_dim == 128);
+}
+#define AQ_DECODE_HEAD_DIMS_TEXT "64 or 128"
+static inline int aq_decode_head_dim_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 static inline int aq_attention_dtype_supported(aq_dtype dtype) { return dtype == AQ_BFLOAT16 || dtype == AQ_FLOAT16; }
 
 /* The sizes every attention kernel takes, CPU or CUDA (the CUDA grids add their own bounds, attention/dispatch.cu):
    NULL, or what is wrong. The binding checks the tensors themselves (shapes agree, devices, strides). */
-static inline const char *aq_attention_sizes_problem(aq_dtype dtype, int64_t head_dim, int64_t batch, int64_t heads_q,
-                                                     int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k) {
+static inline const char *aq_attention_sizes_problem(aq_dtype dtype, int64_t head_dim, int64_t head_dim_v,
+                                                     int64_t batch, int64_t heads_q, int64_t heads_kv,
+                                                     int64_t seqlen_q, int64_t seqlen_k) {
     if (!aq_attention_dtype_supported(dtype)) return "attention takes bfloat16 or float16 tensors";
-    if (!aq_head_dim_supported(head_dim)) return "attention takes head_dim " AQ_HEAD_DIMS_TEXT;
+    if (!aq_head_dim_supported(head_dim) || !aq_head_dim_supported(head_dim_v))
+        return "attention takes head dims (of Q and K, and of V) that are " AQ_HEAD_DIMS_TEXT;
     if (heads_kv <= 0 || heads_q <= 0 || heads_q % heads_kv != 0)
         return "attention takes query heads that are a positive multiple of the key/value heads";
     if (batch < 0 || seqlen_q < 0 || seqlen_k < 0) return "attention takes sizes >= 0";
@@ -106,7 +121,8 @@ typedef struct {
 } aq_dequantize_params;
 
 /* ---------------------------------------------------------------------------------------------
-   Attention (numerics.md §3, §4). Logical shapes: q, o, o_prime (B, Hq, Nq, D); k, v (B, Hkv, Nk, D);
+   Attention (numerics.md §3, §4). Logical shapes: q (B, Hq, Nq, D); k (B, Hkv, Nk, D); v (B, Hkv, Nk, Dv);
+   o, o_prime (B, Hq, Nq, Dv), with D = head_dim and Dv = head_dim_v;
    any strides in elements for batch, head and token ([0], [1], [2]); the head-dim stride is 1. (The Hopper kernels
    take those TMA can address: 16-byte aligned, strides multiples of 8 elements, outputs included; others run on the
    mma.sync kernels.)
@@ -152,6 +168,7 @@ typedef struct {
     int64_t work_order_len;  /* (attn_qat/varlen.py's LPT table, a permutation of the item indices; see below) */
     int *scratch;            /* CUDA: one device int the launcher may use, or NULL (attention_fwd_sm90.cu) */
     float *tail_workspace;   /* CUDA: NULL, or the plan's tail_floats floats (the split last wave's parts) */
+    int64_t head_dim_v;      /* of v, o and o_prime (head_dim: of q and k) */
 } aq_attention_fwd_params;
 
 /* Backward (straight-through, numerics.md §4), given the forward's frame_m / row_sum:
@@ -160,8 +177,8 @@ typedef struct {
      dV_j = sum_i (quantize_p_for_dv ? P^F_ij : P_ij) dO_i      (summed over the query heads of kv head)
      dP_ij = dO_i . v_j;  delta_i = dO_i . out_for_delta_i;  dS_ij = P_ij (dP_ij - delta_i)
      dQ_i = scale sum_j dS_ij k_j;  dK_j = scale sum_i dS_ij q_i   (dK summed over the group too)
-   Rows with row_sum == 0 (no visible key) contribute nothing. dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D)
-   are written (not accumulated) in dtype, with the given strides. delta is (B, Hq, Nq) fp32 scratch
+   Rows with row_sum == 0 (no visible key) contribute nothing. dq (B, Hq, Nq, D), dk (B, Hkv, Nk, D) and
+   dv (B, Hkv, Nk, Dv) are written (not accumulated) in dtype, with the given strides. delta is (B, Hq, Nq) fp32 scratch
    that the launcher fills. With dq_accum NULL the result is deterministic, bit-identical run to run; with
    dq_accum (the plan's dq_accum_floats of fp32 scratch) the Hopper kernels add the dQ of each key tile into
    it in whatever order the tiles finish (5 products instead of 7, FlashAttention-3's way), so dQ may differ
@@ -191,6 +208,7 @@ typedef struct {
     int p_fp16;              /* 1: P̂ is §3's fp16 value (the forward quantized P: attn_qat, high_precision_p,
                                 low_precision_o); 0: 2^(t - M) (drop_in's and bf16's plain backward). Last, in
                                 sm_count's padding: the kernels' parameter offsets stay main's. */
+    int64_t head_dim_v;      /* of v, dv, dout and out_for_delta (head_dim: of q, k, dq, dk) */
 } aq_attention_bwd_params;
 
 /* CPU kernels (C) */

@@ -442,7 +442,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="head_dim"):
         sdpa(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous())
     with pytest.raises(ValueError, match="head_dim"):
-        x = torch.randn(1, 2, 20, 80, dtype=torch.bfloat16)
+        x = torch.randn(1, 2, 20, 272, dtype=torch.bfloat16)
         sdpa(x, x, x)
     with pytest.raises(ValueError, match="one device"):
         sdpa(q, k.to("meta"), v)

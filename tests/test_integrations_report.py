@@ -12,8 +12,8 @@ from attn_qat import AttnQATFallbackWarning, QATConfig
 from attn_qat.integrations.report import static_fallback
 from conftest import importorskip
 
-HEAD_DIM_96 = f"head_dim 96 is not supported (one of {attn_qat.SUPPORTED_HEAD_DIMS})"
-needs_96_unsupported = pytest.mark.skipif(96 in attn_qat.SUPPORTED_HEAD_DIMS, reason="head_dim 96 is supported")
+# a head dim no kernel takes (below 32), as the reason the input rules give
+HEAD_DIM_24 = f"head_dim 24 is not supported ({attn_qat._C.HEAD_DIMS_TEXT})"
 
 
 def fallback_messages(record):
@@ -24,8 +24,8 @@ def test_static_fallback_reads_the_input_rules():
     assert static_fallback(4, 2, 64) is None
     assert static_fallback(4, 2, 128, 128) is None
     assert static_fallback(4, 2, None) is None  # shapes unknown: nothing to say before a call
-    if 96 not in attn_qat.SUPPORTED_HEAD_DIMS:
-        assert static_fallback(4, 4, 96) == HEAD_DIM_96
+    assert static_fallback(4, 4, 24) == HEAD_DIM_24
+    assert static_fallback(4, 4, 80) is None and static_fallback(4, 4, 256) is None
     assert static_fallback(4, 3, 64) == "query heads (4) must be a multiple of key/value heads (3)"
 
 
@@ -40,17 +40,16 @@ def _qwen3(head_dim, dtype=torch.bfloat16):
     return transformers.Qwen3ForCausalLM(config).to(dtype)
 
 
-@needs_96_unsupported
 def test_transformers_prepare_warns_and_reports_head_dim_fallback(caplog):
-    model = _qwen3(96)
+    model = _qwen3(24)
     with warnings.catch_warnings(record=True) as record, caplog.at_level(logging.INFO, logger="attn_qat"):
         warnings.simplefilter("always")
         attn_qat.prepare(model)
     names = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     [message] = [m for m in fallback_messages(record) if m.startswith("attn_qat.prepare")]
-    assert "2 of 2 selected attention modules cannot run attn_qat" in message and HEAD_DIM_96 in message
+    assert "2 of 2 selected attention modules cannot run attn_qat" in message and HEAD_DIM_24 in message
     assert all(name in message for name in names)
-    assert f"{names[0]}: fallback: {HEAD_DIM_96}" in caplog.text  # the summary, logged
+    assert f"{names[0]}: fallback: {HEAD_DIM_24}" in caplog.text  # the summary, logged
 
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -58,11 +57,11 @@ def test_transformers_prepare_warns_and_reports_head_dim_fallback(caplog):
         model(torch.randint(0, 64, (2, 20)))
     # the call's warning, once per reason, names the module that met it first
     [message] = fallback_messages(record)
-    assert HEAD_DIM_96 in message and f"first in {names[0]}" in message
+    assert HEAD_DIM_24 in message and f"first in {names[0]}" in message
     report = attn_qat.attention_report(model)
-    assert report.fallbacks == {name: [HEAD_DIM_96] for name in names}
-    assert [m.calls for m in report.modules] == [{f"fallback: {HEAD_DIM_96}": 2}] * 2
-    assert f"{names[1]}: fallback: {HEAD_DIM_96}; calls: fallback: {HEAD_DIM_96} x2" in str(report)
+    assert report.fallbacks == {name: [HEAD_DIM_24] for name in names}
+    assert [m.calls for m in report.modules] == [{f"fallback: {HEAD_DIM_24}": 2}] * 2
+    assert f"{names[1]}: fallback: {HEAD_DIM_24}; calls: fallback: {HEAD_DIM_24} x2" in str(report)
 
 
 def test_transformers_report_counts_fp4_calls_and_the_lifecycle():
@@ -132,9 +131,8 @@ def _wan(head_dim):
     return model.to(torch.bfloat16), inputs
 
 
-@needs_96_unsupported
 def test_diffusers_prepare_warns_and_reports_head_dim_fallback():
-    model, inputs = _wan(96)
+    model, inputs = _wan(24)
     with pytest.warns(AttnQATFallbackWarning, match="2 of 2 selected attention modules cannot run") as record:
         attn_qat.prepare(model)
     assert "blocks.0.attn1" in str(record[0].message) and "blocks.1.attn1" in str(record[0].message)

@@ -146,7 +146,7 @@ def test_errors():
     with pytest.raises(TypeError, match="NVFP4Tensor"):
         attn_qat.nvfp4_attention(q, kp, [1, 2])
     with pytest.raises(ValueError, match="head_dim"):
-        attn_qat.nvfp4_attention(*attn_qat.quantize_qkv(*(torch.randn(1, 16, 2, 80).bfloat16() for _ in range(3))))
+        attn_qat.nvfp4_attention(*attn_qat.quantize_qkv(*(torch.randn(1, 16, 2, 288).bfloat16() for _ in range(3))))
     with pytest.raises(ValueError, match="one shape"):
         attn_qat.nvfp4_attention(qp, kp, attn_qat.quantize_qkv(q, k[:, :16], v[:, :16])[2])
     with pytest.raises(ValueError, match="multiple"):

@@ -311,7 +311,7 @@ def test_bad_inputs_raise_clear_errors():
         fn(q, k, v, cq, ck, 5, 4.0)
     fn(q, k, v, cq, ck, torch.tensor(5), torch.tensor(4, dtype=torch.int32))  # transformers passes tensors
     with pytest.raises(ValueError, match="head_dim"):
-        fn(q[..., :32], k[..., :32], v[..., :32], cq, ck, 5, 4)
+        fn(q[..., :24], k[..., :24], v[..., :24], cq, ck, 5, 4)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         fn(q[:, :1].expand(8, 3, 64), k, v, cq, ck, 5, 4)
     with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
@@ -389,7 +389,7 @@ def test_work_orders_are_longest_first(lengths, lengths_k, heads, mode, head_dim
     cu = (0,) + tuple(torch.tensor(lengths).cumsum(0).tolist())
     cu_k = (0,) + tuple(torch.tensor(lengths_k).cumsum(0).tolist())
     plan = attn_qat.varlen._Plan(cu, cu_k, None, attn_qat.varlen._needs_padding(cu_k, mode), torch.device("cpu"))
-    bm, bn = attn_qat.varlen._fwd_tiles(mode, head_dim, need_grad)
+    bm, bn = attn_qat.varlen._fwd_tiles(mode, head_dim, head_dim, need_grad)
     assert (bm, bn) == ((192, 64) if mode == "bf16" and head_dim == 128 else (128, 64 if need_grad and
                                                                               mode == "attn_qat" else 128))
     orders = plan.orders(*heads, (bm, bn))
@@ -412,7 +412,7 @@ def test_causal_packings_get_no_order(alignment):
     """Under a causal limit the items run in index order: longest first lost there (performance.md)."""
     cu = (0,) + tuple(torch.tensor(MIX16K).cumsum(0).tolist())
     plan = attn_qat.varlen._Plan(cu, cu, alignment, False, torch.device("cpu"))
-    assert plan.orders(16, 4, attn_qat.varlen._fwd_tiles("attn_qat", 128, True)) == (None, None)
+    assert plan.orders(16, 4, attn_qat.varlen._fwd_tiles("attn_qat", 128, 128, True)) == (None, None)
 
 
 def test_equal_items_get_no_order():
@@ -421,8 +421,8 @@ def test_equal_items_get_no_order():
     cu = tuple(range(0, 8 * 2048 + 1, 2048))
     plan = attn_qat.varlen._Plan(cu, cu, None, False, torch.device("cpu"))
     for mode, d, need_grad in (("attn_qat", 128, True), ("attn_qat", 64, False), ("bf16", 64, True)):
-        assert plan.orders(16, 16, attn_qat.varlen._fwd_tiles(mode, d, need_grad)) == (None, None)
-    fwd, dkdv = plan.orders(16, 16, attn_qat.varlen._fwd_tiles("bf16", 128, True))
+        assert plan.orders(16, 16, attn_qat.varlen._fwd_tiles(mode, d, d, need_grad)) == (None, None)
+    fwd, dkdv = plan.orders(16, 16, attn_qat.varlen._fwd_tiles("bf16", 128, 128, True))
     assert fwd is not None and dkdv is None
 
 
@@ -531,7 +531,7 @@ def test_cuda_work_order_changes_no_bit(kernel_options, variant):
     q, k, v, dout = make(lens, lens, 4, 2, d, torch.bfloat16, "cuda")
     cu = (0,) + tuple(torch.tensor(lens).cumsum(0).tolist())
     plan = attn_qat.varlen._plan(cu, cu, None, attn_qat.varlen._needs_padding(cu, mode), torch.device("cuda"))
-    assert all(o is not None for o in plan.orders(4, 2, attn_qat.varlen._fwd_tiles(mode, d, True)))
+    assert all(o is not None for o in plan.orders(4, 2, attn_qat.varlen._fwd_tiles(mode, d, d, True)))
     results = {}
     for order in ("index", "lpt"):
         kernel_options(work_order=order)

@@ -9,13 +9,15 @@
 
 /* NULL when the kernels take these sizes: those every attention kernel takes (attn_qat.h), within the CUDA grids'
    bounds. */
-static const char *check_attention_sizes(aq_dtype dtype, int64_t head_dim, int64_t batch, int64_t heads_q,
-                                         int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k) {
-    const char *problem = aq_attention_sizes_problem(dtype, head_dim, batch, heads_q, heads_kv, seqlen_q, seqlen_k);
+static const char *check_attention_sizes(aq_dtype dtype, int64_t head_dim, int64_t head_dim_v, int64_t batch,
+                                         int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k) {
+    const char *problem =
+        aq_attention_sizes_problem(dtype, head_dim, head_dim_v, batch, heads_q, heads_kv, seqlen_q, seqlen_k);
     if (problem) return problem;
     if (heads_q > 65535 || batch > 65535) return "attention (CUDA): batch and heads must be <= 65535";
     if (seqlen_q > INT32_MAX - 256 || seqlen_k > INT32_MAX - 256)
         return "attention (CUDA): sequence lengths must be at most 2^31 - 256";
+    if (!aq_sm90_head_dims(head_dim, head_dim_v)) return "attention (CUDA): head dims other than 64 or 128 run on the CPU";
     return NULL;
 }
 
@@ -69,8 +71,8 @@ static aq_attention_plan empty_plan(void) {
 const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, const aq_kernel_options *o,
                                        aq_attention_plan *plan) {
     *plan = empty_plan();
-    const char *err = check_attention_sizes(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv, p->seqlen_q,
-                                            p->seqlen_k);
+    const char *err = check_attention_sizes(p->dtype, p->head_dim, p->head_dim_v, p->batch, p->heads_q, p->heads_kv,
+                                            p->seqlen_q, p->seqlen_k);
     if (err || p->batch == 0 || p->seqlen_q == 0) return err;
     if ((err = plan_device(o, plan)) || !plan->sm90) return err;
     plan->use_work_order = p->work_order != NULL && !o->index_order;
@@ -81,8 +83,8 @@ const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, const a
 const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, const aq_kernel_options *o,
                                        aq_attention_plan *plan) {
     *plan = empty_plan();
-    const char *err = check_attention_sizes(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv, p->seqlen_q,
-                                            p->seqlen_k);
+    const char *err = check_attention_sizes(p->dtype, p->head_dim, p->head_dim_v, p->batch, p->heads_q, p->heads_kv,
+                                            p->seqlen_q, p->seqlen_k);
     if (err || p->batch == 0) return err;
     if ((err = plan_device(o, plan)) || !plan->sm90) return err;
     if (p->seqlen_q > 0) plan->dq_accum_floats = aq_attention_bwd_sm90_dq_accum_floats(p);

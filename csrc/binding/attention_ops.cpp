@@ -37,7 +37,7 @@ void copy_strides(const Tensor &t, int64_t out[3]) {
 }
 
 struct AttentionShape {
-    int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
+    int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v;
 };
 
 // What the kernels need of q, k, v to read and write only their own memory: the tensors agree with each other (the
@@ -51,19 +51,19 @@ AttentionShape check_attention_inputs(const Tensor &q, const Tensor &k, const Te
                     "attn_qat: query, key and value must have the same dtype");
     STD_TORCH_CHECK(same_device(k, q) && same_device(v, q),
                     "attn_qat: query, key and value must be on the same device");
-    AttentionShape s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+    AttentionShape s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
     STD_TORCH_CHECK(k.size(0) == s.batch && v.size(0) == s.batch && v.size(1) == s.heads_kv &&
-                        v.size(2) == s.seqlen_k && k.size(3) == s.head_dim && v.size(3) == s.head_dim,
-                    "attn_qat: query, key and value must agree in batch and head_dim, key and value in heads and "
-                    "tokens");
+                        v.size(2) == s.seqlen_k && k.size(3) == s.head_dim,
+                    "attn_qat: query, key and value must agree in batch, query and key in head_dim, key and value in "
+                    "heads and tokens");
     STD_TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
                     "attn_qat: the last dimension (head_dim) of query, key and value must be contiguous");
     STD_TORCH_CHECK(s.seqlen_q > 0 && s.seqlen_k > 0 && s.batch > 0, "attn_qat: empty query or key sequence");
-    const char *problem = aq_attention_sizes_problem(dt, s.head_dim, s.batch, s.heads_q, s.heads_kv, s.seqlen_q,
-                                                     s.seqlen_k);
+    const char *problem = aq_attention_sizes_problem(dt, s.head_dim, s.head_dim_v, s.batch, s.heads_q, s.heads_kv,
+                                                     s.seqlen_q, s.seqlen_k);
     STD_TORCH_CHECK(problem == nullptr, "attn_qat: ", problem ? problem : "", " (got ", q.scalar_type(),
                     " query (", s.batch, ", ", s.heads_q, ", ", s.seqlen_q, ", ", s.head_dim, "), ", s.heads_kv,
-                    " key/value heads)");
+                    " key/value heads, value head_dim ", s.head_dim_v, ")");
     return s;
 }
 
@@ -150,6 +150,7 @@ Tensor set_problem(Params *p, const Tensor &q, const AttentionShape &s, double s
     p->seqlen_q = s.seqlen_q;
     p->seqlen_k = s.seqlen_k;
     p->head_dim = s.head_dim;
+    p->head_dim_v = s.head_dim_v;
     p->softmax_scale = (float)scale;
     set_causal(causal, s, &p->causal, &p->causal_offset);
     p->dtype = kernel_dtype(q);
@@ -232,11 +233,11 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
     Tensor qf = quantize ? fake_quantize_operand(q, false) : q;
     Tensor kf = quantize ? fake_quantize_operand(k, false) : k;
     Tensor vf = quantize ? fake_quantize_operand(v, v_along_tokens) : v;
-    Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
+    Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim_v);
     const bool with_prime = need_grad && (flags & AQ_DELTA_FROM_O_PRIME);
     const bool with_operands = need_grad && (flags & AQ_BACKWARD_THROUGH_FQ);
     auto none = [&q]() { return torch::stable::new_empty(q, {0}); }; // a fresh one each: outputs may not alias
-    Tensor out_prime = with_prime ? empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim) : none();
+    Tensor out_prime = with_prime ? empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim_v) : none();
     Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     run_forward(qf, kf, vf, mask, scale, causal, quantize, out, with_prime ? &out_prime : nullptr, frame, row_sum, s,
@@ -269,7 +270,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     for (const auto &[t, name] : {std::pair<const Tensor *, const char *>{&dout, "grad_output"},
                                   {&for_delta, delta_from_prime ? "out_prime" : "out"}}) {
         STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == s.batch && t->size(1) == s.heads_q &&
-                            t->size(2) == s.seqlen_q && t->size(3) == s.head_dim && t->stride(3) == 1 &&
+                            t->size(2) == s.seqlen_q && t->size(3) == s.head_dim_v && t->stride(3) == 1 &&
                             t->scalar_type() == q.scalar_type() && same_device(*t, q),
                         "attn_qat: ", name, " must have the output's shape and dtype, a contiguous last dimension, "
                         "on the query's device");
@@ -280,7 +281,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     if (flags & AQ_BACKWARD_REDOES_STATS) {
         // Drop-in QAT differentiates plain softmax attention of the unquantized operands: its P needs
         // the unquantized scores' frame and sum, which the FP4 forward did not compute.
-        Tensor scratch = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
+        Tensor scratch = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim_v);
         frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
         row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
         run_forward(q, k, v, mask, scale, causal, false, scratch, nullptr, frame, row_sum, s, spans);
@@ -294,7 +295,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
 
     Tensor dq = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
     Tensor dk = empty_like_layout(k, s.batch, s.heads_kv, s.seqlen_k, s.head_dim);
-    Tensor dv = empty_like_layout(v, s.batch, s.heads_kv, s.seqlen_k, s.head_dim);
+    Tensor dv = empty_like_layout(v, s.batch, s.heads_kv, s.seqlen_k, s.head_dim_v);
     Tensor delta = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
 
     aq_attention_bwd_params p = {};
@@ -338,7 +339,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward_prequantized(Tensor q, Tens
                                                                   std::optional<Tensor> mask, double scale,
                                                                   int64_t causal) {
     const AttentionShape s = check_attention_inputs(q, k, v);
-    Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim);
+    Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim_v);
     Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     run_forward(q, k, v, mask, scale, causal, /*quantize_p=*/true, out, nullptr, frame, row_sum, s);

@@ -82,11 +82,11 @@ static PyObject *tuple_of(Py_ssize_t n, PyObject *(*make)(Py_ssize_t)) {
 static PyObject *mode_name(Py_ssize_t code) { return PyUnicode_FromString(aq_mode_of(code)->name); }
 static PyObject *mode_flags(Py_ssize_t code) { return PyLong_FromUnsignedLong(aq_mode_of(code)->flags); }
 
-/* The head dims the kernels are built for, in increasing order (head dims are multiples of 16 up to 256). */
-static PyObject *head_dims(void) {
+/* The head dims that `supported` accepts, in increasing order. */
+static PyObject *head_dims(int (*supported)(int64_t)) {
     PyObject *dims = PyList_New(0);
-    for (int d = 16; dims && d <= 256; d += 16) {
-        if (!aq_head_dim_supported(d)) continue;
+    for (int d = AQ_HEAD_DIM_STEP; dims && d <= AQ_HEAD_DIM_MAX; d += AQ_HEAD_DIM_STEP) {
+        if (!supported(d)) continue;
         PyObject *item = PyLong_FromLong(d);
         if (!item || PyList_Append(dims, item) < 0) Py_CLEAR(dims);
         Py_XDECREF(item);
@@ -96,11 +96,12 @@ static PyObject *head_dims(void) {
     return t;
 }
 
-/* {(head_dim, quantize_p, with_o_prime): (query rows, keys)} of the Hopper forward kernel's tiles. */
-static PyObject *sm90_fwd_tiles(PyObject *dims) {
+/* {(head_dim, quantize_p, with_o_prime): (query rows, keys)} of the Hopper forward kernel's tiles, for the head dims
+   it takes (attn_qat.h's aq_sm90_head_dims: Q/K's and V's equal). */
+static PyObject *sm90_fwd_tiles(void) {
     PyObject *tiles = PyDict_New();
-    for (Py_ssize_t i = 0; tiles && i < PyTuple_Size(dims); i++) {
-        const int d = (int)PyLong_AsLong(PyTuple_GetItem(dims, i));
+    for (int d = AQ_HEAD_DIM_MIN; tiles && d <= AQ_HEAD_DIM_MAX; d += AQ_HEAD_DIM_STEP) {
+        if (!aq_sm90_head_dims(d, d)) continue;
         for (int quantize_p = 0; tiles && quantize_p < 2; quantize_p++) {
             for (int with_o_prime = 0; tiles && with_o_prime < 2; with_o_prime++) {
                 const int nwg = sm90_consumer_warpgroups(d, quantize_p);
@@ -142,14 +143,12 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (!one) return NULL;
     PyObject *m = PyModule_Create(&attn_qat_module);
     if (!m) return NULL;
-    /* the head dims, then each one's forward tiles (dims stays alive in the module) */
-    PyObject *dims = head_dims();
-    if (add_object(m, "HEAD_DIMS", dims) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
     /* the decode options' bounds, for attn_qat.ops.kernel_options' checks and messages */
     if (PyModule_AddIntConstant(m, "with_cuda", AQ_HAS_CUDA_KERNELS) < 0 ||
+        /* the head dims the attention ops and the decode op take */
+        add_object(m, "HEAD_DIMS", head_dims(aq_head_dim_supported)) < 0 ||
+        PyModule_AddStringConstant(m, "HEAD_DIMS_TEXT", AQ_HEAD_DIMS_TEXT) < 0 ||
+        add_object(m, "DECODE_HEAD_DIMS", head_dims(aq_decode_head_dim_supported)) < 0 ||
         PyModule_AddIntConstant(m, "DECODE_VARIANTS", AQ_DECODE_VARIANTS) < 0 ||
         PyModule_AddIntConstant(m, "DECODE_CHUNK_STEP", AQ_DECODE_CHUNK_STEP) < 0 ||
         PyModule_AddIntConstant(m, "DECODE_CHUNK_MAX", AQ_DECODE_CHUNK_MAX) < 0 ||
@@ -166,7 +165,7 @@ PyMODINIT_FUNC PyInit__C(void) {
         PyModule_AddIntConstant(m, "CAUSAL_BOTTOM_RIGHT", AQ_CAUSAL_BOTTOM_RIGHT) < 0 ||
         /* the float32 log2(e) the kernels scale exponents by (attn_qat.ops.check_softmax_scale) */
         add_object(m, "LOG2E", PyFloat_FromDouble(AQ_LOG2E)) < 0 ||
-        add_object(m, "SM90_FWD_TILES", sm90_fwd_tiles(dims)) < 0 ||
+        add_object(m, "SM90_FWD_TILES", sm90_fwd_tiles()) < 0 ||
         PyModule_AddIntConstant(m, "SM90_DKDV_KEYS", BWD90_KEYS) < 0 ||
         PyModule_AddIntConstant(m, "SM90_DKDV_Q_STEP", BWD90_Q_STEP) < 0) {
         Py_DECREF(m);

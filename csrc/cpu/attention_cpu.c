@@ -174,22 +174,22 @@ const char *aq_p_fp16_path_cpu(const float *x, int64_t rows, int64_t n, float *w
 /* The forward of query head h of batch b, every row; returns 0, or 1 when out of memory. */
 static int forward_item(const void *params, int64_t b, int64_t h) {
     const aq_attention_fwd_params *p = (const aq_attention_fwd_params *)params;
-    const int64_t nk = p->seqlen_k, dim = p->head_dim, hkv = h / (p->heads_q / p->heads_kv);
+    const int64_t nk = p->seqlen_k, dim = p->head_dim, dim_v = p->head_dim_v, hkv = h / (p->heads_q / p->heads_kv);
     float *k_head = (float *)alloc_array(nk * dim, sizeof(float));
-    float *v_head = (float *)alloc_array(nk * dim, sizeof(float));
+    float *v_head = (float *)alloc_array(nk * dim_v, sizeof(float));
     float *q_row = (float *)alloc_array(dim, sizeof(float));
     float *t = (float *)alloc_array(nk, sizeof(float));
     uint8_t *visible = (uint8_t *)alloc_array(nk, sizeof(uint8_t));
     float *w = (float *)alloc_array(nk, sizeof(float));
     float *p_hat = (float *)alloc_array(nk, sizeof(float));
     float *p_fq = (float *)alloc_array(nk, sizeof(float));
-    double *o_acc = (double *)alloc_array(dim, sizeof(double));
-    double *o_prime_acc = (double *)alloc_array(dim, sizeof(double));
+    double *o_acc = (double *)alloc_array(dim_v, sizeof(double));
+    double *o_prime_acc = (double *)alloc_array(dim_v, sizeof(double));
     const int failed = !k_head || !v_head || !q_row || !t || !visible || !w || !p_hat || !p_fq || !o_acc ||
                        !o_prime_acc;
     if (!failed) {
         load_kv_head(p->k, p->dtype, p->k_stride, b, hkv, nk, dim, k_head);
-        load_kv_head(p->v, p->dtype, p->v_stride, b, hkv, nk, dim, v_head);
+        load_kv_head(p->v, p->dtype, p->v_stride, b, hkv, nk, dim_v, v_head);
     }
     for (int64_t i = 0; !failed && i < p->seqlen_q; i++) {
         const score_row r = score_row_at(k_head, p->mask, p->mask_stride, b, h, i, nk, dim, p->softmax_scale,
@@ -204,23 +204,24 @@ static int forward_item(const void *params, int64_t b, int64_t h) {
         if (p->quantize_p) quantize_frame_values(w, r.first, r.key_end, p_fq);
         const float *weight = p->quantize_p ? p_fq : p_hat;
 
-        for (int64_t d = 0; d < dim; d++) o_acc[d] = o_prime_acc[d] = 0.0;
+        for (int64_t d = 0; d < dim_v; d++) o_acc[d] = o_prime_acc[d] = 0.0;
         /* Hidden keys are skipped, so a NaN in a masked-out V row stays out of O. */
         for (int64_t j = r.first; j < r.key_end; j++) {
             if (!visible[j]) continue;
-            const float *v = v_head + j * dim;
+            const float *v = v_head + j * dim_v;
             const double w_j = weight[j], w_prime = p_hat[j];
-            for (int64_t d = 0; d < dim; d++) o_acc[d] += w_j * v[d];
+            for (int64_t d = 0; d < dim_v; d++) o_acc[d] += w_j * v[d];
             if (p->o_prime)
-                for (int64_t d = 0; d < dim; d++) o_prime_acc[d] += w_prime * v[d];
+                for (int64_t d = 0; d < dim_v; d++) o_prime_acc[d] += w_prime * v[d];
         }
         /* An empty row has l = 0 and all-zero accumulators: it writes O = O' = 0, not 0/0. */
         const double l = any_visible ? row_sum : 1.0;
         const int64_t o_base = b * p->o_stride[0] + h * p->o_stride[1] + i * p->o_stride[2];
-        for (int64_t d = 0; d < dim; d++) store_half(p->o, p->dtype, o_base + d, (float)(o_acc[d] / l));
+        for (int64_t d = 0; d < dim_v; d++) store_half(p->o, p->dtype, o_base + d, (float)(o_acc[d] / l));
         if (p->o_prime) {
             const int64_t base = b * p->o_prime_stride[0] + h * p->o_prime_stride[1] + i * p->o_prime_stride[2];
-            for (int64_t d = 0; d < dim; d++) store_half(p->o_prime, p->dtype, base + d, (float)(o_prime_acc[d] / l));
+            for (int64_t d = 0; d < dim_v; d++)
+                store_half(p->o_prime, p->dtype, base + d, (float)(o_prime_acc[d] / l));
         }
         const int64_t stat = (b * p->heads_q + h) * p->seqlen_q + i;
         p->frame_m[stat] = frame;
@@ -257,8 +258,8 @@ static const char *run_items(work_item item, const void *params, int64_t batch, 
 }
 
 const char *aq_attention_fwd_cpu(const aq_attention_fwd_params *p) {
-    const char *err = aq_attention_sizes_problem(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv,
-                                                 p->seqlen_q, p->seqlen_k);
+    const char *err = aq_attention_sizes_problem(p->dtype, p->head_dim, p->head_dim_v, p->batch, p->heads_q,
+                                                 p->heads_kv, p->seqlen_q, p->seqlen_k);
     return err ? err : run_items(forward_item, p, p->batch, p->heads_q);
 }
 
@@ -271,7 +272,7 @@ static int delta_item(const void *params, int64_t b, int64_t h) {
         const int64_t out_base = b * p->out_for_delta_stride[0] + h * p->out_for_delta_stride[1] +
                                  i * p->out_for_delta_stride[2];
         double delta = 0.0;
-        for (int64_t d = 0; d < p->head_dim; d++)
+        for (int64_t d = 0; d < p->head_dim_v; d++)
             delta += (double)load_half(p->dout, p->dtype, dout_base + d) *
                      load_half(p->out_for_delta, p->dtype, out_base + d);
         p->delta[(b * p->heads_q + h) * p->seqlen_q + i] = (float)delta;
@@ -283,14 +284,14 @@ static int delta_item(const void *params, int64_t b, int64_t h) {
    order. Returns 0, or 1 when out of memory. */
 static int backward_item(const void *params, int64_t b, int64_t hkv) {
     const aq_attention_bwd_params *p = (const aq_attention_bwd_params *)params;
-    const int64_t nk = p->seqlen_k, dim = p->head_dim, group = p->heads_q / p->heads_kv;
+    const int64_t nk = p->seqlen_k, dim = p->head_dim, dim_v = p->head_dim_v, group = p->heads_q / p->heads_kv;
     const double scale = p->softmax_scale;
     float *k_head = (float *)alloc_array(nk * dim, sizeof(float));
-    float *v_head = (float *)alloc_array(nk * dim, sizeof(float));
+    float *v_head = (float *)alloc_array(nk * dim_v, sizeof(float));
     double *dk_acc = (double *)alloc_array(nk * dim, sizeof(double));
-    double *dv_acc = (double *)alloc_array(nk * dim, sizeof(double));
+    double *dv_acc = (double *)alloc_array(nk * dim_v, sizeof(double));
     float *q_row = (float *)alloc_array(dim, sizeof(float));
-    float *dout_row = (float *)alloc_array(dim, sizeof(float));
+    float *dout_row = (float *)alloc_array(dim_v, sizeof(float));
     double *dq_acc = (double *)alloc_array(dim, sizeof(double));
     float *t = (float *)alloc_array(nk, sizeof(float));
     uint8_t *visible = (uint8_t *)alloc_array(nk, sizeof(uint8_t));
@@ -301,8 +302,9 @@ static int backward_item(const void *params, int64_t b, int64_t hkv) {
                        !visible || !w || !p_hat || !p_fq;
     if (!failed) {
         load_kv_head(p->k, p->dtype, p->k_stride, b, hkv, nk, dim, k_head);
-        load_kv_head(p->v, p->dtype, p->v_stride, b, hkv, nk, dim, v_head);
-        for (int64_t e = 0; e < nk * dim; e++) dk_acc[e] = dv_acc[e] = 0.0;
+        load_kv_head(p->v, p->dtype, p->v_stride, b, hkv, nk, dim_v, v_head);
+        for (int64_t e = 0; e < nk * dim; e++) dk_acc[e] = 0.0;
+        for (int64_t e = 0; e < nk * dim_v; e++) dv_acc[e] = 0.0;
     }
     for (int64_t h = hkv * group; !failed && h < (hkv + 1) * group; h++) {
         for (int64_t i = 0; i < p->seqlen_q; i++) {
@@ -313,7 +315,7 @@ static int backward_item(const void *params, int64_t b, int64_t hkv) {
                 const score_row r = score_row_at(k_head, p->mask, p->mask_stride, b, h, i, nk, dim,
                                                  p->softmax_scale, p->causal, p->causal_offset, p->q_span);
                 load_row(p->q, p->dtype, p->q_stride, b, h, i, dim, q_row);
-                load_row(p->dout, p->dtype, p->dout_stride, b, h, i, dim, dout_row);
+                load_row(p->dout, p->dtype, p->dout_stride, b, h, i, dim_v, dout_row);
                 compute_scores(&r, q_row, t, visible);
                 frame_values(t, visible, &r, frame, p->p_fp16 || p->quantize_p_for_dv, w, p_hat);
                 if (p->quantize_p_for_dv) quantize_frame_values(w, r.first, r.key_end, p_fq);
@@ -321,16 +323,16 @@ static int backward_item(const void *params, int64_t b, int64_t hkv) {
                     if (!visible[j]) continue;
                     const float prob = p_hat[j] / row_sum;
                     const double dv_weight = p->quantize_p_for_dv ? p_fq[j] / row_sum : prob;
-                    const float *k = k_head + j * dim, *v = v_head + j * dim;
+                    const float *k = k_head + j * dim, *v = v_head + j * dim_v;
                     double dprob = 0.0;
-                    for (int64_t d = 0; d < dim; d++) dprob += (double)dout_row[d] * v[d];
+                    for (int64_t d = 0; d < dim_v; d++) dprob += (double)dout_row[d] * v[d];
                     const double dscore = prob * (dprob - delta);
-                    double *dk = dk_acc + j * dim, *dv = dv_acc + j * dim;
+                    double *dk = dk_acc + j * dim, *dv = dv_acc + j * dim_v;
                     for (int64_t d = 0; d < dim; d++) {
                         dq_acc[d] += dscore * k[d];
                         dk[d] += dscore * q_row[d];
-                        dv[d] += dv_weight * dout_row[d];
                     }
+                    for (int64_t d = 0; d < dim_v; d++) dv[d] += dv_weight * dout_row[d];
                 }
             }
             const int64_t dq_base = b * p->dq_stride[0] + h * p->dq_stride[1] + i * p->dq_stride[2];
@@ -340,10 +342,9 @@ static int backward_item(const void *params, int64_t b, int64_t hkv) {
     for (int64_t j = 0; !failed && j < nk; j++) {
         const int64_t dk_base = b * p->dk_stride[0] + hkv * p->dk_stride[1] + j * p->dk_stride[2];
         const int64_t dv_base = b * p->dv_stride[0] + hkv * p->dv_stride[1] + j * p->dv_stride[2];
-        for (int64_t d = 0; d < dim; d++) {
+        for (int64_t d = 0; d < dim; d++)
             store_half(p->dk, p->dtype, dk_base + d, (float)(scale * dk_acc[j * dim + d]));
-            store_half(p->dv, p->dtype, dv_base + d, (float)dv_acc[j * dim + d]);
-        }
+        for (int64_t d = 0; d < dim_v; d++) store_half(p->dv, p->dtype, dv_base + d, (float)dv_acc[j * dim_v + d]);
     }
     free(k_head);
     free(v_head);
@@ -361,8 +362,8 @@ static int backward_item(const void *params, int64_t b, int64_t hkv) {
 }
 
 const char *aq_attention_bwd_cpu(const aq_attention_bwd_params *p) {
-    const char *err = aq_attention_sizes_problem(p->dtype, p->head_dim, p->batch, p->heads_q, p->heads_kv,
-                                                 p->seqlen_q, p->seqlen_k);
+    const char *err = aq_attention_sizes_problem(p->dtype, p->head_dim, p->head_dim_v, p->batch, p->heads_q,
+                                                 p->heads_kv, p->seqlen_q, p->seqlen_k);
     if (!err) err = run_items(delta_item, p, p->batch, p->heads_q);
     return err ? err : run_items(backward_item, p, p->batch, p->heads_kv);
 }

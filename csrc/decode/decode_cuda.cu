@@ -396,7 +396,7 @@ static int decode_m_tiles(const aq_decode_params *p) {
 
 const char *aq_kv_cache_decode_plan_cuda(aq_decode_params *p, const aq_kernel_options *o, int64_t *workspace_floats) {
     if (!aq_attention_dtype_supported(p->dtype)) return "kv_cache_decode: dtype must be bfloat16 or float16";
-    if (!aq_head_dim_supported(p->head_dim)) return "kv_cache_decode: head_dim must be " AQ_HEAD_DIMS_TEXT;
+    if (!aq_decode_head_dim_supported(p->head_dim)) return "kv_cache_decode: head_dim must be " AQ_DECODE_HEAD_DIMS_TEXT;
     if (p->heads_kv <= 0 || p->heads_q <= 0 || p->heads_q % p->heads_kv != 0)
         return "kv_cache_decode: heads_q must be a positive multiple of heads_kv";
     if (p->batch < 0 || p->batch > 65535 || p->heads_kv > 65535)
