@@ -24,6 +24,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from . import _C
 from .attention import SUPPORTED_HEAD_DIMS, attention
 from .nvfp4 import BLOCK, NVFP4Tensor, dequantize, fake_quantize, quantize
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, ops, positive_scale, v_along_tokens
@@ -93,7 +94,7 @@ def nvfp4_attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False,
     along D (block_axis 3), V along D when `causal` and along tokens otherwise (block_axis 1 in "bshd",
     2 in "bhsd"; `v_block_axis` "tokens" or "head_dim" forces one), as `quantize_qkv(..., causal=causal)`
     packs them, or a bfloat16/float16 tensor. All must stand for one dtype, which the output has. D in
-    {64, 128}; grouped KV heads need H % H_kv == 0; `causal` aligns bottom-right like `attn_qat.attention`.
+    a multiple of 16 from 32 to 256, V's may differ from Q's and K's; grouped KV heads need H % H_kv == 0; `causal` aligns bottom-right like `attn_qat.attention`.
     The result equals `attn_qat.attention(q, k, v, causal=causal, mode="attn_qat")` under no_grad on the
     unpacked inputs (numerics.md §3); it carries no gradient (train with `attention`).
     """
@@ -111,11 +112,11 @@ def nvfp4_attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False,
         raise ValueError(f"attn_qat.{fn}: q, k and v must be on one device; got {qd}, {kd}, {vd}")
     heads_axis = 2 if layout == "bshd" else 1
     d = qs[dim_axis]
-    if d not in SUPPORTED_HEAD_DIMS or ks[dim_axis] != d or vs[dim_axis] != d:
-        raise ValueError(f"attn_qat.{fn}: head_dim must be one of {SUPPORTED_HEAD_DIMS} and shared by q, k and v; "
+    if d not in SUPPORTED_HEAD_DIMS or vs[dim_axis] not in SUPPORTED_HEAD_DIMS or ks[dim_axis] != d:
+        raise ValueError(f"attn_qat.{fn}: head_dim must be {_C.HEAD_DIMS_TEXT}, shared by q and k (v's may differ); "
                          f"got {qs[dim_axis]}, {ks[dim_axis]}, {vs[dim_axis]}")
-    if ks != vs:
-        raise ValueError(f"attn_qat.{fn}: k and v must have one shape, got {ks} and {vs}")
+    if ks[:dim_axis] + ks[dim_axis + 1:] != vs[:dim_axis] + vs[dim_axis + 1:]:
+        raise ValueError(f"attn_qat.{fn}: k and v must have one shape but for head_dim, got {ks} and {vs}")
     if qs[0] != ks[0]:
         raise ValueError(f"attn_qat.{fn}: batch sizes differ: {qs[0]} and {ks[0]}")
     if qs[heads_axis] % ks[heads_axis]:
@@ -145,7 +146,7 @@ def attention_prequantized(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
                            causal: bool) -> torch.Tensor:
     """The §3 inference forward on operands that already hold FP4 values (Q^F, K^F, V^F as bf16/fp16,
     (B, H, S, D) with any strides and a contiguous last dim): P is quantized, Q, K, V are not touched.
-    Causal aligns bottom-right. Output (B, Hq, Nq, D) in the layout of qf."""
+    Causal aligns bottom-right. Output (B, Hq, Nq, Dv) in the layout of qf."""
     qf, scale = positive_scale(qf, scale)
     return ops.attention_forward_prequantized(qf, kf, vf, None, scale,
                                               CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE)[0]

@@ -116,7 +116,8 @@ def check(q, k, v, dout, *, mode="attn_qat", mask=None, causal=None, api="sdpa",
     out_error, flipped_rows = forward_error(out, ref)
     errors = {"out": out_error, "flipped_rows": flipped_rows}
     errors.update({name: rel_error(ours, r) for name, ours, r in zip(("dq", "dk", "dv"), (dq, dk, dv), grads)})
-    assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and dq.shape == q.shape and dk.shape == k.shape
+    assert dv.shape == v.shape
     log_errors(q, k, mode, causal, mask, api, label, errors)
     assert errors["out"] <= FWD_TOL, f"{label} forward error {errors}"
     assert max(errors["dq"], errors["dk"], errors["dv"]) <= BWD_TOL, f"{label} backward error {errors}"

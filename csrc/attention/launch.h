@@ -8,11 +8,39 @@
 
 #include "attn_qat.h"
 
-/* f(std::integral_constant<int, D>()) for a head dim that aq_head_dim_supported accepts (checked before), and
-   with_head_dim_and_dtype likewise with the dtype: where the call's sizes become the kernels' template arguments. */
+/* f(std::integral_constant<int, D>()) for a head dim of 64 or 128 (the Hopper and decode kernels', checked before),
+   and with_head_dim_and_dtype likewise with the dtype: where the call's sizes become the kernels' template arguments.
+   The mma.sync kernels and the delta kernel take any head dims through a tile width (sm80_tile_width). */
 template <typename F>
 static inline auto with_head_dim(int64_t head_dim, F &&f) {
     return head_dim == 64 ? f(std::integral_constant<int, 64>()) : f(std::integral_constant<int, 128>());
+}
+
+/* The columns of the mma.sync kernels' Q, K, V and dO tiles for a call's head dims: 64, 128 or 256, the smallest that
+   holds both (the columns past a head dim are zeros, which add nothing to a product). Their fp32 accumulators (O,
+   O', dQ, dK, dV) hold slices of sm80_slice_width(W) columns, a CTA per slice, so that a warp's registers hold
+   them at W = 256 as at 128. */
+static inline int sm80_tile_width(int64_t head_dim, int64_t head_dim_v) {
+    const int64_t d = head_dim > head_dim_v ? head_dim : head_dim_v;
+    return d <= 64 ? 64 : d <= 128 ? 128 : 256;
+}
+static constexpr __host__ __device__ int sm80_slice_width(int tile_width) { return tile_width < 128 ? tile_width : 128; }
+static inline int sm80_slices(int64_t head_dim, int tile_width) {
+    const int w = sm80_slice_width(tile_width);
+    return (int)((head_dim + w - 1) / w);
+}
+
+/* f(std::integral_constant<int, W>(), std::integral_constant<aq_dtype, DT>()) for the call's tile width W. */
+template <typename F>
+static inline auto with_tile_width_and_dtype(int64_t head_dim, int64_t head_dim_v, aq_dtype dtype, F &&f) {
+    auto with_dtype = [&](auto w) {
+        return dtype == AQ_BFLOAT16 ? f(w, std::integral_constant<aq_dtype, AQ_BFLOAT16>())
+                                    : f(w, std::integral_constant<aq_dtype, AQ_FLOAT16>());
+    };
+    const int w = sm80_tile_width(head_dim, head_dim_v);
+    return w == 64    ? with_dtype(std::integral_constant<int, 64>())
+           : w == 128 ? with_dtype(std::integral_constant<int, 128>())
+                      : with_dtype(std::integral_constant<int, 256>());
 }
 
 template <typename F>

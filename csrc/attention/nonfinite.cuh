@@ -11,24 +11,24 @@
    remembering for each column d the rows j that held one, and afterwards poison acc[r, d] where a visible j
    is among them. */
 
-/* One thread per column (D <= AQ_THREADS): zero the non-finite values of a ROWS x D tile (ROWS <= 64) in place
-   and write col_rows[d] = the rows that held one in column d. */
+/* A thread per column (d, d + AQ_THREADS, ...): zero the non-finite values of a ROWS x D tile (ROWS <= 64) in
+   place and write col_rows[d] = the rows that held one in column d. */
 template <int ROWS, int D, aq_dtype DT>
 AQ_D void scrub_nonfinite_tile(uint16_t *tile, uint64_t *col_rows) {
-    static_assert(ROWS <= 64 && D <= AQ_THREADS, "one thread per column, one bit per row");
+    static_assert(ROWS <= 64, "one bit per row");
     constexpr int LD = D + AQ_SMEM_PAD;
     constexpr uint16_t EXP = DT == AQ_BFLOAT16 ? 0x7F80 : 0x7C00;
-    const int d = (int)threadIdx.x;
-    if (d >= D) return;
-    uint64_t rows = 0;
-    for (int r = 0; r < ROWS; r++) {
-        uint16_t *x = tile + r * LD + d;
-        if ((*x & EXP) == EXP) {
-            rows |= 1ull << r;
-            *x = 0;
+    for (int d = (int)threadIdx.x; d < D; d += AQ_THREADS) {
+        uint64_t rows = 0;
+        for (int r = 0; r < ROWS; r++) {
+            uint16_t *x = tile + r * LD + d;
+            if ((*x & EXP) == EXP) {
+                rows |= 1ull << r;
+                *x = 0;
+            }
         }
+        col_rows[d] = rows;
     }
-    col_rows[d] = rows;
 }
 
 /* NaN into acc (C fragments: acc[n][e] at row r = e >> 1, column 8n + frag_c_col) wherever a visible B row of

@@ -224,7 +224,8 @@ AQ_D float quad_row_sum(float l, bool seen, bool *any_seen) {
    attn_qat.reference), so that its outputs become NaN; an empty row (no visible key) keeps l = 0 and gets zeros. */
 AQ_D float finished_row_sum(float lsum, bool any_seen) { return any_seen && lsum == 0.0f ? NAN : lsum; }
 
-/* End of the forward for a warp's 16 rows: sums l over the quad, stores M and l (rows < nq) at stats + row, and
+/* End of the forward for a warp's 16 rows: sums l over the quad, stores M and l (rows < nq; unless frame_m is NULL)
+   at stats + row, and
    turns o (and o2) into outputs: o * o_factor / l, o2 / l; exact zeros for empty rows (no visible key), NaN for
    rows that saw keys but whose l is 0 (finished_row_sum). */
 template <int D, bool SCALE_O2>
@@ -241,7 +242,7 @@ AQ_D void finish_forward_rows(float (&o)[D / 8][4], float (&o2)[D / 8][4], const
         empty[r] = !any_seen;
         inv_l[r] = 1.0f / lsum;
         const int row = row_base + frag_c_row(lane, 2 * r);
-        if ((lane & 3) == 0 && row < nq) {
+        if (frame_m != NULL && (lane & 3) == 0 && row < nq) {
             frame_m[row] = m[r];
             row_sum[row] = lsum;
         }

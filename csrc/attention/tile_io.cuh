@@ -44,12 +44,13 @@ AQ_D bool chunk8_nonfinite(uint4 v) {
     return (((v.x & EXP) + ONE) | ((v.y & EXP) + ONE) | ((v.z & EXP) + ONE) | ((v.w & EXP) + ONE)) & 0x80008000u;
 }
 
-/* All AQ_THREADS threads copy global rows [0, valid) (row stride `stride` elements) into the tile and write zeros
-   to rows [valid, ROWS): padding keys then give finite scores and V rows of 0, so 0-weighted padding never makes
-   a NaN (0 * garbage). Rows >= valid are never read from global memory. Returns whether this thread loaded an
-   Inf or NaN (for the tiles that may need scrub_nonfinite_tile). */
+/* All AQ_THREADS threads copy global rows [0, valid), columns [0, cols) (row stride `stride` elements; cols a
+   multiple of 8 up to D) into the tile and write zeros to the rest of its ROWS x D: padding keys then give finite
+   scores and V rows of 0, so 0-weighted padding never makes a NaN (0 * garbage), and padding columns add exact
+   zeros to every product (a head dim below the tile's). Nothing outside [0, valid) x [0, cols) is read from global
+   memory. Returns whether this thread loaded an Inf or NaN (for the tiles that may need scrub_nonfinite_tile). */
 template <int ROWS, int D, aq_dtype DT>
-AQ_D bool load_tile(uint16_t *smem, const uint16_t *g, int64_t stride, int valid, bool vec) {
+AQ_D bool load_tile(uint16_t *smem, const uint16_t *g, int64_t stride, int valid, int cols, bool vec) {
     constexpr int LD = D + AQ_SMEM_PAD, CHUNKS = D / 8;
     static_assert((ROWS * CHUNKS) % AQ_THREADS == 0, "tile chunks must split evenly over the CTA");
     bool nonfinite = false;
@@ -57,7 +58,7 @@ AQ_D bool load_tile(uint16_t *smem, const uint16_t *g, int64_t stride, int valid
     for (int i = 0; i < ROWS * CHUNKS / AQ_THREADS; i++) {
         const int c = (int)threadIdx.x + i * AQ_THREADS, r = c / CHUNKS, col = (c % CHUNKS) * 8;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (r < valid) v = load_chunk8(g + r * stride + col, vec);
+        if (r < valid && col < cols) v = load_chunk8(g + r * stride + col, vec);
         nonfinite |= chunk8_nonfinite<DT>(v);
         *(uint4 *)(smem + r * LD + col) = v;
     }
@@ -65,12 +66,13 @@ AQ_D bool load_tile(uint16_t *smem, const uint16_t *g, int64_t stride, int valid
 }
 
 /* One warp writes its 16 x D fp32 accumulator (C fragments acc[n] = columns 8n .. 8n+7) as DT to global rows
-   [0, valid), staged through `stage` (the warp's own 16 rows of a padded tile that no other warp reads any
-   more) so the global writes are whole 16-byte chunks of a row. Bank-conflict free: the 32-bit writes of one
-   instruction hit word (g * LD / 2 + t) mod 32 = 4g + t, since LD / 2 = 4 mod 32. */
+   [0, valid), columns [0, cols) (a multiple of 8), staged through `stage` (the warp's own 16 rows of a padded
+   tile, row stride D + AQ_SMEM_PAD, that no other warp reads any more) so the global writes are whole 16-byte
+   chunks of a row. Bank-conflict free: the 32-bit writes of one instruction hit word (g * LD / 2 + t) mod 32 =
+   4g + t, since LD / 2 = 4 mod 32. */
 template <int D, aq_dtype DT>
 AQ_D void store_warp_rows(const float (&acc)[D / 8][4], uint16_t *stage, uint16_t *g, int64_t stride, int valid,
-                          bool vec) {
+                          int cols, bool vec) {
     constexpr int LD = D + AQ_SMEM_PAD, CHUNKS = D / 8;
     const int lane = (int)threadIdx.x & 31;
     __syncwarp();
@@ -84,7 +86,7 @@ AQ_D void store_warp_rows(const float (&acc)[D / 8][4], uint16_t *stage, uint16_
 #pragma unroll
     for (int i = 0; i < 16 * CHUNKS / 32; i++) {
         const int c = lane + 32 * i, r = c / CHUNKS, col = (c % CHUNKS) * 8;
-        if (r < valid) store_chunk8(g + r * stride + col, *(const uint4 *)(stage + r * LD + col), vec);
+        if (r < valid && col < cols) store_chunk8(g + r * stride + col, *(const uint4 *)(stage + r * LD + col), vec);
     }
     __syncwarp();
 }

@@ -663,6 +663,7 @@ const char *aq_attention_bwd_sm90(const aq_attention_bwd_params *p, const aq_att
                                   cudaStream_t stream, bool *taken, const int **fallback_flag) {
     *taken = false;
     *fallback_flag = NULL;
+    if (!aq_sm90_head_dims(p->head_dim, p->head_dim_v)) return NULL; /* the mma.sync kernels take these */
     return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
         return launch_bwd_sm90<decltype(d)::value, decltype(dt)::value>(p, plan, stream, taken, fallback_flag);
     });

@@ -1,0 +1,119 @@
+"""Head dims other than 64 and 128, and V's head dim differing from Q's and K's (DeepSeek's 192 / 128): every
+multiple of 16 from 32 to 256, against attn_qat.reference at the awkward sizes of test_attention.py, on the CPU
+kernels and on the GPU (the mma.sync kernels, which take the head dims the Hopper kernels do not)."""
+import pytest
+import torch
+
+import attn_qat
+from attn_qat import reference
+from conftest import DEVICES, rel_error
+from test_attention import check, fresh_generator, run
+
+# (Q/K head dim, V head dim): the ones models use (Phi-2 80, Phi-3 96, Gemma and Qwen3-Next 256, DeepSeek MLA
+# 192 / 128), the smallest, a few odd multiples of 16, and V's wider and narrower than Q's.
+DIMS = [(32, 32), (48, 48), (80, 80), (96, 96), (112, 112), (160, 160), (192, 128), (256, 256), (64, 128),
+        (128, 64), (144, 208)]
+CPU_DIMS = [(32, 32), (80, 80), (192, 128), (256, 256), (64, 128)]
+
+
+def make_inputs(b, hq, hkv, nq, nk, d, d_v, dtype, device, g=None):
+    g = g or fresh_generator()
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    return t(b, hq, nq, d), t(b, hkv, nk, d), t(b, hkv, nk, d_v), t(b, hq, nq, d_v)
+
+
+# the CPU kernels take every head dim by one loop and cost N^2 D: a few dims there, all on the GPU
+CASES = ([pytest.param("cpu", d, id=f"cpu-{d[0]}-{d[1]}") for d in CPU_DIMS] +
+         [pytest.param("cuda", d, id=f"cuda-{d[0]}-{d[1]}", marks=pytest.mark.gpu) for d in DIMS])
+
+
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("device, dims", CASES)
+def test_head_dims_against_reference(device, dims, causal):
+    """GQA, N_q != N_k, neither a multiple of a tile, both causal alignments."""
+    d, d_v = dims
+    q, k, v, dout = make_inputs(1, 4, 2, 77, 93, d, d_v, torch.bfloat16, device)
+    check(q, k, v, dout, causal=causal, api="attention" if causal == "bottom_right" else "sdpa",
+          label=f"D {d}, Dv {d_v}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", attn_qat.MODES)
+def test_every_mode_at_192_128(device, mode):
+    q, k, v, dout = make_inputs(2, 2, 1, 40, 70, 192, 128, torch.bfloat16, device)
+    check(q, k, v, dout, mode=mode, causal="top_left", label=mode)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [96, 256])
+def test_masks_fp16_and_empty_rows(device, d):
+    g = fresh_generator()
+    q, k, v, dout = make_inputs(2, 2, 2, 50, 70, d, d, torch.float16, device, g=g)
+    mask = (torch.randn(2, 1, 50, 70, generator=g) * 2).to(device)
+    mask[:, :, :, 60:] = float("-inf")
+    mask[0, :, 7] = float("-inf")  # a row with no visible key
+    check(q, k, v, dout, mask=mask, label="additive")
+    out, dq, _, _ = run(q, k, v, dout, mask=mask)
+    assert not out[0, :, 7].any() and not dq[0, :, 7].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dims", [(80, 80), (192, 128)], ids=str)
+def test_packed_sequences(device, dims):
+    """attention_varlen (no Hopper tiles at these dims: no work order) equals each sequence on its own: bit for bit
+    on the CPU, whose kernels sum in a fixed order, to fp32 summation order on the GPU."""
+    d, d_v = dims
+    g = fresh_generator()
+    cu = torch.tensor([0, 37, 38, 98], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(98, h, dim, generator=g).to(torch.bfloat16).to(device) for h, dim in ((4, d), (2, d),
+                                                                                                   (2, d_v)))
+    out = attn_qat.attention_varlen(q, k, v, cu, cu, 60, 60, causal=True)
+    assert out.shape == (98, 4, d_v)
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = attn_qat.attention(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], causal=True)[0]
+        if device == "cpu":
+            assert torch.equal(out[lo:hi], alone)
+        else:
+            assert rel_error(out[lo:hi], alone) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256), (192, 128)], ids=str)
+def test_gpu_matches_cpu(dims):
+    """The CUDA kernels and the C CPU kernels follow one contract: their outputs agree to fp32 summation order."""
+    d, d_v = dims
+    q, k, v, dout = make_inputs(1, 2, 2, 45, 60, d, d_v, torch.bfloat16, "cpu")
+    cpu = run(q, k, v, dout, causal="top_left")
+    gpu = run(*(t.cuda() for t in (q, k, v, dout)), causal="top_left")
+    for name, a, c in zip(("out", "dq", "dk", "dv"), gpu, cpu):
+        assert rel_error(a.cpu(), c) < 2e-3, name
+
+
+@pytest.mark.gpu
+def test_non_finite_values_and_strided_operands_at_256():
+    """A NaN in a hidden key's V row stays out (the scrub of a 256-wide tile takes two columns a thread), and
+    operands whose rows are not 16-byte aligned take the unvectorised loads."""
+    g = fresh_generator()
+    q, k, v, dout = make_inputs(1, 2, 2, 30, 40, 256, 256, torch.bfloat16, "cuda", g=g)
+    v[0, :, 35, 200] = float("nan")  # key 35 is hidden from queries 0..34 (top-left causal)
+    out = attn_qat.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.isfinite(out[:, :, :35]).all() and torch.isnan(out[:, :, 35:, 200]).all()
+    # bf16 mode: the kernels read the operands themselves (no pre-pass copy), here rows 8-byte aligned
+    wide = torch.randn(1, 2, 40, 264, generator=g).to(torch.bfloat16).cuda()[..., 4:260]
+    ref = reference.attention(q.cpu(), wide.cpu(), wide.cpu(), mode="bf16")
+    assert rel_error(attn_qat.scaled_dot_product_attention(q, wide, wide, mode="bf16").cpu(), ref) < 3e-3
+
+
+def test_value_head_dim_may_differ_but_key_may_not():
+    q = torch.randn(1, 2, 10, 64, dtype=torch.bfloat16)
+    assert attn_qat.scaled_dot_product_attention(q, q, q[..., :32].contiguous()).shape == (1, 2, 10, 32)
+    with pytest.raises(ValueError, match="query and key must share head_dim"):
+        attn_qat.scaled_dot_product_attention(q, q[..., :32].contiguous(), q)
+    for bad in (16, 72, 272):
+        x = torch.randn(1, 2, 10, bad, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=f"head_dim {bad} is not supported"):
+            attn_qat.scaled_dot_product_attention(q, q, x)
+    assert attn_qat.SUPPORTED_HEAD_DIMS == tuple(range(32, 257, 16))
