@@ -234,7 +234,8 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """Drop-in replacement for `torch.nn.functional.scaled_dot_product_attention` with 4-bit attention.
 
-    query (B, H, Nq, D), key and value (B, H_kv, Nk, D) (or without the batch dimension), D in {64, 128}, any
+    query and key (B, H, Nq, D), (B, H_kv, Nk, D), value (B, H_kv, Nk, Dv) (or without the batch dimension), D and
+    Dv multiples of 16 from 32 to 256 (the output has Dv), any
     strides (an operand whose last dimension is strided is copied once, as SDPA copies it). bfloat16 or float16
     run as they are. float32 runs in bfloat16 (in the autocast dtype under autocast): the operands are cast at the
     call, the FP4 numerics are those of the 16-bit operands, and outside autocast the output comes back in float32

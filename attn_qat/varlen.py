@@ -274,7 +274,8 @@ def attention_varlen(
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """4-bit attention over packed sequences, like `flash_attn_varlen_func`.
 
-    q (total_q, H, D), k and v (total_k, H_kv, D): the sequences' tokens one after another, D in {64, 128}, H a
+    q (total_q, H, D), k (total_k, H_kv, D) and v (total_k, H_kv, Dv): the sequences' tokens one after another, D
+    and Dv multiples of 16 from 32 to 256, H a
     multiple of H_kv; dtypes (float32 runs in bfloat16 and comes back in float32) and strides as in
     `attn_qat.scaled_dot_product_attention`.
     cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) on q's device, the cumulative lengths (0 first, the totals last;

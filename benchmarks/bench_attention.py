@@ -2,7 +2,8 @@
 (D from O, so no O' in its forward: numerics.md §5) and `bf16` mode, against torch SDPA's cuDNN and FlashAttention-2
 backends on the same tensors, in one process.
 
-FLOPs: forward 4·B·H·Nq·Nk·D, backward 2.5× that, halved when causal. Times are medians of back-to-back calls
+FLOPs: forward 2·B·H·Nq·Nk·(D + Dv) (4·B·H·Nq·Nk·D when V's head dim is D), backward 2.5× that, halved when
+causal. Times are medians of back-to-back calls
 timed between CUDA events (common.median_ms); inputs alternate between two sets so no run reads the previous run's
 inputs from L2. Each shape's cases run in --rounds rounds, one after another in each (in reverse order every other
 round), and a case's time is its median over the rounds.
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_qat  # noqa: E402
 from common import forward_flops, metadata, parse_bench_args, selected_shapes, timed, write_json  # noqa: E402
 
-# name: (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
+# name: (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal[, V's head_dim when it differs])
 SHAPES = {
     "wan14b_self": (1, 40, 40, 32760, 32760, 128, False),
     "wan1.3b_self": (1, 12, 12, 32760, 32760, 128, False),
@@ -30,23 +31,30 @@ SHAPES = {
     "b16_h16_1k": (16, 16, 16, 1024, 1024, 128, False),
     "qwen_gqa_causal": (4, 32, 8, 4096, 4096, 128, True),
     "b8_h16_4k_d64": (8, 16, 16, 4096, 4096, 64, False),
+    # head dims the Hopper kernels do not take (the mma.sync kernels run them): Gemma's and Qwen3-Next's 256,
+    # Phi-3's 96, Phi-2's 80, DeepSeek MLA's 192 / 128
+    "b4_h16_4k_d256": (4, 16, 16, 4096, 4096, 256, False),
+    "b8_h16_4k_d96": (8, 16, 16, 4096, 4096, 96, False),
+    "b8_h16_4k_d80": (8, 16, 16, 4096, 4096, 80, False),
+    "b4_h16_4k_d192_128": (4, 16, 16, 4096, 4096, 192, True, 128),
 }
 QUICK = ("b8_h16_4k", "b16_h16_1k", "qwen_gqa_causal", "b8_h16_4k_d64")
 
 
-def make_sets(b, hq, hkv, nq, nk, d):
+def make_sets(b, hq, hkv, nq, nk, d, d_v):
     def one():
         q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        return q, k, v, torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hkv, nk, d_v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        return q, k, v, torch.randn(b, hq, nq, d_v, device="cuda", dtype=torch.bfloat16)
     return [one(), one()]
 
 
 def bench_shape(name, shape, repeat, rounds):
-    b, hq, hkv, nq, nk, d, causal = shape
-    sets = make_sets(b, hq, hkv, nq, nk, d)
-    fwd_flops = forward_flops(b, hq, nq, nk, d, causal)
+    b, hq, hkv, nq, nk, d, causal, *rest = shape
+    d_v = rest[0] if rest else d
+    sets = make_sets(b, hq, hkv, nq, nk, d, d_v)
+    fwd_flops = forward_flops(b, hq, nq, nk, (d + d_v) / 2, causal)
     rows = {}
 
     def ours(mode, grad):
@@ -127,7 +135,7 @@ def bench_shape(name, shape, repeat, rounds):
         "bf16 mode fwd+bwd / cuDNN fwd+bwd": ratio(["bf16 mode fwd", "bf16 mode bwd"], ["cuDNN fwd", "cuDNN bwd"]),
         "FA2 fwd+bwd / cuDNN fwd+bwd": ratio(["FA2 fwd", "FA2 bwd"], ["cuDNN fwd", "cuDNN bwd"]),
     }
-    return {"shape": name, "dims": dict(zip(("B", "Hq", "Hkv", "Nq", "Nk", "D", "causal"), shape)),
+    return {"shape": name, "dims": dict(zip(("B", "Hq", "Hkv", "Nq", "Nk", "D", "causal", "Dv"), shape)),
             "results": rows, "ratios": ratios}
 
 
@@ -176,7 +184,7 @@ def main():
                   f"{r['results'][x]['TFLOP/s']:.0f}") for x in labels]
         print(f"| {r['shape']} | " + " | ".join(cells) + " |")
     write_json(args.out, {**meta, "rounds": args.rounds,
-                          "flops": "forward 4*B*H*Nq*Nk*D, backward 2.5x, halved when causal",
+                          "flops": "forward 2*B*H*Nq*Nk*(D + Dv), backward 2.5x, halved when causal",
                           "shapes": results})
     plot(results, os.path.splitext(args.out)[0] + ".png")
 
