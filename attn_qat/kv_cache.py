@@ -41,7 +41,7 @@ from . import _C
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, ops, positive_scale
 
 BLOCK = 16
-DECODE_HEAD_DIMS = _C.DECODE_HEAD_DIMS  # the head dims the cache and its decode kernel take (csrc/attn_qat.h)
+DECODE_HEAD_DIMS = _C.DECODE_HEAD_DIMS  # the CUDA decode kernel's head dims; others take the composite path
 MAX_KERNEL_QUERIES = 16  # query tokens the CUDA decode kernel takes; more use the composite path
 
 
@@ -53,9 +53,9 @@ def _positive_int(name: str, value) -> int:
 
 class NVFP4KVCache:
     """A preallocated NVFP4 KV cache for `batch` sequences of up to `capacity` tokens (rounded up to a
-    multiple of 16, or of `page_size`), `heads_kv` heads of `head_dim` (64 or 128) channels, appended to in
-    `dtype` (bfloat16 or float16). Sequences grow independently: `lengths` (int64 (batch,) on the cache's
-    device; read it, do not modify it) says how many tokens each holds. No autograd.
+    multiple of 16, or of `page_size`), `heads_kv` heads of `head_dim` (a multiple of 16 from 32 to 256)
+    channels, appended to in `dtype` (bfloat16 or float16). Sequences grow independently: `lengths` (int64
+    (batch,) on the cache's device; read it, do not modify it) says how many tokens each holds. No autograd.
 
     With `page_size` (a multiple of 16) the cache is paged: a pool of `num_pages` pages (default: enough for
     every sequence to reach `capacity`) that sequences take from as they grow and return with `reset`; a pool
@@ -68,8 +68,8 @@ class NVFP4KVCache:
         self.batch = _positive_int("batch", batch)
         self.heads_kv = _positive_int("heads_kv", heads_kv)
         capacity = _positive_int("capacity", capacity)
-        if head_dim not in DECODE_HEAD_DIMS:
-            raise ValueError(f"attn_qat.NVFP4KVCache: head_dim must be one of {DECODE_HEAD_DIMS}, got {head_dim!r}")
+        if head_dim not in _C.HEAD_DIMS:
+            raise ValueError(f"attn_qat.NVFP4KVCache: head_dim must be {_C.HEAD_DIMS_TEXT}, got {head_dim!r}")
         if dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"attn_qat.NVFP4KVCache: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         self.head_dim, self.dtype = head_dim, dtype
@@ -277,8 +277,8 @@ class NVFP4KVCache:
         sequence (already appended): with `causal` (bottom-right aligned per sequence) query t of sequence b
         sees keys j <= lengths[b] - Tq + t, else all lengths[b] keys; a query with no visible key (a sequence
         shorter than Tq) gets 0. `softmax_scale` defaults to 1/sqrt(head_dim). Returns (batch, heads_q, Tq,
-        head_dim) in q's dtype, which must be the cache's. Any Tq >= 1; above 16 (or on the CPU) it takes the
-        composite path. V is blocked along head_dim whether or not `causal` (the cache stores it so), unlike
+        head_dim) in q's dtype, which must be the cache's. Any Tq >= 1; above 16, on the CPU, or at head dims
+        other than 64 and 128 (the decode kernel's) it takes the composite path. V is blocked along head_dim whether or not `causal` (the cache stores it so), unlike
         `attn_qat.attention(..., causal=False)`, which blocks it along tokens (numerics.md §2)."""
         fn = "attn_qat.NVFP4KVCache.attention"
         if not isinstance(q, torch.Tensor):
@@ -295,7 +295,7 @@ class NVFP4KVCache:
             raise ValueError(f"{fn}: q is on {q.device}, the cache on {self.device}")
         scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
         with torch.no_grad():
-            if q.is_cuda and q.shape[2] <= MAX_KERNEL_QUERIES and _C.with_cuda:
+            if q.is_cuda and q.shape[2] <= MAX_KERNEL_QUERIES and _C.with_cuda and self.head_dim in DECODE_HEAD_DIMS:
                 q, scale = positive_scale(q, scale)  # the kernel takes scale > 0 (ops.positive_scale)
                 if not q.is_contiguous() or q.data_ptr() % 16:  # the kernel reads q's rows 16 bytes at a time
                     q = q.clone(memory_format=torch.contiguous_format)

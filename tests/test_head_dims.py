@@ -117,3 +117,17 @@ def test_value_head_dim_may_differ_but_key_may_not():
         with pytest.raises(ValueError, match=f"head_dim {bad} is not supported"):
             attn_qat.scaled_dot_product_attention(q, q, x)
     assert attn_qat.SUPPORTED_HEAD_DIMS == tuple(range(32, 257, 16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [32, 80, 256])
+def test_kv_cache_at_other_head_dims(device, head_dim):
+    """NVFP4KVCache takes every head dim; those the CUDA decode kernel does not (64 and 128 only) take the
+    composite path (dequantize, then the attention kernels), paged too, against the float64 reference."""
+    from test_kv_cache import UNEQUAL, Filled
+    from test_kv_cache import check as check_cache
+    f = Filled(3, 2, head_dim, 80, torch.bfloat16, device, page_size=48)
+    for tokens, lengths in UNEQUAL:
+        f.append(tokens, lengths)
+    for tq, causal in ((1, True), (5, True), (3, False)):
+        check_cache(f, f.query(4, tq), causal, f"D {head_dim}, Tq {tq}")

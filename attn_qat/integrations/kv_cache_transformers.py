@@ -48,8 +48,9 @@ try:
 except ImportError:  # transformers 4.x spells it PretrainedConfig
     from transformers.configuration_utils import PretrainedConfig as PreTrainedConfig
 
+from .. import _C
 from ..attention import MASKED_BELOW, attention
-from ..kv_cache import DECODE_HEAD_DIMS, NVFP4KVCache
+from ..kv_cache import NVFP4KVCache
 # The attribute of the key tensor `update` returns that names the layer whose pending step it is; the
 # "attn_qat" attention function reads it.
 from .transformers import CACHE_LAYER_ATTR
@@ -141,8 +142,8 @@ class NVFP4CacheLayer(CacheLayerMixin):
         if key_states.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"{_WHERE}: keys and values must be bfloat16 or float16 (load the model in one of them), "
                             f"got {key_states.dtype}")
-        if head_dim not in DECODE_HEAD_DIMS or value_states.shape[-1] != head_dim:
-            raise ValueError(f"{_WHERE}: head_dim must be one of {DECODE_HEAD_DIMS} for keys and values, got "
+        if head_dim not in _C.HEAD_DIMS or value_states.shape[-1] != head_dim:
+            raise ValueError(f"{_WHERE}: head_dim must be {_C.HEAD_DIMS_TEXT}, one for keys and values, got "
                              f"{head_dim} and {value_states.shape[-1]}")
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads, self.head_dim = batch, heads_kv, head_dim
