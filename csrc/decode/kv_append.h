@@ -1,8 +1,9 @@
 /* Appending tokens to an NVFP4 KV cache (attn_qat.NVFP4KVCache): each new token's K and V quantized along head_dim
    (numerics.md §1, §2) and their codes and scales scattered into the page pools (attn_qat.h, above aq_decode_params,
    has their layout), in one pass; then every sequence's length advanced. The CPU (kv_append_cpu.c) and CUDA
-   (kv_append_cuda.cu) kernels share the block rule (format/nvfp4.h) and the byte placement below, so both write what
-   nvfp4_quantize(k, 3) / nvfp4_quantize(v, 3) followed by the scatter of kv_cache.py wrote before this kernel. */
+   (kv_append_cuda.cu) kernels share the block rule (format/nvfp4.h) and the byte placement below: both write the bytes
+   of nvfp4_quantize(k, 3) and nvfp4_quantize(v, 3) where attn_qat.h places them (tests/test_kv_cache.py compares
+   them with a scatter of torch ops). */
 #pragma once
 
 #include "attn_qat.h"
@@ -57,17 +58,20 @@ typedef struct {
     int64_t v_scale;  /* 1 byte */
 } aq_kv_block_place;
 
-/* Token `slot` of page `page`, KV head h: K per token (codes, then D/16 scale bytes); V's pair row slot / 2 holding
-   the 16-bit halves of tokens 2p and 2p + 1 alternately; V's unit row slot / 16 per 16-channel block, its tokens in
-   the order 0, 1, 8, 9, 2, 3, 10, 11, ... (token r of the unit at 4 ((r % 8) / 2) + 2 (r / 8) + r % 2). */
-AQ_HD aq_kv_block_place aq_kv_place(const aq_kv_append_params *p, int64_t page, int64_t h, int64_t slot, int64_t blk) {
+/* Token `slot` of page `page`, KV head h: K's row of D/2 code bytes and row of D/16 scale bytes; V's pair row
+   slot / 2 holding the 16-bit halves of tokens 2p and 2p + 1 alternately; V's unit row slot / 16 per 16-channel
+   block, its tokens in the order 0, 1, 8, 9, 2, 3, 10, 11, ... (token r of the unit at 4 ((r % 8) / 2) + 2 (r / 8)
+   + r % 2). */
+AQ_HD aq_kv_block_place aq_kv_place(const aq_kv_append_params *p, int64_t page, int64_t h, int64_t slot,
+                                    int64_t blk) {
     const int64_t d = p->head_dim, ps = p->page_size, r = slot % AQ_BLOCK;
     const int64_t head = page * p->heads_kv + h;
     aq_kv_block_place at;
     at.k_codes = (head * ps + slot) * (d / 2) + blk * (AQ_BLOCK / 2);
     at.k_scale = (head * ps + slot) * (d / AQ_BLOCK) + blk;
     at.v_codes = (head * (ps / 2) + slot / 2) * d + blk * AQ_BLOCK + 2 * (slot % 2);
-    at.v_scale = (head * (ps / AQ_BLOCK) + slot / AQ_BLOCK) * d + blk * AQ_BLOCK + 4 * (r % 8 / 2) + 2 * (r / 8) + r % 2;
+    at.v_scale =
+        (head * (ps / AQ_BLOCK) + slot / AQ_BLOCK) * d + blk * AQ_BLOCK + 4 * (r % 8 / 2) + 2 * (r / 8) + r % 2;
     return at;
 }
 
