@@ -217,18 +217,18 @@ class NVFP4KVCache:
             b = next(b for b, n in enumerate(grown) if n > self.capacity)
             raise ValueError(f"attn_qat.NVFP4KVCache.append: sequence {b} holds {held[b]} tokens; {grown[b] - held[b]} "
                              f"more exceed the capacity of {self.capacity}")
-        new_pages = [max(0, -(-n // self.page_size) - len(pages)) for n, pages in zip(grown, self._pages)] \
-            if self.paged else None
-        if new_pages is not None and any(new_pages):
-            if sum(new_pages) > len(self._free):
-                raise ValueError(f"attn_qat.NVFP4KVCache.append: out of pages: the append needs {sum(new_pages)} "
-                                 f"more pages of {self.page_size} tokens, {len(self._free)} of the pool's "
-                                 f"{self.num_pages} are free (reset finished sequences, or make num_pages larger)")
-            for pages, extra in zip(self._pages, new_pages):
-                pages.extend(self._free.pop() for _ in range(extra))
-            self._sync_block_table()
-        else:
-            new_pages = None
+        new_pages = None  # pages each sequence takes from the pool, when any does
+        if self.paged:
+            needed = [max(0, -(-n // self.page_size) - len(pages)) for n, pages in zip(grown, self._pages)]
+            if any(needed):
+                if sum(needed) > len(self._free):
+                    raise ValueError(f"attn_qat.NVFP4KVCache.append: out of pages: the append needs {sum(needed)} "
+                                     f"more pages of {self.page_size} tokens, {len(self._free)} of the pool's "
+                                     f"{self.num_pages} are free (reset finished sequences, or make num_pages larger)")
+                for pages, extra in zip(self._pages, needed):
+                    pages.extend(self._free.pop() for _ in range(extra))
+                self._sync_block_table()
+                new_pages = needed
         try:
             self._store(k, v, counts)
         except BaseException:  # a failed store (out of memory, say) gives its pages back: the append changed nothing
