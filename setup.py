@@ -55,7 +55,7 @@ if "90" in archs:
 csrc = "csrc"
 sources = [f"{csrc}/{f}" for f in ("binding/module.c", "binding/registry.cpp", "binding/quantize_ops.cpp",
                                    "binding/attention_ops.cpp", "binding/decode_op.cpp", "binding/kernel_options.cpp",
-                                   "cpu/quantize_cpu.c", "cpu/attention_cpu.c")]
+                                   "cpu/quantize_cpu.c", "cpu/attention_cpu.c", "decode/kv_append_cpu.c")]
 defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DTORCH_STABLE_ONLY"]
 # OpenMP runs the C CPU kernels on torch's threads (csrc/cpu/attention_cpu.c)
 openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
@@ -73,7 +73,8 @@ if with_cuda:
     sources += [f"{csrc}/{f}" for f in ("format/quantize_cuda.cu", "attention/dispatch.cu", "sm80/attention_fwd.cu",
                                          "sm90/attention_fwd_sm90.cu", "sm80/attention_bwd.cu",
                                          "sm90/attention_bwd_sm90.cu", "decode/decode_cuda.cu",
-                                         "attention/p_fp16_path.cu", "attention/backward_preprocess.cu")]
+                                         "attention/p_fp16_path.cu", "attention/backward_preprocess.cu",
+                                         "decode/kv_append_cuda.cu")]
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DAQ_WITH_CUDA", "-DUSE_CUDA"] + defines
     nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     if "90a" in archs:

@@ -12,7 +12,8 @@ Storage (numerics.md §2: a decoding query does not see every key, so K and V ar
   holds each 16-token unit's scales block-major, its tokens in the order 0, 1, 8, 9, 2, 3, 10, 11, ....
   `dequantized` undoes the arrangement.
 - Each token is quantized once, when it is appended, and never again: the cache holds exactly the K^F and V^F the
-  training forward of a causal model computes with.
+  training forward of a causal model computes with. One op (`kv_cache_append`, csrc/decode/kv_append.h, CPU and CUDA)
+  quantizes the new tokens, scatters them into the pages and advances the lengths on the device.
 - ``block_table`` (B, capacity / page_size) int32: token j of sequence b lives at token j % page_size of page
   block_table[b, j // page_size] (-1: no page yet).
 
@@ -94,6 +95,7 @@ class NVFP4KVCache:
         self.v_scales = torch.zeros(p, h, n // BLOCK, d, **zeros)
         self._lengths = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self._host_lengths = [0] * self.batch  # the same numbers, so no call needs to read them back from the device
+        self._max_length = 0  # max(_host_lengths), which every decode call passes
         # The pages of each sequence in token order (host copy of block_table's rows), and the free pages.
         self._pages = [[] for _ in range(self.batch)] if self.paged else [[b] for b in range(self.batch)]
         self._free = list(range(num_pages - 1, -1, -1)) if self.paged else []  # pop() takes the lowest first
@@ -120,6 +122,7 @@ class NVFP4KVCache:
             if self.paged:
                 self._free.extend(reversed(self._pages[b]))
                 self._pages[b] = []
+        self._max_length = max(self._host_lengths)
         self._lengths.copy_(self._staged(self._host_lengths, torch.long), non_blocking=True)
         self._sync_block_table()
 
@@ -171,9 +174,10 @@ class NVFP4KVCache:
             raise ValueError(f"attn_qat.NVFP4KVCache.append: {name} must be (batch, heads_kv, tokens, head_dim) = "
                              f"({self.batch}, {self.heads_kv}, T, {self.head_dim}), got {tuple(x.shape)}")
 
-    def _counts(self, lengths, tokens: int) -> list:
+    def _counts(self, lengths, tokens: int) -> Optional[list]:
+        """The tokens each sequence appends, or None when every sequence appends all `tokens`."""
         if lengths is None:
-            return [tokens] * self.batch
+            return None
         if isinstance(lengths, torch.Tensor):
             if lengths.dim() != 1 or lengths.is_floating_point() or lengths.is_complex():
                 raise ValueError("attn_qat.NVFP4KVCache.append: lengths must be a 1-D integer tensor or a list")
@@ -185,7 +189,7 @@ class NVFP4KVCache:
         if bad:
             raise ValueError(f"attn_qat.NVFP4KVCache.append: lengths must be in [0, {tokens}] (the tokens passed), "
                              f"got {counts}")
-        return counts
+        return None if all(c == tokens for c in counts) else counts
 
     def append(self, k: torch.Tensor, v: torch.Tensor, lengths: Union[torch.Tensor, Sequence[int], None] = None):
         """Appends new tokens: k, v (batch, heads_kv, T, head_dim) in the cache's dtype and device.
@@ -196,77 +200,56 @@ class NVFP4KVCache:
         self._check_new("v", v)
         if k.shape != v.shape:
             raise ValueError(f"attn_qat.NVFP4KVCache.append: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-        counts = self._counts(lengths, k.shape[2])
+        tokens = k.shape[2]
+        counts = self._counts(lengths, tokens)
         held = self._host_lengths
-        over = [(b, held[b], c) for b, c in enumerate(counts) if held[b] + c > self.capacity]
-        if over:
-            b, held, c = over[0]
-            raise ValueError(f"attn_qat.NVFP4KVCache.append: sequence {b} holds {held} tokens; {c} more exceed the "
-                             f"capacity of {self.capacity}")
-        if not any(counts):
-            return
-        new_pages = [max(0, -(-(n + c) // self.page_size) - len(pages))
-                     for n, c, pages in zip(held, counts, self._pages)]
-        if sum(new_pages) > len(self._free):
-            raise ValueError(f"attn_qat.NVFP4KVCache.append: out of pages: the append needs {sum(new_pages)} more "
-                             f"pages of {self.page_size} tokens, {len(self._free)} of the pool's {self.num_pages} "
-                             f"are free (reset finished sequences, or make num_pages larger)")
-        if any(new_pages):
-            for pages, extra in zip(self._pages, new_pages):
-                pages.extend(self._free.pop() for _ in range(extra))
-            self._sync_block_table()
+        if counts is None:  # every sequence appends all T (a decode step): no per-sequence list to check
+            if tokens == 0:
+                return
+            grown = [n + tokens for n in held]
+            full = self._max_length + tokens > self.capacity
+        else:
+            if not any(counts):
+                return
+            grown = [n + c for n, c in zip(held, counts)]
+            full = max(grown) > self.capacity
+        if full:
+            b = next(b for b, n in enumerate(grown) if n > self.capacity)
+            raise ValueError(f"attn_qat.NVFP4KVCache.append: sequence {b} holds {held[b]} tokens; {grown[b] - held[b]} "
+                             f"more exceed the capacity of {self.capacity}")
+        new_pages = None  # pages each sequence takes from the pool, when any does
+        if self.paged:
+            needed = [max(0, -(-n // self.page_size) - len(pages)) for n, pages in zip(grown, self._pages)]
+            if any(needed):
+                if sum(needed) > len(self._free):
+                    raise ValueError(f"attn_qat.NVFP4KVCache.append: out of pages: the append needs {sum(needed)} "
+                                     f"more pages of {self.page_size} tokens, {len(self._free)} of the pool's "
+                                     f"{self.num_pages} are free (reset finished sequences, or make num_pages larger)")
+                for pages, extra in zip(self._pages, needed):
+                    pages.extend(self._free.pop() for _ in range(extra))
+                self._sync_block_table()
+                new_pages = needed
         try:
-            with torch.no_grad():
-                self._store(k, v, self._slots(counts, k.shape[2]))
+            self._store(k, v, counts)
         except BaseException:  # a failed store (out of memory, say) gives its pages back: the append changed nothing
-            if any(new_pages):
+            if new_pages is not None:
                 for pages, extra in zip(self._pages, new_pages):
                     for _ in range(extra):
                         self._free.append(pages.pop())
                 self._sync_block_table()
             raise
-        self._host_lengths = [n + c for n, c in zip(self._host_lengths, counts)]
-        if all(c == k.shape[2] for c in counts):
-            self._lengths += k.shape[2]  # on the device: a decode step copies nothing from the host
-        else:
-            self._lengths.copy_(self._staged(self._host_lengths, torch.long), non_blocking=True)
+        self._host_lengths = grown
+        self._max_length = max(grown)
 
-    def _slots(self, counts: list, tokens: int):
-        """(b_idx, t_idx, page, slot), int64 on the cache's device: every real (sequence, token) pair's place in the
-        appended k / v and in the cache (page, token in the page). When every sequence appends all `tokens` (a decode
-        step) they are computed on the device from `lengths` and `block_table`, without a host-to-device copy."""
-        ps = self.page_size
-        if all(c == tokens for c in counts):
-            t = torch.arange(tokens, device=self.device)
-            position = self._lengths[:, None] + t  # (batch, tokens)
-            page = self.block_table.gather(1, position // ps).long()
-            b_idx = torch.arange(self.batch, device=self.device)[:, None].expand_as(position)
-            return b_idx.reshape(-1), t.expand_as(position).reshape(-1), page.reshape(-1), (position % ps).reshape(-1)
-        held = self._host_lengths
-        pairs = [(b, t, self._pages[b][(held[b] + t) // ps], (held[b] + t) % ps)
-                 for b, c in enumerate(counts) for t in range(c)]
-        return self._staged(pairs, torch.long).to(self.device, non_blocking=True).t().unbind(0)
-
-    def _store(self, k: torch.Tensor, v: torch.Tensor, slots) -> None:
-        b_idx, t_idx, page, slot = slots
-        codes, scales = ops.nvfp4_quantize(k, 3)
-        self.k_codes[page, :, slot] = codes[b_idx, :, t_idx]
-        self.k_scales[page, :, slot] = scales.view(torch.uint8)[b_idx, :, t_idx]
-        codes, scales = ops.nvfp4_quantize(v, 3)
-        n, h, d = b_idx.shape[0], self.heads_kv, self.head_dim
-        self._v_codes_by_half()[page, :, slot // 2, :, slot % 2] = codes[b_idx, :, t_idx].view(n, h, d // 4, 2)
-        r = slot % BLOCK  # token r of its unit sits at 4 * ((r % 8) // 2) + 2 * (r // 8) + r % 2 of each block's row
-        self._v_scales_by_unit()[page, :, slot // BLOCK, :, r % 8 // 2, r // 8, r % 2] = \
-            scales.view(torch.uint8)[b_idx, :, t_idx]
-
-    def _v_codes_by_half(self) -> torch.Tensor:
-        """v_codes as (pages, Hkv, token pairs, D/4 halves, token parity, 2 bytes)."""
-        return self.v_codes.view(self.num_pages, self.heads_kv, self.page_size // 2, self.head_dim // 4, 2, 2)
-
-    def _v_scales_by_unit(self) -> torch.Tensor:
-        """v_scales as (pages, Hkv, units, blocks, (r % 8) // 2, r // 8, r % 2) for token r of a unit."""
-        return self.v_scales.view(self.num_pages, self.heads_kv, self.page_size // BLOCK, self.head_dim // BLOCK, 4, 2,
-                                  2)
+    def _store(self, k: torch.Tensor, v: torch.Tensor, counts: Optional[list]) -> None:
+        """Quantizes the first counts[b] tokens of each sequence (all of them for None) along head_dim and stores them
+        at positions lengths[b] onwards, then advances lengths, on the device (csrc/decode/kv_append.h): one op, and
+        when every sequence appends all its tokens (a decode step) no host-to-device copy either."""
+        per_sequence = None if counts is None else \
+            self._staged(counts, torch.long).to(self.device, non_blocking=True)
+        with torch.no_grad():
+            ops.kv_cache_append(k, v, per_sequence, self._lengths, self.block_table, self.k_codes, self.k_scales,
+                                self.v_codes, self.v_scales)
 
     # ------------------------------------------------------------------------------------------
     # Attention
@@ -300,7 +283,7 @@ class NVFP4KVCache:
                 if not q.is_contiguous() or q.data_ptr() % 16:  # the kernel reads q's rows 16 bytes at a time
                     q = q.clone(memory_format=torch.contiguous_format)
                 return ops.kv_cache_decode(q, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self._lengths,
-                                           self.block_table, max(self._host_lengths), scale, bool(causal))
+                                           self.block_table, self._max_length, scale, bool(causal))
             return self._attention_composite(q, scale, bool(causal))
 
     def dequantized(self):

@@ -230,6 +230,11 @@ def _(q, k_codes, k_scales, v_codes, v_scales, lengths, block_table, max_length,
     return q.new_empty(q.shape)
 
 
+@torch.library.register_fake("attn_qat::kv_cache_append")
+def _(k, v, counts, lengths, block_table, k_codes, k_scales, v_codes, v_scales):
+    return None  # writes the pools and lengths in place
+
+
 # Straight-through estimator: the gradient of fake quantization is the identity.
 def _fake_quantize_backward(ctx, grad):
     return grad, None

@@ -7,8 +7,8 @@ through SDPA's flash backend), in one process, with peak memory.
   under `sdpa_kernel` (cuDNN, FLASH).
 - generate_b8: `generate` at batch 8, a 4096-token prompt and 128 new tokens (greedy, no early stop): attn_qat
   through `prepare` + `convert` + `attn_qat.NVFP4Cache`, against SDPA with transformers' default cache. Reports
-  tokens per second (new tokens over the whole call, prefill included) and the decode steps alone (the call minus
-  a 1-token call).
+  tokens per second (new tokens over the whole call, prefill included), the decode steps alone (the call minus
+  a 1-token call) and the kernels, copies and memsets a decode step queues (torch.profiler, once after the rounds).
 - max_batch_32k: the largest batch whose decode step fits in GPU memory at 32768 tokens a sequence, NVFP4Cache against
   transformers' default bf16 cache (the caches filled with random K/V directly; no prefill).
 - wan13b_train (when diffusers is installed): one training step of Wan 2.1 1.3B's DiT (`WanTransformer3DModel`
@@ -130,12 +130,29 @@ def generate_b8(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, ne
         arms[f"attn_qat_nvfp4cache_{steps}"] = gen(fp4, steps, True)
         arms[f"sdpa_default_{steps}"] = gen(base, steps, False)
     result = rounds_of(arms, repeat, rounds)
-    for arm in ("attn_qat_nvfp4cache", "sdpa_default"):
+    for arm, model, nvfp4 in (("attn_qat_nvfp4cache", fp4, True), ("sdpa_default", base, False)):
         full, one = result[f"{arm}_{new}"]["ms"], result[f"{arm}_1"]["ms"]
         if full is not None and one is not None:
             result[f"{arm}_{new}"]["tokens_per_s"] = batch * new / (full / 1e3)
             result[f"{arm}_{new}"]["decode_ms_per_step"] = (full - one) / (new - 1)
+            result[f"{arm}_{new}"]["device_ops_per_step"] = device_ops_per_step(
+                gen(model, 1, nvfp4), gen(model, 5, nvfp4), 4)
     return result
+
+
+def device_ops_per_step(short, long, steps: int) -> float:
+    """Kernels, copies and memsets one decode step queues on the GPU: torch.profiler's device events of `long` (a
+    generate call `steps` tokens longer than `short`) less those of `short`, over `steps`. Each is a launch the host
+    pays for, which is what bounds a decode step at small batch (performance.md, "Whole models")."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    counts = []
+    for run in (short, long):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        counts.append(sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA))
+    return (counts[1] - counts[0]) / steps
 
 
 def fits(model, batch: int, context: int, nvfp4: bool) -> bool:
@@ -251,7 +268,8 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
         for arm, r in results[case].items():
-            extra = "".join(f", {k} {r[k]:.2f}" for k in ("tokens_per_s", "decode_ms_per_step") if k in r)
+            extra = "".join(f", {k} {r[k]:.2f}" for k in ("tokens_per_s", "decode_ms_per_step", "device_ops_per_step")
+                            if k in r)
             ms = "failed" if r["ms"] is None else f"{r['ms']:.1f} ms, peak {r['peak_gib']:.1f} GiB"
             print(f"  {arm}: {ms}{extra}", flush=True)
     write_json(args.out, {**metadata(), "rounds": args.rounds, "repeat": args.repeat, "results": results})

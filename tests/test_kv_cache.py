@@ -475,6 +475,182 @@ def test_paged_sizes_and_misuse():
 
 
 # ----------------------------------------------------------------------------------------------
+# The append op (csrc/decode/kv_append.h) against the chain of torch ops it replaced, byte for byte
+
+
+class TorchOpsCache(NVFP4KVCache):
+    """An NVFP4KVCache that stores as it did before the append op: nvfp4_quantize of K and V, then index_put of their
+    codes and scales into the pools' layouts, and the lengths advanced by torch ops. The definition of the layout the
+    op must write, bit for bit."""
+
+    def _store(self, k, v, counts):
+        tokens, ps = k.shape[2], self.page_size
+        if counts is None:
+            t = torch.arange(tokens, device=self.device)
+            position = self._lengths[:, None] + t
+            page = self.block_table.gather(1, position // ps).long()
+            b_idx = torch.arange(self.batch, device=self.device)[:, None].expand_as(position)
+            b_idx, t_idx, page, slot = (x.reshape(-1) for x in (b_idx, t.expand_as(position), page, position % ps))
+        else:
+            held = self._host_lengths
+            pairs = [(b, t, self._pages[b][(held[b] + t) // ps], (held[b] + t) % ps)
+                     for b, c in enumerate(counts) for t in range(c)]
+            b_idx, t_idx, page, slot = torch.tensor(pairs, device=self.device).t().unbind(0)
+        codes, scales = ops.nvfp4_quantize(k, 3)
+        self.k_codes[page, :, slot] = codes[b_idx, :, t_idx]
+        self.k_scales[page, :, slot] = scales.view(torch.uint8)[b_idx, :, t_idx]
+        codes, scales = ops.nvfp4_quantize(v, 3)
+        n, h, d = b_idx.shape[0], self.heads_kv, self.head_dim
+        v_codes = self.v_codes.view(self.num_pages, h, ps // 2, d // 4, 2, 2)  # (.., halves, token parity, bytes)
+        v_codes[page, :, slot // 2, :, slot % 2] = codes[b_idx, :, t_idx].view(n, h, d // 4, 2)
+        r = slot % 16  # token r of its unit sits at 4 * ((r % 8) // 2) + 2 * (r // 8) + r % 2 of each block's row
+        v_scales = self.v_scales.view(self.num_pages, h, ps // 16, d // 16, 4, 2, 2)
+        v_scales[page, :, slot // 16, :, r % 8 // 2, r // 8, r % 2] = scales.view(torch.uint8)[b_idx, :, t_idx]
+        self._lengths += torch.tensor([tokens] * self.batch if counts is None else counts, device=self.device)
+
+
+def poison_pools(*caches):
+    """The same random bytes in every pool of each cache, so a byte written that should not be (or not written that
+    should) shows."""
+    g = fresh_generator()
+    for buffers in zip(*((c.k_codes, c.k_scales, c.v_codes, c.v_scales) for c in caches)):
+        noise = torch.randint(0, 256, buffers[0].shape, generator=g, dtype=torch.uint8)
+        for b in buffers:
+            b.copy_(noise)
+
+
+def new_tokens(shape, dtype, layout, g, special=False):
+    """(B, H, T, D) K or V values in `layout`: "bhsd" (contiguous), "bshd" (views of (B, T, H, D) memory, as the
+    models pass them), "unaligned" (rows 2 elements off 16-byte alignment: the kernel's scalar loads), "strided" (every
+    other channel: the op copies them first). `special` mixes in zeros, subnormals, huge values, Inf and NaN."""
+    b, h, t, d = shape
+    x = torch.randn(b, t, h, d, generator=g) if layout == "bshd" else torch.randn(shape, generator=g)
+    x = x * torch.exp2(torch.randint(-12, 12, x.shape[:-1], generator=g))[..., None]  # each block its own scale
+    if special:
+        pick = torch.rand(x.shape, generator=g)
+        x = torch.where(pick < 0.02, torch.zeros(()), x)
+        x = torch.where((pick >= 0.02) & (pick < 0.03), torch.full((), 3e-8), x)
+        x = torch.where((pick >= 0.03) & (pick < 0.035), torch.full((), 6e4), x)
+        x = torch.where((pick >= 0.035) & (pick < 0.037), torch.full((), float("inf")), x)
+        x = torch.where((pick >= 0.037) & (pick < 0.039), torch.full((), float("nan")), x)
+        x[0, 0, 0, :16] = 0  # one all-zero block
+    x = x.to(dtype)
+    if layout == "bshd":
+        return x.transpose(1, 2)
+    if layout == "unaligned":
+        return torch.cat([torch.zeros(2, dtype=dtype), x.reshape(-1)])[2:].view(shape)
+    if layout == "strided":
+        return torch.stack([x, x], dim=-1).reshape(b, h, t, 2 * d)[..., ::2]
+    return x
+
+
+def on_device(x, layout, device):
+    """x moved to `device` keeping its layout (a plain .to() would not keep the 2-element offset)."""
+    if layout == "unaligned":
+        flat = torch.cat([torch.zeros(2, dtype=x.dtype), x.contiguous().reshape(-1)]).to(device)
+        return flat[2:].view(x.shape)
+    if layout == "strided":
+        return torch.stack([x, x], dim=-1).reshape(*x.shape[:-1], 2 * x.shape[-1]).to(device)[..., ::2]
+    if layout == "bshd":
+        return x.transpose(1, 2).contiguous().to(device).transpose(1, 2)
+    return x.to(device)
+
+
+# Appends at awkward places: unequal prompts (odd, a whole unit, short), single tokens to all and to some, a few
+# tokens crossing units and pages, a sequence appending nothing, longer chunks.
+APPENDS = [(37, [37, 16, 5]), (1, None), (1, [1, 0, 1]), (12, [12, 3, 11]), (1, None), (17, None), (3, [0, 3, 2]),
+           (1, None), (31, [31, 30, 29]), (1, None)]
+LAYOUTS = ("bhsd", "bshd", "unaligned", "strided")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [None, 16, 48], ids=["unpaged", "page16", "page48"])
+def test_append_op_writes_what_the_torch_ops_wrote(device, dtype, head_dim, page_size):
+    paging = {} if page_size is None else {"page_size": page_size}
+    caches = [cls(3, 2, head_dim, 160, dtype=dtype, device=device, **paging) for cls in (NVFP4KVCache, TorchOpsCache)]
+    poison_pools(*caches)
+    g = fresh_generator()
+    for i, (tokens, lengths) in enumerate(APPENDS):
+        layout = LAYOUTS[i % len(LAYOUTS)]
+        k, v = (new_tokens((3, 2, tokens, head_dim), dtype, layout, g, special=i % 3 == 0) for _ in "kv")
+        k, v = on_device(k, layout, device), on_device(v, layout, device)
+        for c in caches:
+            c.append(k, v, lengths)
+        label = f"append {i} ({tokens} tokens, lengths {lengths}, {layout})"
+        ours, theirs = caches
+        assert ours.lengths.tolist() == theirs.lengths.tolist() == ours._host_lengths, label
+        assert torch.equal(ours.block_table, theirs.block_table), label
+        for name in ("k_codes", "k_scales", "v_codes", "v_scales"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), f"{label}: {name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_append_op_cuda_equals_cpu_at_scale(dtype, head_dim):
+    # The benchmark's shape (batch 8, 8 KV heads) with a long prompt of unequal lengths across 256-token pages, then
+    # decode steps: the CUDA op's bytes are the C kernel's.
+    g = fresh_generator()
+    caches = [NVFP4KVCache(8, 8, head_dim, 1100, dtype=dtype, device=dev, page_size=256) for dev in ("cpu", "cuda")]
+    poison_pools(*caches)
+    lengths = [1000, 999, 1, 0, 256, 257, 512, 777]
+    for tokens, counts in [(1000, lengths), (1, None), (1, None), (16, None), (5, [5, 0, 5, 1, 2, 3, 4, 5])]:
+        k, v = (new_tokens((8, 8, tokens, head_dim), dtype, "bshd", g, special=True) for _ in "kv")
+        for c in caches:
+            c.append(on_device(k, "bshd", c.device), on_device(v, "bshd", c.device), counts)
+        cpu, cuda = caches
+        assert cpu.lengths.tolist() == cuda.lengths.tolist()
+        for name in ("k_codes", "k_scales", "v_codes", "v_scales"):
+            assert torch.equal(getattr(cpu, name), getattr(cuda, name).cpu()), f"{tokens} tokens: {name}"
+
+
+def test_append_op_rejects_bad_input():
+    c = NVFP4KVCache(2, 2, 64, 32)
+    k = torch.zeros(2, 2, 3, 64, dtype=torch.bfloat16)
+    pools = (c.k_codes, c.k_scales, c.v_codes, c.v_scales)
+    with pytest.raises(RuntimeError, match="pools"):
+        ops.kv_cache_append(k[:, :1], k[:, :1], None, c.lengths, c.block_table, *pools)  # heads differ from the pools'
+    with pytest.raises(RuntimeError, match="lengths"):
+        ops.kv_cache_append(k, k, None, c.lengths.int(), c.block_table, *pools)
+    with pytest.raises(RuntimeError, match="counts"):
+        ops.kv_cache_append(k, k, torch.ones(3, dtype=torch.long), c.lengths, c.block_table, *pools)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.kv_cache_append(k, k.half(), None, c.lengths, c.block_table, *pools)
+    assert c.lengths.tolist() == [0, 0] and not any(p.any() for p in pools)  # nothing written
+    ops.kv_cache_append(k, k, torch.tensor([3, 1]), c.lengths, c.block_table, *pools)
+    assert c.lengths.tolist() == [3, 1]
+
+
+@pytest.mark.gpu
+def test_append_op_replays_in_a_cuda_graph():
+    # A decode step's append has no host sync and no allocation: captured once, replayed with new keys and values
+    # (reading the lengths it advances), it writes what eager appends write.
+    g = fresh_generator()
+    graphed, eager = (NVFP4KVCache(4, 8, 128, 64, device="cuda") for _ in range(2))
+    k0, v0 = (on_device(new_tokens((4, 8, 20, 128), torch.bfloat16, "bshd", g), "bshd", "cuda") for _ in "kv")
+    for c in (graphed, eager):
+        c.append(k0, v0, [20, 3, 17, 0])
+    k, v = (torch.zeros(4, 8, 1, 128, dtype=torch.bfloat16, device="cuda") for _ in "kv")
+    c = graphed
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.kv_cache_append(k, v, None, c.lengths, c.block_table, c.k_codes, c.k_scales, c.v_codes, c.v_scales)
+    assert graphed.lengths.tolist() == [20, 3, 17, 0]  # capturing ran nothing
+    for step in range(16):  # sequences 0 and 2 cross the unit boundary at token 32
+        new_k, new_v = (new_tokens((4, 8, 1, 128), torch.bfloat16, "bhsd", g).cuda() for _ in "kv")
+        k.copy_(new_k)
+        v.copy_(new_v)
+        graph.replay()
+        eager.append(new_k, new_v)
+        torch.cuda.synchronize()
+        assert graphed.lengths.tolist() == eager.lengths.tolist(), step
+        for name in ("k_codes", "k_scales", "v_codes", "v_scales"):
+            assert torch.equal(getattr(graphed, name), getattr(eager, name)), f"step {step}: {name}"
+
+
+# ----------------------------------------------------------------------------------------------
 # The CUDA decode kernel itself (the tests above run it through NVFP4KVCache.attention on CUDA)
 
 

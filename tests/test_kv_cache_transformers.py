@@ -254,3 +254,37 @@ def test_unsupported_uses_raise(device):
     # Other caches are untouched by the integration.
     out = model.generate(prompt, **{CACHE: DynamicCache()}, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     assert out.shape == (2, PROMPT + 2)
+
+
+def test_mask_checks_read_the_host_once(monkeypatch):
+    """The cache's check of an attention mask: every error it names, and each new mask read from the device once (a
+    forward's one sync, at its first layer; later layers pass the same mask object)."""
+    from attn_qat.integrations.kv_cache_transformers import _Padding
+    batch, q_len, kv_len = 2, 4, 6
+    keys = torch.arange(kv_len)
+    pads = torch.tensor([0, 2])
+    causal = keys <= torch.arange(q_len)[:, None] + (kv_len - q_len)
+    left = (causal & (keys >= pads[:, None, None]))[:, None]  # (batch, 1, q_len, kv_len), as transformers builds it
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real_tolist(self))
+    padding = _Padding()
+    assert torch.equal(padding.of(left, batch, q_len, kv_len, prefill=True), pads)
+    assert padding.host_pads == [0, 2] and len(reads) == 1
+    assert padding.of(left, batch, q_len, kv_len, prefill=False) is padding.pads and len(reads) == 1  # same mask
+    step = left[:, :, -1:].clone()
+    padding.of(step, batch, 1, kv_len, prefill=False)
+    assert len(reads) == 2
+    additive = torch.zeros(left.shape).masked_fill(~left, float("-inf"))
+    assert torch.equal(_Padding().of(additive, batch, q_len, kv_len, prefill=True), pads)
+    for mask, err, match in [
+        (additive + 0.5 * left, NotImplementedError, "additive"),
+        (torch.cat([left, left & (keys < 5)], dim=1), NotImplementedError, "per-head"),
+        (causal.expand(batch, 1, q_len, kv_len) & (keys < 4), NotImplementedError, "left padding"),  # right padding
+        (causal.expand(batch, 1, q_len, kv_len) & (keys >= torch.tensor([0, kv_len])[:, None, None, None]), ValueError,
+         "all padding"),
+        (left.int(), TypeError, "dtype"),
+        (left[:, :, :, :-1], ValueError, "shape"),
+    ]:
+        with pytest.raises(err, match=match):
+            _Padding().of(mask, batch, q_len, kv_len, prefill=True)

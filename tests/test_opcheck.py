@@ -110,6 +110,20 @@ def kv_cache_decode_cases(device):
                0.125, causal), ALL_UTILS
 
 
+def kv_cache_append_cases(device):
+    # unpaged, one token to all; paged, unequal counts crossing a page, (B, N, H, D) views as the models pass them
+    for page_size, tokens, counts, layout in ((None, 1, None, "bhsd"), (16, 5, [5, 2], "bshd"),
+                                              (16, 12, [0, 12], "bhsd")):
+        kwargs = {} if page_size is None else {"page_size": page_size, "num_pages": 12}
+        cache = attn_qat.NVFP4KVCache(2, 2, 64, 80, device=device, **kwargs)
+        cache.append(_randn(2, 2, 37, 64, device=device, seed=1), _randn(2, 2, 37, 64, device=device, seed=2),
+                     lengths=[37, 21])
+        k, v, _ = _qkv(2, 2, 2, tokens, tokens, 64, device, layout)
+        per_sequence = None if counts is None else torch.tensor(counts, device=device)
+        yield (k, v, per_sequence, cache.lengths, cache.block_table, cache.k_codes, cache.k_scales, cache.v_codes,
+               cache.v_scales), ALL_UTILS
+
+
 def p_fp16_path_cases(device):
     x = -30 * torch.rand(3, 40, generator=torch.Generator().manual_seed(0)) + 11  # a partial last block
     yield (x.to(device),), ALL_UTILS
@@ -124,6 +138,7 @@ CASES = {
     "attention_backward": attention_backward_cases,
     "attention_forward_prequantized": attention_forward_prequantized_cases,
     "kv_cache_decode": kv_cache_decode_cases,
+    "kv_cache_append": kv_cache_append_cases,
     "p_fp16_path": p_fp16_path_cases,
 }
 CUDA_ONLY = {"kv_cache_decode"}  # no CPU kernel: NVFP4KVCache.attention takes a composite path on the CPU

@@ -34,7 +34,7 @@ it would with a DynamicCache, mode "bf16".
 A returned tag that nobody consumed means the model's attention is not "attn_qat" (it would have read
 the step's keys only); the next `update` of that layer raises instead of letting it compute garbage.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -64,20 +64,22 @@ class _Padding:
 
     def __init__(self):
         self.pads: Optional[torch.Tensor] = None  # (batch,) long, or None when no sequence is padded
+        self.host_pads: Optional[List[int]] = None  # the same counts on the host
         self._checked: Optional[Tuple[torch.Tensor, int]] = None  # (mask, total length) last validated
 
     def reset(self):
-        self.pads, self._checked = None, None
+        self.pads, self.host_pads, self._checked = None, None, None
 
     def of(self, mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int, prefill: bool):
         """Left-padding counts (or None) for a step of `q_len` queries whose keys are the `kv_len` tokens
-        (padding included) seen so far; validates that `mask` is transformers' causal + left-padding mask."""
+        (padding included) seen so far; validates that `mask` is transformers' causal + left-padding mask.
+        Every check of a mask comes to the host in one read (a forward's one sync, at its first layer)."""
         if mask is None:
             if self.pads is not None and not prefill:
                 raise ValueError(f"{_WHERE}: the prompt was left-padded but this step has no attention mask; pass "
                                  "the attention_mask (extended by one per generated token) on every step")
             if prefill:
-                self.pads = None
+                self.pads, self.host_pads = None, None
             return self.pads
         checked = self._checked
         if checked is not None and checked[0] is mask and checked[1] == kv_len:
@@ -86,15 +88,13 @@ class _Padding:
             raise ValueError(f"{_WHERE}: expected an attention mask of shape (batch, heads, {q_len}, {kv_len}), got "
                              f"{tuple(mask.shape)}")
         if mask.dtype == torch.bool:
-            visible = mask
+            visible, bias = mask, None
         elif mask.is_floating_point():
             visible = mask > MASKED_BELOW
-            if mask.masked_fill(~visible, 0).any():
-                raise NotImplementedError(f"{_WHERE}: additive attention biases are not supported, only masks")
+            bias = mask.masked_fill(~visible, 0).any()
         else:
             raise TypeError(f"{_WHERE}: attention mask dtype {mask.dtype} is not supported (bool or float)")
-        if not torch.equal(visible, visible[:, :1].expand_as(visible)):
-            raise NotImplementedError(f"{_WHERE}: per-head attention masks are not supported")
+        per_head = (visible != visible[:, :1]).any()
         visible = visible[:, 0].expand(batch, q_len, kv_len)
         keys = torch.arange(kv_len, device=mask.device)
         if prefill:
@@ -106,15 +106,23 @@ class _Padding:
         positions = torch.arange(q_len, device=mask.device) + (kv_len - q_len)  # each query's own position
         expected = (keys >= pads[:, None, None]) & (keys <= positions[:, None])
         real_query = positions[None, :] >= pads[:, None]  # rows of padding queries are not looked at
-        if not bool(((visible == expected) | ~real_query[..., None]).all()):
+        other = ((visible != expected) & real_query[..., None]).any()
+        flags = [per_head, other] + ([] if bias is None else [bias])
+        read = torch.cat([torch.stack(flags).long()] + ([pads] if prefill else [])).tolist()
+        if bias is not None and read[2]:
+            raise NotImplementedError(f"{_WHERE}: additive attention biases are not supported, only masks")
+        if read[0]:
+            raise NotImplementedError(f"{_WHERE}: per-head attention masks are not supported")
+        if read[1]:
             raise NotImplementedError(
                 f"{_WHERE}: only causal attention with left padding is supported (the mask transformers builds "
                 "for a left-padded batch); this attention mask has another structure (right padding, packed "
                 "sequences or a custom mask)")
         if prefill:
-            if bool((pads >= kv_len).any()):
+            host_pads = read[len(flags):]
+            if any(p >= kv_len for p in host_pads):
                 raise ValueError(f"{_WHERE}: a sequence of the batch is all padding")
-            self.pads = pads if bool(pads.any()) else None
+            self.pads, self.host_pads = (pads, host_pads) if any(host_pads) else (None, None)
         self._checked = (mask, kv_len)
         return self.pads
 
@@ -226,7 +234,7 @@ class NVFP4CacheLayer(CacheLayerMixin):
             return moved.masked_fill(~real[:, None, :, None], 0)
 
         q_front, k_front, v_front = to_front(query), to_front(key), to_front(value)
-        self.kv.append(k_front, v_front, lengths=lengths)
+        self.kv.append(k_front, v_front, lengths=[steps - p for p in self.padding.host_pads])  # no device read
         out = attention(q_front, k_front, v_front, causal=True, softmax_scale=scale, layout="bhsd", mode="attn_qat")
         back = (tokens[None, :] - pads[:, None]).clamp(min=0)  # slot t <- front slot t - pads[b]
         out = out.gather(2, back[:, None, :, None].expand_as(out))

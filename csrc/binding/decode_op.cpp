@@ -1,6 +1,78 @@
-// The decode op on the NVFP4 KV cache (attn_qat/kv_cache.py): CUDA only, NVFP4KVCache.attention takes its composite
-// path on the CPU.
+// The NVFP4 KV cache's ops (attn_qat/kv_cache.py): the append (CPU and CUDA) and the decode (CUDA only;
+// NVFP4KVCache.attention takes its composite path on the CPU).
 #include "binding/ops.h"
+#include "decode/kv_append.h"
+
+namespace aq_ops {
+namespace {
+
+std::vector<int64_t> sizes_of(const Tensor &t) { return std::vector<int64_t>(t.sizes().begin(), t.sizes().end()); }
+
+} // namespace
+
+// Appends k, v (B, Hkv, T, D), the first counts[b] tokens of each sequence (every token without counts), to the page
+// pools at positions lengths[b] onwards (block_table as for the decode), then advances lengths: kv_append.h.
+void kv_cache_append(Tensor k, Tensor v, std::optional<Tensor> counts, Tensor lengths, Tensor block_table,
+                     Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales) {
+    STD_TORCH_CHECK(k.dim() == 4 && sizes_of(k) == sizes_of(v),
+                    "attn_qat: kv_cache_append: k and v must be (batch, heads_kv, tokens, head_dim), the same shape");
+    STD_TORCH_CHECK(k.scalar_type() == v.scalar_type(), "attn_qat: kv_cache_append: k and v must have one dtype");
+    const int64_t batch = k.size(0), heads_kv = k.size(1), tokens = k.size(2), dim = k.size(3);
+    STD_TORCH_CHECK(dim % 16 == 0 && k_codes.dim() == 4,
+                    "attn_qat: kv_cache_append: head_dim must be a multiple of 16 and the pools 4-D");
+    const int64_t pages = k_codes.size(0), page_size = k_codes.size(2);
+    const std::vector<std::pair<const Tensor *, std::vector<int64_t>>> pools = {
+        {&k_codes, {pages, heads_kv, page_size, dim / 2}}, {&k_scales, {pages, heads_kv, page_size, dim / 16}},
+        {&v_codes, {pages, heads_kv, page_size / 2, dim}}, {&v_scales, {pages, heads_kv, page_size / 16, dim}},
+    };
+    for (const auto &[t, shape] : pools) {
+        STD_TORCH_CHECK(sizes_of(*t) == shape && t->is_contiguous() && t->scalar_type() == ScalarType::Byte,
+                        "attn_qat: kv_cache_append: the pools must be contiguous uint8, shaped as NVFP4KVCache's for "
+                        "the keys' heads and head_dim");
+        STD_TORCH_CHECK(same_device(*t, k), "attn_qat: kv_cache_append: k, v and the cache must be on one device");
+    }
+    STD_TORCH_CHECK(same_device(v, k), "attn_qat: kv_cache_append: k, v and the cache must be on one device");
+    STD_TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == batch && lengths.scalar_type() == ScalarType::Long &&
+                        lengths.is_contiguous() && same_device(lengths, k),
+                    "attn_qat: kv_cache_append: lengths must be a contiguous int64 (batch,) tensor on k's device");
+    STD_TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch && block_table.size(1) >= 1 &&
+                        block_table.scalar_type() == ScalarType::Int && block_table.is_contiguous() &&
+                        same_device(block_table, k),
+                    "attn_qat: kv_cache_append: block_table must be a contiguous int32 (batch, pages_per_seq) tensor "
+                    "on k's device");
+    if (counts.has_value())
+        STD_TORCH_CHECK(counts->dim() == 1 && counts->size(0) == batch && counts->scalar_type() == ScalarType::Long &&
+                            counts->is_contiguous() && same_device(*counts, k),
+                        "attn_qat: kv_cache_append: counts must be a contiguous int64 (batch,) tensor on k's device");
+    // channels contiguous: the kernels read a block's 16 values in a row
+    if (k.stride(3) != 1) k = torch::stable::contiguous(k);
+    if (v.stride(3) != 1) v = torch::stable::contiguous(v);
+    aq_kv_append_params p = {};
+    p.dtype = attention_dtype(k);
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    for (int d = 0; d < 3; d++) {
+        p.k_stride[d] = k.stride(d);
+        p.v_stride[d] = v.stride(d);
+    }
+    p.counts = counts.has_value() ? static_cast<const int64_t *>(counts->data_ptr()) : nullptr;
+    p.lengths = static_cast<int64_t *>(lengths.data_ptr());
+    p.block_table = static_cast<const int32_t *>(block_table.data_ptr());
+    p.k_codes = static_cast<uint8_t *>(k_codes.data_ptr());
+    p.k_scales = static_cast<uint8_t *>(k_scales.data_ptr());
+    p.v_codes = static_cast<uint8_t *>(v_codes.data_ptr());
+    p.v_scales = static_cast<uint8_t *>(v_scales.data_ptr());
+    p.batch = batch;
+    p.heads_kv = heads_kv;
+    p.tokens = tokens;
+    p.head_dim = dim;
+    p.num_pages = pages;
+    p.page_size = page_size;
+    p.pages_per_seq = block_table.size(1);
+    launch(k, p, aq_kv_cache_append_cpu, [&](void *stream) { return aq_kv_cache_append_cuda(&p, stream); });
+}
+
+} // namespace aq_ops
 
 #ifdef AQ_WITH_CUDA
 namespace aq_ops {

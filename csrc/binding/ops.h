@@ -27,6 +27,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward_prequantized(Tensor q, Tens
                                                                   int64_t causal);
 std::tuple<Tensor, Tensor> p_fp16_path(Tensor x);
 
+// decode_op.cpp: the NVFP4 KV cache's append (attn_qat/kv_cache.py)
+void kv_cache_append(Tensor k, Tensor v, std::optional<Tensor> counts, Tensor lengths, Tensor block_table,
+                     Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales);
+
 #ifdef AQ_WITH_CUDA
 // decode_op.cpp: decode on the NVFP4 KV cache (attn_qat/kv_cache.py), CUDA only
 Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, Tensor lengths,

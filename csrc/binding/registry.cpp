@@ -22,6 +22,8 @@ STABLE_TORCH_LIBRARY(attn_qat, m) {
     m.def("kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
           "Tensor lengths, Tensor block_table, int max_length, float scale, bool causal) -> Tensor");
     m.def("p_fp16_path(Tensor x) -> (Tensor w, Tensor w_fq)");
+    m.def("kv_cache_append(Tensor k, Tensor v, Tensor? counts, Tensor(a!) lengths, Tensor block_table, "
+          "Tensor(b!) k_codes, Tensor(c!) k_scales, Tensor(d!) v_codes, Tensor(e!) v_scales) -> ()");
 }
 
 // The kernels of every op for one dispatch key; kv_cache_decode has only a CUDA kernel.
@@ -34,6 +36,7 @@ static void register_kernels(StableLibrary &m, bool cuda) {
     m.impl("attention_backward", TORCH_BOX(&aq_ops::attention_backward));
     m.impl("attention_forward_prequantized", TORCH_BOX(&aq_ops::attention_forward_prequantized));
     m.impl("p_fp16_path", TORCH_BOX(&aq_ops::p_fp16_path));
+    m.impl("kv_cache_append", TORCH_BOX(&aq_ops::kv_cache_append));
 #ifdef AQ_WITH_CUDA
     if (cuda) m.impl("kv_cache_decode", TORCH_BOX(&aq_ops::kv_cache_decode));
 #else
