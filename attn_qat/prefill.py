@@ -89,8 +89,8 @@ def nvfp4_attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False,
                     v_block_axis: str = "auto") -> torch.Tensor:
     """4-bit attention inference on packed NVFP4 operands (or bf16/fp16 ones, quantized here).
 
-    `layout="bshd"`: q (B, Nq, H, D), k and v (B, Nk, H_kv, D), output (B, Nq, H, D); `"bhsd"`: the
-    heads before the tokens. Each of q, k, v is an `NVFP4Tensor` of that logical shape, Q and K blocked
+    `layout="bshd"`: q (B, Nq, H, D), k (B, Nk, H_kv, D), v (B, Nk, H_kv, Dv), output (B, Nq, H, Dv); `"bhsd"`:
+    the heads before the tokens. Each of q, k, v is an `NVFP4Tensor` of that logical shape, Q and K blocked
     along D (block_axis 3), V along D when `causal` and along tokens otherwise (block_axis 1 in "bshd",
     2 in "bhsd"; `v_block_axis` "tokens" or "head_dim" forces one), as `quantize_qkv(..., causal=causal)`
     packs them, or a bfloat16/float16 tensor. All must stand for one dtype, which the output has. D in

@@ -206,8 +206,8 @@ typedef struct {
     float *tail_workspace;   /* CUDA: NULL, or the plan's tail_floats floats (the split last wave's parts) */
     int sm_count;            /* CUDA: set by aq_attention_bwd_cuda (the causal order of work, work_item_at) */
     int p_fp16;              /* 1: P̂ is §3's fp16 value (the forward quantized P: attn_qat, high_precision_p,
-                                low_precision_o); 0: 2^(t - M) (drop_in's and bf16's plain backward). Last, in
-                                sm_count's padding: the kernels' parameter offsets stay main's. */
+                                low_precision_o); 0: 2^(t - M) (drop_in's and bf16's plain backward). In
+                                sm_count's padding: the kernels' parameter offsets before it stay as they were. */
     int64_t head_dim_v;      /* of v, dv, dout and out_for_delta (head_dim: of q, k, dq, dk) */
 } aq_attention_bwd_params;
 

@@ -107,6 +107,41 @@ def test_non_finite_values_and_strided_operands_at_256():
     assert rel_error(attn_qat.scaled_dot_product_attention(q, wide, wide, mode="bf16").cpu(), ref) < 3e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims, where", [((256, 256), "dout"), ((256, 256), "k"), ((256, 256), "v"),
+                                         ((192, 128), "q")], ids=str)
+def test_non_finite_values_in_the_second_column_slice(dims, where):
+    """NaN and Inf in the second 128-column slice of an operand (columns 150 and 200 / 140), which the mma.sync
+    kernels scrub and poison per slice: non-finite exactly where the float64 reference is (test_attention.py's
+    test_nonfinite_values_seen_spread_like_the_reference), the reference's values elsewhere."""
+    d, d_v = dims
+    q, k, v, dout = make_inputs(1, 2, 2, 96, 96, d, d_v, torch.bfloat16, "cpu")
+    t, row = {"v": (v, 70), "k": (k, 70), "q": (q, 40), "dout": (dout, 40)}[where]
+    t[0, 0, row, 150] = float("nan")
+    t[0, 1, row, min(200, t.shape[-1] - 1)] = float("inf")
+    ours = run(*(x.cuda() for x in (q, k, v, dout)), causal="top_left")
+    ref = (reference.attention(q, k, v, causal="top_left"),
+           *reference.attention_backward(q, k, v, dout, causal="top_left"))
+    for name, x, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        x, finite = x.double().cpu(), r.isfinite()
+        assert torch.equal(x.isfinite(), finite), f"{name}: non-finite where the reference is finite, or the reverse"
+        assert not finite.any() or rel_error(x[finite], r[finite]) < 1e-2, name
+    assert ours[0].isfinite().any() and any(x.isnan().any() for x in ours), "the case tests nothing"
+
+
+@pytest.mark.gpu
+def test_backward_reads_unaligned_rows_at_256():
+    """Operands whose rows are 8-byte aligned take the unvectorised loads, in the backward too (bf16 mode)."""
+    g = fresh_generator()
+    q, _, _, dout = make_inputs(1, 2, 2, 30, 40, 256, 256, torch.bfloat16, "cuda", g=g)
+    wide = torch.randn(1, 2, 40, 264, generator=g).to(torch.bfloat16).cuda()[..., 4:260]
+    ours = run(q, wide, wide, dout, mode="bf16")
+    ref = (reference.attention(q.cpu(), wide.cpu(), wide.cpu(), mode="bf16"),
+           *reference.attention_backward(q.cpu(), wide.cpu(), wide.cpu(), dout.cpu(), mode="bf16"))
+    for name, x, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert rel_error(x.cpu(), r) < 1e-2, name
+
+
 def test_value_head_dim_may_differ_but_key_may_not():
     q = torch.randn(1, 2, 10, 64, dtype=torch.bfloat16)
     assert attn_qat.scaled_dot_product_attention(q, q, q[..., :32].contiguous()).shape == (1, 2, 10, 32)

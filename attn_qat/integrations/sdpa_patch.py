@@ -28,7 +28,7 @@ class patch_sdpa(TorchFunctionMode, contextlib.ContextDecorator):
         loss.backward()                # the backward needs no patch
 
     Keyword arguments override fields of `config` (`patch_sdpa(strict=True)`). A call attn_qat does not
-    take (head_dim not 64/128, float64, dropout_p > 0, a mask that requires grad, 5-D
+    take (a head dim not a multiple of 16 from 32 to 256, float64, dropout_p > 0, a mask that requires grad, 5-D
     inputs, ...) runs the original SDPA and warns once per distinct reason per context with an
     `AttnQATFallbackWarning`; with `strict=True` it raises `NotImplementedError` instead.
 

@@ -17,6 +17,10 @@ static const char *check_attention_sizes(aq_dtype dtype, int64_t head_dim, int64
     if (heads_q > 65535 || batch > 65535) return "attention (CUDA): batch and heads must be <= 65535";
     if (seqlen_q > INT32_MAX - 256 || seqlen_k > INT32_MAX - 256)
         return "attention (CUDA): sequence lengths must be at most 2^31 - 256";
+    /* the mma.sync backward's 1-D grids: 64-row tiles x heads x batch x (up to 2) column slices */
+    if ((seqlen_q + 63) / 64 * heads_q * batch * 2 > INT32_MAX ||
+        (seqlen_k + 63) / 64 * heads_kv * batch * 2 > INT32_MAX)
+        return "attention (CUDA): too many 64-token tiles (tokens / 64 x heads x batch must stay below 2^30)";
     return NULL;
 }
 

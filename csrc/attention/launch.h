@@ -24,7 +24,9 @@ static inline int sm80_tile_width(int64_t head_dim, int64_t head_dim_v) {
     const int64_t d = head_dim > head_dim_v ? head_dim : head_dim_v;
     return d <= 64 ? 64 : d <= 128 ? 128 : 256;
 }
-static constexpr __host__ __device__ int sm80_slice_width(int tile_width) { return tile_width < 128 ? tile_width : 128; }
+static constexpr __host__ __device__ int sm80_slice_width(int tile_width) {
+    return tile_width < 128 ? tile_width : 128;
+}
 static inline int sm80_slices(int64_t head_dim, int tile_width) {
     const int w = sm80_slice_width(tile_width);
     return (int)((head_dim + w - 1) / w);
@@ -52,6 +54,18 @@ static inline auto with_head_dim_and_dtype(int64_t head_dim, aq_dtype dtype, F &
 }
 
 static inline bool aligned16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
+
+/* NULL when the current device gives a block `bytes` of shared memory (the mma.sync kernels at a tile width of 256
+   ask for up to 137 KB: an A100 or H100 has it, sm_86 and sm_89 GPUs have 99 KB), else why not. */
+static inline const char *check_shared_memory(int bytes) {
+    int device = 0, most = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+        return "attention (CUDA): cannot read the device's shared memory per block";
+    return bytes <= most ? NULL
+                         : "attention (CUDA): head dims above 128 need more shared memory per block than this GPU has "
+                           "(the mma.sync kernels' backward at a tile width of 256 takes 137 KB: an A100 or H100)";
+}
 
 /* NULL, or the error of the last kernel launch. */
 static inline const char *launch_status(void) {

@@ -22,7 +22,7 @@ static constexpr __host__ __device__ int dkdv_queries_per_step(int w) { return w
    row_sum, delta: (B, Hq, Nq) fp32. W is the tile width (attention/launch.h): K, V, Q and dO tiles of W columns,
    zeros past D (K, Q) and Dv (V, dO). grid slices x ceil(Nk / 64) Hkv B (work_item_at of x / slices), 128 threads,
    slices = ceil(max(D, Dv) / SW) with SW = sm80_slice_width(W): CTA x takes the SW columns of dK and dV from
-   SW * (x % slices) (those within D, resp. Dv). The CTA keeps its 64 keys (K, V) in shared memory and, for every
+   SW * (x % slices) (those within D, resp. Dv). FULL: D = Dv = W, which makes the column checks compile-time. The CTA keeps its 64 keys (K, V) in shared memory and, for every
    query head of the KV group and every step of BQ queries that can see its keys, loads Q, dO and the row
    statistics.
    Warp w owns keys 16w .. 16w+15, with keys as the MMA rows:
@@ -32,7 +32,7 @@ static constexpr __host__ __device__ int dkdv_queries_per_step(int w) { return w
    through shared memory). The price is in the P fake-quant: the block of query i is the warp's 16 keys (16w from a
    tile start that is a multiple of 64, so the blocks start at multiples of 16 from key 0, like the forward's), and
    those 16 values of one query column sit in the 8 lanes sharing lane & 3, so the block amax takes 3 shuffles. */
-template <int W, aq_dtype DT, bool QUANTIZE_DV, bool P_FP16>
+template <int W, bool FULL, aq_dtype DT, bool QUANTIZE_DV, bool P_FP16>
 __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq_attention_bwd_params p, bool vec, const int *run_only_if) {
     constexpr int LD = W + AQ_SMEM_PAD, SW = sm80_slice_width(W), BQ = dkdv_queries_per_step(W);
     if (run_only_if != NULL && !*run_only_if) return;
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
 
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, key0 = 16 * warp;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
-    const int d_qk = (int)p.head_dim, d_v = (int)p.head_dim_v;
+    const int d_qk = FULL ? W : (int)p.head_dim, d_v = FULL ? W : (int)p.head_dim_v;
     const int slices = (max(d_qk, d_v) + SW - 1) / SW, c0 = SW * ((int)blockIdx.x % slices);
     const int dk_cols = min(SW, d_qk - c0), dv_cols = min(SW, d_v - c0); /* this CTA's columns (<= 0: none) */
     const work_item wi =
@@ -173,8 +173,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
    ceil(Nq / 64) Hq B (work_item_at of x / slices), 128 threads, slices = ceil(D / SW): CTA x takes the SW columns of
    dQ from SW * (x % slices). Q and dO of the CTA's 64 rows stay in shared memory while the key tiles of 64 that they
    can see stream through it. Warp w owns rows 16w .. 16w+15: S = Q K^T and dP = dO V^T (16 x 64), dS = P ∘ (dP -
-   delta) in registers, which is the A fragment of dQ += dS K (16 x SW, fp32). */
-template <int W, aq_dtype DT, bool P_FP16>
+   delta) in registers, which is the A fragment of dQ += dS K (16 x SW, fp32). FULL as in the dK/dV kernel. */
+template <int W, bool FULL, aq_dtype DT, bool P_FP16>
 __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_attention_bwd_params p, bool vec, const int *run_only_if) {
     constexpr int LD = W + AQ_SMEM_PAD, SW = sm80_slice_width(W);
     if (run_only_if != NULL && !*run_only_if) return;
@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     uint64_t *k_nonfinite = (uint64_t *)(vs + BWD_KEYS * LD); /* W column masks, for scrub_nonfinite_tile */
 
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
-    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, d_qk = (int)p.head_dim, d_v = (int)p.head_dim_v;
+    const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k;
+    const int d_qk = FULL ? W : (int)p.head_dim, d_v = FULL ? W : (int)p.head_dim_v;
     const int slices = (d_qk + SW - 1) / SW, c0 = SW * ((int)blockIdx.x % slices), dq_cols = min(SW, d_qk - c0);
     const work_item wi =
         work_item_at((int)blockIdx.x / slices, (nq + BWD_ROWS - 1) / BWD_ROWS, (int)p.heads_q, (int)p.batch,
@@ -288,18 +289,19 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
    Kernel launchers */
 
 /* The dK/dV and dQ kernels; only_if: NULL, or the device flag without which they exit at once. */
-template <int W, aq_dtype DT>
+template <int W, bool FULL, aq_dtype DT>
 static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t stream, bool vec, const int *only_if) {
     const char *err;
     const int ld_bytes = (W + AQ_SMEM_PAD) * 2;
     if (p->seqlen_k > 0) {
         void (*kernel)(const aq_attention_bwd_params, bool, const int *) =
-            p->quantize_p_for_dv ? attention_bwd_dkdv_kernel<W, DT, true, true>
-            : p->p_fp16          ? attention_bwd_dkdv_kernel<W, DT, false, true>
-                                 : attention_bwd_dkdv_kernel<W, DT, false, false>;
+            p->quantize_p_for_dv ? attention_bwd_dkdv_kernel<W, FULL, DT, true, true>
+            : p->p_fp16          ? attention_bwd_dkdv_kernel<W, FULL, DT, false, true>
+                                 : attention_bwd_dkdv_kernel<W, FULL, DT, false, false>;
         const int bq = dkdv_queries_per_step(W);
         const int smem =
             (2 * BWD_KEYS + 2 * bq) * ld_bytes + 3 * bq * (int)sizeof(float) + 2 * W * (int)sizeof(uint64_t);
+        if ((err = check_shared_memory(smem))) return err;
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);
         const int64_t slices = sm80_slices(p->head_dim > p->head_dim_v ? p->head_dim : p->head_dim_v, W);
@@ -309,8 +311,10 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
     }
     if (p->seqlen_q > 0) {
         void (*kernel)(const aq_attention_bwd_params, bool, const int *) =
-            p->p_fp16 || p->quantize_p_for_dv ? attention_bwd_dq_kernel<W, DT, true> : attention_bwd_dq_kernel<W, DT, false>;
+            p->p_fp16 || p->quantize_p_for_dv ? attention_bwd_dq_kernel<W, FULL, DT, true>
+                                              : attention_bwd_dq_kernel<W, FULL, DT, false>;
         const int smem = (2 * BWD_ROWS + 2 * BWD_KEYS) * ld_bytes + W * (int)sizeof(uint64_t);
+        if ((err = check_shared_memory(smem))) return err;
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);
         const int64_t slices = sm80_slices(p->head_dim, W);
@@ -326,6 +330,8 @@ const char *aq_attention_bwd_sm80(const aq_attention_bwd_params *p, cudaStream_t
                      vec_ok(p->dout, p->dout_stride) && vec_ok(p->dq, p->dq_stride) && vec_ok(p->dk, p->dk_stride) &&
                      vec_ok(p->dv, p->dv_stride);
     return with_tile_width_and_dtype(p->head_dim, p->head_dim_v, p->dtype, [&](auto w, auto dt) {
-        return launch_bwd<decltype(w)::value, decltype(dt)::value>(p, s, vec, only_if);
+        constexpr int W = decltype(w)::value;
+        return p->head_dim == W && p->head_dim_v == W ? launch_bwd<W, true, decltype(dt)::value>(p, s, vec, only_if)
+                                                      : launch_bwd<W, false, decltype(dt)::value>(p, s, vec, only_if);
     });
 }

@@ -25,8 +25,9 @@ static constexpr __host__ __device__ int fwd_min_ctas_per_sm(int w, bool with_o_
 
 /* q: (B, Hq, Nq, D); k: (B, Hkv, Nk, D); v: (B, Hkv, Nk, Dv); o, o_prime: (B, Hq, Nq, Dv), strided; frame_m, row_sum:
    (B, Hq, Nq) fp32 contiguous. W is the tile width (attention/launch.h): Q and K tiles of W columns, zeros past D.
-   grid (slices * ceil(Nq / 64), Hq, B), 128 threads, slices = ceil(Dv / SW) with SW = sm80_slice_width(W): CTA x
-   takes query tile x % tiles and the SW columns of V, O and O' from SW * (x / tiles). run_only_if: NULL, or a
+   grid (ceil(Nq / 64) * slices, Hq, B), 128 threads, slices = ceil(Dv / SW) with SW = sm80_slice_width(W): CTA x
+   takes query tile x / slices and the SW columns of V, O and O' from SW * (x % slices). FULL: D = Dv = W, which
+   makes the column checks compile-time (the registers of the kernels before head dims other than W). run_only_if: NULL, or a
    device flag without which the CTA exits at once (attention/dispatch.h). The CTA keeps its 64 query rows in shared
    memory and walks the key tiles of BN that any of its rows can see (K and its slice of V through shared memory).
    Warp w owns rows 16w .. 16w+15 and keeps S (16 x BN), O (16 x SW) and, with WITH_O_PRIME, O' (16 x SW) in
@@ -35,7 +36,7 @@ static constexpr __host__ __device__ int fwd_min_ctas_per_sm(int w, bool with_o_
    accumulates P̂. !QUANTIZE_P: O accumulates P̂, and O' (if wanted) is the same tensor, stored twice.
    A row with no visible key stores O = O' = 0, M = -inf, l = 0; one whose visible scores are all -inf (or NaN)
    stores M = -inf and NaN l, O, O', like attn_qat.reference. */
-template <int W, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
+template <int W, bool FULL, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
 __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(W, WITH_O_PRIME))
     attention_fwd_kernel(const aq_attention_fwd_params p, bool vec, const int *run_only_if) {
     static_assert(QUANTIZE_P || !WITH_O_PRIME, "O' is a separate accumulator only when O uses P^F");
@@ -47,9 +48,10 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(W, WITH_O_PRIM
     int4 *warp_spans = (int4 *)(v_nonfinite + SW) + 8 * ((int)threadIdx.x / 32); /* the warp's rows' spans */
 
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
-    const int dk = (int)p.head_dim, tiles = (int)((p.seqlen_q + FWD_BM - 1) / FWD_BM);
-    const int tile_x = (int)blockIdx.x % tiles, c0 = SW * ((int)blockIdx.x / tiles); /* this CTA's V columns */
-    const int dv = min(SW, (int)p.head_dim_v - c0);
+    const int dk = FULL ? W : (int)p.head_dim, d_v = FULL ? W : (int)p.head_dim_v;
+    const int tiles = (int)((p.seqlen_q + FWD_BM - 1) / FWD_BM), slices = (d_v + SW - 1) / SW;
+    const int tile_x = (int)blockIdx.x / slices, c0 = SW * ((int)blockIdx.x % slices); /* this CTA's V columns */
+    const int dv = min(SW, d_v - c0);
     /* causal: the last query tiles see the most keys, so they are scheduled first */
     const int qtile = p.causal ? tiles - 1 - tile_x : tile_x;
     const int h = (int)blockIdx.y, b = (int)blockIdx.z, hk = h / (int)(p.heads_q / p.heads_kv);
@@ -165,7 +167,8 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(W, WITH_O_PRIM
 template <int W, aq_dtype DT, bool QUANTIZE_P, bool WITH_O_PRIME>
 static const char *launch_fwd(const aq_attention_fwd_params *p, cudaStream_t stream, bool vec, const int *only_if) {
     void (*kernel)(const aq_attention_fwd_params, bool, const int *) =
-        attention_fwd_kernel<W, DT, QUANTIZE_P, WITH_O_PRIME>;
+        p->head_dim == W && p->head_dim_v == W ? attention_fwd_kernel<W, true, DT, QUANTIZE_P, WITH_O_PRIME>
+                                               : attention_fwd_kernel<W, false, DT, QUANTIZE_P, WITH_O_PRIME>;
     constexpr int SW = sm80_slice_width(W), BN = fwd_keys_per_tile(W);
     const int smem = ((FWD_BM + BN) * (W + AQ_SMEM_PAD) + BN * (SW + AQ_SMEM_PAD)) * 2 + SW * (int)sizeof(uint64_t) +
                      FWD_BM * (int)sizeof(int2); /* the rows' spans (store_warp_row_spans) */
