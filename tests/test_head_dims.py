@@ -166,3 +166,19 @@ def test_kv_cache_at_other_head_dims(device, head_dim):
         f.append(tokens, lengths)
     for tq, causal in ((1, True), (5, True), (3, False)):
         check_cache(f, f.query(4, tq), causal, f"D {head_dim}, Tq {tq}")
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_transformers_model_at_other_head_dims_trains_in_fp4(head_dim):
+    """A Qwen3-shaped model with head_dim 96 or 256 (Phi-3's, Gemma's) runs every attention call in FP4 after
+    `prepare`, no fallback warned, and its gradients flow."""
+    import warnings
+    from test_integrations_report import _qwen3
+    model = _qwen3(head_dim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", attn_qat.AttnQATFallbackWarning)
+        attn_qat.prepare(model)
+        model(torch.randint(0, 64, (2, 20)), labels=torch.randint(0, 64, (2, 20))).loss.backward()
+    report = attn_qat.attention_report(model)
+    assert [m.calls for m in report.modules] == [{"fp4": 1}] * 2 and report.fallbacks == {}
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
