@@ -57,16 +57,21 @@ class kernel_options:
     "auto" (3); decode_chunk: the keys a decode CTA takes, a multiple of 64 up to 4096, or "auto" (planned): both
     for A/B runs and tests. work_order: "lpt" (the default) hands packed calls' work items to the Hopper kernels
     longest first where there is no causal limit (attn_qat/varlen.py's tables), "index" in index order as dense
-    calls (A/B runs: bench_varlen.py --orders); the outputs are the same either way. None leaves an option as it is.
+    calls (A/B runs: bench_varlen.py --orders); the outputs are the same either way. pad_head_dims: "auto" (the
+    default) zero-pads the head dims of a call up to 128 that the Hopper kernels do not take (D != Dv, or other than
+    64 and 128) to 64 or 128 on a device where they run, since the mma.sync kernels are several times slower there;
+    True pads on every device (the CPU too: tests hold it to the unpadded result), False never. Padding columns are
+    absent (numerics.md §6), so the results are those of the kernels that run. None leaves an option as it is.
 
     The call sets the options at once; as a context manager it restores, on exit, the ones in force before it. With
     no arguments it changes nothing, and its attributes tell the options in force. The environment variables
-    ATTN_QAT_SM90, ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT, ATTN_QAT_DECODE_CHUNK and ATTN_QAT_WORK_ORDER give
-    the options when the library loads."""
+    ATTN_QAT_SM90, ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT, ATTN_QAT_DECODE_CHUNK, ATTN_QAT_WORK_ORDER and
+    ATTN_QAT_PAD_HEAD_DIMS give the options when the library loads."""
 
-    def __init__(self, sm90=None, tail_split=None, decode_variant=None, decode_chunk=None, work_order=None):
+    def __init__(self, sm90=None, tail_split=None, decode_variant=None, decode_chunk=None, work_order=None,
+                 pad_head_dims=None):
         self._previous = _C.kernel_options()
-        sm90_on, mode, tail, parts, variant, chunk, index_order = self._previous
+        sm90_on, mode, tail, parts, variant, chunk, index_order, pad = self._previous
         if sm90 is not None:
             if not isinstance(sm90, bool):
                 raise TypeError(f"attn_qat.ops.kernel_options: sm90 must be True, False or None, got {sm90!r}")
@@ -85,12 +90,18 @@ class kernel_options:
                 raise ValueError(f"attn_qat.ops.kernel_options: work_order must be one of "
                                  f"{', '.join(map(repr, WORK_ORDERS))}, got {work_order!r}")
             index_order = int(work_order == "index")
-        _C.set_kernel_options(sm90_on, mode, tail, parts, variant, chunk, index_order)
+        if pad_head_dims is not None:
+            if not (isinstance(pad_head_dims, bool) or (isinstance(pad_head_dims, str) and pad_head_dims == "auto")):
+                raise ValueError(f"attn_qat.ops.kernel_options: pad_head_dims must be \"auto\", True or False, got "
+                                 f"{pad_head_dims!r}")
+            pad = -1 if pad_head_dims == "auto" else int(pad_head_dims)
+        _C.set_kernel_options(sm90_on, mode, tail, parts, variant, chunk, index_order, pad)
         self.sm90 = bool(sm90_on)
         self.tail_split = "auto" if mode == _TAIL_AUTO else 0 if mode == _TAIL_OFF else (tail, parts)
         self.decode_variant = "auto" if variant < 0 else variant
         self.decode_chunk = "auto" if chunk == 0 else chunk
         self.work_order = "index" if index_order else "lpt"
+        self.pad_head_dims = "auto" if pad < 0 else bool(pad)
 
     @staticmethod
     def _auto_or_int(name, value, auto, valid, allowed):

@@ -237,6 +237,9 @@ typedef struct {
     int decode_variant;             /* the decode kernel's FLAGS (decode_cuda.cu), or -1 for the default */
     int64_t decode_chunk;           /* keys a decode CTA takes (a multiple of 64 up to 4096), or 0: planned */
     int index_order;                /* 1: packed calls' work_order tables are ignored (index order; A/B runs) */
+    int pad_head_dims;              /* -1: the ops zero-pad head dims up to 128 that the Hopper kernels do not take
+                                       to 64 or 128 where those run (aq_attention_sm90_runs); 1: always, on the
+                                       CPU too (tests); 0: never */
 } aq_kernel_options;
 
 /* What the decode options may pick: a variant below AQ_DECODE_VARIANTS (decode_cuda.cu's FLAGS), and chunks of a
@@ -263,6 +266,9 @@ typedef struct {
     int use_work_order;      /* the Hopper launchers follow the params' work_order (not kernel_options' index_order) */
 } aq_attention_plan;
 
+/* Whether the Hopper kernels may run on the current device under these options (an sm_90 device, this build's sm_90a
+   code, the options' sm90), for head dims they take (aq_sm90_head_dims). */
+int aq_attention_sm90_runs(const aq_kernel_options *o);
 const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, const aq_kernel_options *o,
                                        aq_attention_plan *plan);
 const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, const aq_kernel_options *o,

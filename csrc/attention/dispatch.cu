@@ -66,6 +66,11 @@ static const char *plan_device(const aq_kernel_options *o, int64_t head_dim, int
     return NULL;
 }
 
+int aq_attention_sm90_runs(const aq_kernel_options *o) {
+    aq_attention_plan plan = {};
+    return plan_device(o, 64, 64, &plan) == NULL && plan.sm90;
+}
+
 /* A plan that runs nothing beyond the mma.sync kernels, with no split. */
 static aq_attention_plan empty_plan(void) {
     aq_attention_plan plan = {};

@@ -1,5 +1,7 @@
 // The attention ops: the forward and backward of numerics.md §3-§5 in each mode, the forward on operands the caller
 // has quantized, and P's fp16 path on its own (for tests).
+#include <algorithm>
+
 #include "binding/ops.h"
 
 namespace aq_ops {
@@ -164,6 +166,39 @@ Tensor set_problem(Params *p, const Tensor &q, const AttentionShape &s, double s
     return nonfinite_flag;
 }
 
+// The head dim a call's operands are zero-padded to, or 0: head dims up to 128 that the Hopper kernels do not take as
+// they are (D != Dv, or other than 64 and 128) go to 64 or 128 where those run, per kernel_options' pad_head_dims
+// (attn_qat.h): the mma.sync kernels are several times slower there. The padding columns are absent (numerics.md §6:
+// zeros in every product, never stored), so a padded call computes what the kernels that run it compute.
+int64_t padded_head_dim(const Tensor &q, const AttentionShape &s) {
+    const int64_t d = std::max(s.head_dim, s.head_dim_v);
+    const aq_kernel_options o = aq_get_kernel_options();
+    if (d > 128 || aq_sm90_head_dims(s.head_dim, s.head_dim_v) || o.pad_head_dims == 0) return 0;
+    bool pad = o.pad_head_dims == 1;
+#ifdef AQ_WITH_CUDA
+    if (!pad && q.is_cuda()) {
+        torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+        pad = aq_attention_sm90_runs(&o);
+    }
+#endif
+    return pad ? (d <= 64 ? 64 : 128) : 0;
+}
+
+// A (B, H, N, D) tensor with zero columns appended up to `width` (a new tensor); t itself when it has them.
+Tensor with_columns(const Tensor &t, int64_t width) {
+    return t.size(3) == width ? t : torch::stable::pad(t, {0, width - t.size(3)});
+}
+
+// The first `d` columns of a (B, H, N, width) tensor (a view); an empty placeholder as it is.
+Tensor first_columns(Tensor t, int64_t d) {
+    return t.dim() != 4 || t.size(3) == d ? t : torch::stable::narrow(t, 3, 0, d);
+}
+
+AttentionShape with_head_dims(AttentionShape s, int64_t width) {
+    s.head_dim = s.head_dim_v = width;
+    return s;
+}
+
 // Runs the forward kernel on operands the caller has already prepared.
 void run_forward(const Tensor &q, const Tensor &k, const Tensor &v, const std::optional<Tensor> &mask,
                  double scale, int64_t causal, bool quantize_p, const Tensor &out, const Tensor *out_prime,
@@ -223,7 +258,10 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
                   bool need_grad, bool v_along_tokens, std::optional<Tensor> q_span, std::optional<Tensor> k_span,
                   std::optional<Tensor> fwd_order, std::optional<Tensor> dkdv_order) {
     const unsigned flags = mode_flags(mode);
-    const AttentionShape s = check_attention_inputs(q, k, v);
+    const AttentionShape given = check_attention_inputs(q, k, v);
+    const int64_t width = padded_head_dim(q, given);
+    const AttentionShape s = width ? with_head_dims(given, width) : given;
+    if (width) q = with_columns(q, width), k = with_columns(k, width), v = with_columns(v, width);
     set_causal(causal, s, nullptr, nullptr); // a bad code fails before any work
     const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
     int64_t order_len = 0, dkdv_len = 0;
@@ -242,8 +280,10 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     run_forward(qf, kf, vf, mask, scale, causal, quantize, out, with_prime ? &out_prime : nullptr, frame, row_sum, s,
                 spans, order, order_len);
+    out = first_columns(out, given.head_dim_v), out_prime = first_columns(out_prime, given.head_dim_v);
     if (!with_operands) return {out, out_prime, frame, row_sum, none(), none(), none()};
-    return {out, out_prime, frame, row_sum, qf, kf, vf};
+    return {out, out_prime, frame, row_sum, first_columns(qf, given.head_dim), first_columns(kf, given.head_dim),
+            first_columns(vf, given.head_dim_v)};
 }
 
 // Gradients w.r.t. the original q, k, v (straight-through), for each mode of numerics.md §5.
@@ -255,7 +295,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                                                       std::optional<Tensor> k_span, std::optional<Tensor> dkdv_order) {
     const unsigned flags = mode_flags(mode);
     check_scale(scale);
-    const AttentionShape s = check_attention_inputs(q, k, v);
+    const AttentionShape given = check_attention_inputs(q, k, v);
+    const int64_t width = padded_head_dim(q, given);
+    const AttentionShape s = width ? with_head_dims(given, width) : given;
     set_causal(causal, s, nullptr, nullptr);
     const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
     int64_t order_len = 0;
@@ -266,14 +308,18 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     const bool delta_from_prime = flags & AQ_DELTA_FROM_O_PRIME;
     STD_TORCH_CHECK(!delta_from_prime || out_prime.numel() == out.numel(),
                     "attn_qat: this mode's backward needs O' from the forward (need_grad=True)");
-    const Tensor &for_delta = delta_from_prime ? out_prime : out;
+    Tensor for_delta = delta_from_prime ? out_prime : out;
     for (const auto &[t, name] : {std::pair<const Tensor *, const char *>{&dout, "grad_output"},
                                   {&for_delta, delta_from_prime ? "out_prime" : "out"}}) {
         STD_TORCH_CHECK(t->dim() == 4 && t->size(0) == s.batch && t->size(1) == s.heads_q &&
-                            t->size(2) == s.seqlen_q && t->size(3) == s.head_dim_v && t->stride(3) == 1 &&
+                            t->size(2) == s.seqlen_q && t->size(3) == given.head_dim_v && t->stride(3) == 1 &&
                             t->scalar_type() == q.scalar_type() && same_device(*t, q),
                         "attn_qat: ", name, " must have the output's shape and dtype, a contiguous last dimension, "
                         "on the query's device");
+    }
+    if (width) {
+        q = with_columns(q, width), k = with_columns(k, width), v = with_columns(v, width);
+        dout = with_columns(dout, width), for_delta = with_columns(for_delta, width);
     }
     Tensor qo = quantized_operands ? fake_quantize_operand(q, false) : q;
     Tensor ko = quantized_operands ? fake_quantize_operand(k, false) : k;
@@ -329,7 +375,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
         return plan_and_launch(q, &p, aq_attention_bwd_plan_cuda, aq_attention_bwd_cuda, stream,
                                deterministic ? nullptr : &p.dq_accum);
     });
-    return {dq, dk, dv};
+    return {first_columns(dq, given.head_dim), first_columns(dk, given.head_dim), first_columns(dv, given.head_dim_v)};
 }
 
 // The forward of numerics.md §3 on operands the caller has already made: nothing is quantized but P (the KV cache's
@@ -338,12 +384,15 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
 std::tuple<Tensor, Tensor, Tensor> attention_forward_prequantized(Tensor q, Tensor k, Tensor v,
                                                                   std::optional<Tensor> mask, double scale,
                                                                   int64_t causal) {
-    const AttentionShape s = check_attention_inputs(q, k, v);
+    const AttentionShape given = check_attention_inputs(q, k, v);
+    const int64_t width = padded_head_dim(q, given);
+    const AttentionShape s = width ? with_head_dims(given, width) : given;
+    if (width) q = with_columns(q, width), k = with_columns(k, width), v = with_columns(v, width);
     Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim_v);
     Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     run_forward(q, k, v, mask, scale, causal, /*quantize_p=*/true, out, nullptr, frame, row_sum, s);
-    return {out, frame, row_sum};
+    return {first_columns(out, given.head_dim_v), frame, row_sum};
 }
 
 // P's fp16 path (numerics.md §3) on fp32 exponent arguments x = t - (M - 11), blocks of 16 along the last dim:

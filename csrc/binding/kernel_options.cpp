@@ -13,8 +13,9 @@ namespace {
 // forces the last T items into S parts; anything else never splits. ATTN_QAT_DECODE_VARIANT (0-3) and
 // ATTN_QAT_DECODE_CHUNK (keys): the decode kernel's variant and chunk for A/B runs; other values keep the defaults.
 // ATTN_QAT_WORK_ORDER: "index" runs packed calls' items in index order (their LPT tables ignored; A/B runs).
+// ATTN_QAT_PAD_HEAD_DIMS: "0" never pads head dims for the Hopper kernels, "1" always (the CPU too).
 aq_kernel_options from_environment() {
-    aq_kernel_options o = {1, AQ_TAIL_SPLIT_AUTO, 0, 0, -1, 0, 0};
+    aq_kernel_options o = {1, AQ_TAIL_SPLIT_AUTO, 0, 0, -1, 0, 0, -1};
     const char *sm90 = std::getenv("ATTN_QAT_SM90");
     o.sm90 = !(sm90 != nullptr && sm90[0] == '0');
     const char *split = std::getenv("ATTN_QAT_TAIL_SPLIT");
@@ -31,6 +32,8 @@ aq_kernel_options from_environment() {
     if (chunk != nullptr && std::sscanf(chunk, "%ld", &c) == 1 && aq_decode_chunk_valid(c)) o.decode_chunk = c;
     const char *order = std::getenv("ATTN_QAT_WORK_ORDER");
     o.index_order = order != nullptr && std::strcmp(order, "index") == 0;
+    const char *pad = std::getenv("ATTN_QAT_PAD_HEAD_DIMS");
+    if (pad != nullptr && (std::strcmp(pad, "0") == 0 || std::strcmp(pad, "1") == 0)) o.pad_head_dims = pad[0] - '0';
     return o;
 }
 

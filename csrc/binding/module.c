@@ -15,22 +15,24 @@
 #define AQ_HAS_CUDA_KERNELS 0
 #endif
 
-/* kernel_options() -> (sm90, tail_split mode, forced_tail, forced_splits, decode_variant, decode_chunk, index_order),
-   as aq_kernel_options holds them. */
+/* kernel_options() -> (sm90, tail_split mode, forced_tail, forced_splits, decode_variant, decode_chunk, index_order,
+   pad_head_dims), as aq_kernel_options holds them. */
 static PyObject *kernel_options(PyObject *self, PyObject *noargs) {
     (void)self, (void)noargs;
     const aq_kernel_options o = aq_get_kernel_options();
-    return Py_BuildValue("(iiLLiLi)", o.sm90, (int)o.tail_split, (long long)o.forced_tail, (long long)o.forced_splits,
-                         o.decode_variant, (long long)o.decode_chunk, o.index_order);
+    return Py_BuildValue("(iiLLiLii)", o.sm90, (int)o.tail_split, (long long)o.forced_tail,
+                         (long long)o.forced_splits, o.decode_variant, (long long)o.decode_chunk, o.index_order,
+                         o.pad_head_dims);
 }
 
-/* set_kernel_options(sm90, tail_split mode, forced_tail, forced_splits, decode_variant, decode_chunk, index_order);
-   attn_qat/ops.py checks the values. */
+/* set_kernel_options(sm90, tail_split mode, forced_tail, forced_splits, decode_variant, decode_chunk, index_order,
+   pad_head_dims); attn_qat/ops.py checks the values. */
 static PyObject *set_kernel_options(PyObject *self, PyObject *args) {
     (void)self;
-    int sm90 = 1, mode = AQ_TAIL_SPLIT_AUTO, variant = -1, index_order = 0;
+    int sm90 = 1, mode = AQ_TAIL_SPLIT_AUTO, variant = -1, index_order = 0, pad = -1;
     long long tail = 0, splits = 0, chunk = 0;
-    if (!PyArg_ParseTuple(args, "iiLLiLi", &sm90, &mode, &tail, &splits, &variant, &chunk, &index_order)) return NULL;
+    if (!PyArg_ParseTuple(args, "iiLLiLii", &sm90, &mode, &tail, &splits, &variant, &chunk, &index_order, &pad))
+        return NULL;
     if (mode < AQ_TAIL_SPLIT_AUTO || mode > AQ_TAIL_SPLIT_FORCED) {
         PyErr_SetString(PyExc_ValueError, "attn_qat._C.set_kernel_options: bad tail_split mode");
         return NULL;
@@ -39,7 +41,12 @@ static PyObject *set_kernel_options(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "attn_qat._C.set_kernel_options: bad decode variant or chunk");
         return NULL;
     }
-    const aq_kernel_options o = {sm90 != 0, (aq_tail_split_mode)mode, tail, splits, variant, chunk, index_order != 0};
+    if (pad < -1 || pad > 1) {
+        PyErr_SetString(PyExc_ValueError, "attn_qat._C.set_kernel_options: bad pad_head_dims");
+        return NULL;
+    }
+    const aq_kernel_options o = {sm90 != 0,     (aq_tail_split_mode)mode, tail, splits, variant, chunk,
+                                 index_order != 0, pad};
     aq_set_kernel_options(&o);
     Py_RETURN_NONE;
 }
