@@ -32,15 +32,15 @@ def quant_section(d):
     return "\n".join(lines) + "\n"
 
 
-def attention_section(d):
-    lines = [f"## Attention (`bench_attention.py`)\n",
+def attention_section(d, title="## Attention (`bench_attention.py`)", note="", plot="attention.png"):
+    lines = [f"{title}\n", *([note] if note else []),
              f"{d['gpu']}, {d['date']}, commit {d['commit']}, torch {d['torch']}. FLOPs: {d['flops']}. "
              "Times are medians of back-to-back calls timed between CUDA events (common.median_ms: the host's launch "
              f"time is not counted once the GPU has work queued), each case's median over {d['rounds']} rounds of all a "
              "shape's cases; cuDNN and FA2 are torch SDPA's backends on the same tensors in the same process (with K/V "
              "expanded for grouped heads). Cells: ms / TFLOP/s.\n"]
     labels = list(d["shapes"][0]["results"])
-    lines += ["| shape (B, Hq, Hkv, Nq, Nk, D, causal) | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    lines += ["| shape (B, Hq, Hkv, Nq, Nk, D, causal[, Dv]) | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for s in d["shapes"]:
         dims = tuple(s["dims"].values())
         cells = [f"{fmt(s['results'][x]['ms'], '.2f')} / {fmt(s['results'][x]['TFLOP/s'], '.0f')}" for x in labels]
@@ -49,10 +49,25 @@ def attention_section(d):
     lines += ["", "Ratios of time (lower is better; 1.0 = cuDNN bf16):", "",
               "| shape | " + " | ".join(ratio_labels) + " |", "|---|" + "---|" * len(ratio_labels)]
     for s in d["shapes"]:
-        lines.append(f"| {s['shape']} | " + " | ".join(fmt(s["ratios"][x], ".2f") + "x" for x in ratio_labels) + " |")
-    if os.path.exists(os.path.join(RESULTS, "attention.png")):
-        lines += ["", "![ratios to cuDNN](results/attention.png)"]
+        lines.append(f"| {s['shape']} | " + " | ".join("n/a" if s["ratios"][x] is None else f"{s['ratios'][x]:.2f}x" for x in ratio_labels) + " |")
+    if os.path.exists(os.path.join(RESULTS, plot)):
+        lines += ["", f"![ratios to cuDNN](results/{plot})"]
     return "\n".join(lines) + "\n"
+
+
+def head_dims_section(d):
+    return attention_section(
+        d, "## Head dims the Hopper kernels do not take (`bench_attention.py --only b4_h16_4k_d256,...`)",
+        "Every case here ran the mma.sync kernels (the Hopper kernels take D = Dv = 64 or 128). Since this run, head "
+        "dims up to 128 (the D = 96 and 80 rows) are zero-padded to 64 or 128 for the Hopper kernels "
+        "(`kernel_options(pad_head_dims=...)`, README), which these rows do not measure yet. FA2 takes no D != Dv.\n",
+        "attention_head_dims.png")
+
+
+def models_generate_section(d):
+    return models_section(d, "## `generate` with the append op (`bench_models.py --only generate_b8`)",
+                          "A later run of one case, after `NVFP4KVCache.append` became one op (csrc/decode/kv_append.h); "
+                          "device ops per step counted with torch.profiler.\n")
 
 
 def prefill_section(d):
@@ -164,8 +179,8 @@ MODEL_CASES = {
 }
 
 
-def models_section(d):
-    lines = [f"## Whole models (`bench_models.py`)\n",
+def models_section(d, title="## Whole models (`bench_models.py`)", note=""):
+    lines = [f"{title}\n", *([note] if note else []),
              f"{d['gpu']}, {d['date']}, commit {d['commit']}, torch {d['torch']}. Random weights, bf16. Each cell is the "
              f"median over {d['rounds']} rounds of the arms (order reversed every other round) of the median of "
              f"{d['repeat']} call(s), wall time between device synchronisations; peak is torch's max_memory_allocated. "
@@ -174,7 +189,7 @@ def models_section(d):
              "transformers' default cache; decode ms per step is (128-token call - 1-token call) / 127.\n",
              "| case | arm | ms | peak GiB | ratio to the SDPA baseline | tokens/s | decode ms per step |",
              "|---|---|---|---|---|---|---|"]
-    for case, title in MODEL_CASES.items():
+    for case, case_title in MODEL_CASES.items():
         arms = d["results"].get(case)
         if not arms:
             continue
@@ -184,7 +199,7 @@ def models_section(d):
             if case == "generate_b8" and "tokens_per_s" not in a and a["ms"] is not None:
                 continue  # the 1-token calls only serve the decode-step difference
             ratio = a["ms"] / base["ms"] if base and base["ms"] and a["ms"] else None
-            lines.append(f"| {title} | {name} | {fmt(a['ms'], '.1f')} | {fmt(a['peak_gib'], '.1f')} | "
+            lines.append(f"| {case_title} | {name} | {fmt(a['ms'], '.1f')} | {fmt(a['peak_gib'], '.1f')} | "
                          f"{fmt(ratio, '.3f')} | {fmt(a.get('tokens_per_s'), '.0f')} | "
                          f"{fmt(a.get('decode_ms_per_step'), '.2f')} |")
     fit = d["results"].get("max_batch_32k")
@@ -201,7 +216,8 @@ def main():
     for name, section in (("quant.json", quant_section), ("attention.json", attention_section),
                           ("v_block_axis.json", v_block_axis_section), ("prefill.json", prefill_section),
                           ("decode.json", decode_section), ("varlen.json", varlen_section),
-                          ("models.json", models_section)):
+                          ("models.json", models_section), ("attention_head_dims.json", head_dims_section),
+                          ("models_generate.json", models_generate_section)):
         path = os.path.join(RESULTS, name)
         if os.path.exists(path):
             parts.append(section(json.load(open(path))))
