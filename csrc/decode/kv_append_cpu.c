@@ -4,6 +4,12 @@
 
 #include "decode/kv_append.h"
 
+#ifdef _OPENMP
+#define AQ_PARALLEL_FOR_SEQUENCES_AND_HEADS _Pragma("omp parallel for collapse(2) schedule(static)")
+#else
+#define AQ_PARALLEL_FOR_SEQUENCES_AND_HEADS
+#endif
+
 static float load_element(const void *base, aq_dtype dtype, int64_t offset) {
     const uint16_t bits = ((const uint16_t *)base)[offset];
     return dtype == AQ_BFLOAT16 ? aq_bf16_to_float(bits) : aq_fp16_to_float(bits);
@@ -34,7 +40,7 @@ const char *aq_kv_cache_append_cpu(const aq_kv_append_params *p) {
     const char *problem = aq_kv_append_sizes_problem(p);
     if (problem) return problem;
     const int64_t blocks = p->head_dim / AQ_BLOCK;
-#pragma omp parallel for collapse(2) schedule(static)
+    AQ_PARALLEL_FOR_SEQUENCES_AND_HEADS
     for (int64_t b = 0; b < p->batch; b++) {
         for (int64_t h = 0; h < p->heads_kv; h++) {
             const int64_t count = aq_kv_count(p, b);
