@@ -241,11 +241,21 @@ def test_misuse_is_refused():
 
 
 def test_a_module_kept_in_bf16_learns_nothing():
+    """A module the plan keeps in bf16 has no learned transform, also where a checkpoint's plan is adopted."""
+    base = tiny_qwen3()
     config = QATConfig(rotate_qk=True, balance_qk=0.5, learn_qk_transforms=True,
                        bf16_modules=("model.layers.1.self_attn",))
-    model = attn_qat.prepare(tiny_qwen3(), config)
+    model = attn_qat.prepare(copy.deepcopy(base), config)
+    attn_qat.calibrate_k_shift(model, calibration_batches("cpu"))
     assert hasattr(model.model.layers[0].self_attn, qk.LEARNED_QK_MODULE)
     assert not hasattr(model.model.layers[1].self_attn, qk.LEARNED_QK_MODULE)
+    adopted = attn_qat.prepare(copy.deepcopy(base), QATConfig(rotate_qk=True, balance_qk=0.5,
+                                                              learn_qk_transforms=True))
+    adopted.load_state_dict(model.state_dict())  # strict: the kept module's parameters go with its transforms
+    assert not hasattr(adopted.model.layers[1].self_attn, qk.LEARNED_QK_MODULE)
+    ids = torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        assert torch.equal(adopted(ids).logits, model(ids).logits)
 
 
 def test_peft_keeps_them_trainable():

@@ -246,8 +246,11 @@ def _adopt_saved_plan(module, state_dict, prefix, local_metadata, strict, missin
         raise ValueError(f"attn_qat: this checkpoint keeps {prefix.rstrip('.')} in bf16, but the model was prepared "
                          f"with QATConfig(bf16_modules={state.config.bf16_modules}); prepare it with the checkpoint's "
                          "plan, or without bf16_modules to adopt it")
-    from .qk_transforms import K_SHIFT_BUFFER, QK_BALANCE_BUFFER  # a kept module has no Q/K transform to calibrate
+    # a kept module has no Q/K transform to calibrate or learn
+    from .qk_transforms import K_SHIFT_BUFFER, LEARNED_QK_MODULE, QK_BALANCE_BUFFER
     for name in (K_SHIFT_BUFFER, QK_BALANCE_BUFFER):
         if prefix + name not in state_dict:
             module._buffers.pop(name, None)
+    if not any(k.startswith(f"{prefix}{LEARNED_QK_MODULE}.") for k in state_dict):
+        module._modules.pop(LEARNED_QK_MODULE, None)
     install_state(module, dataclasses.replace(state, config=state.config.kept_in_bf16(), kept_bf16=True))
