@@ -12,9 +12,9 @@ from . import nvfp4, ops
 from .attention import SUPPORTED_HEAD_DIMS, attention, scaled_dot_product_attention
 from .integrations import (AttnQATFallbackWarning, QATConfig, SensitivityReport, WanAttnQATProcessor,
                            all_reduce_gradients, attention_report, calibrate_k_shift, convert,
-                           disable, enable, merge_attention_states, patch_sdpa, plan_precision, prepare,
-                           register_diffusers_backend, register_transformers, reset_diffusers_backend, sensitivity,
-                           ulysses_attention, ulysses_wan)
+                           disable, enable, learned_qk_parameters, merge_attention_states, patch_sdpa,
+                           plan_precision, prepare, register_diffusers_backend, register_transformers,
+                           reset_diffusers_backend, sensitivity, ulysses_attention, ulysses_wan)
 from .kv_cache import NVFP4KVCache
 from .nvfp4 import NVFP4Tensor, dequantize, fake_quantize, fake_quantize_qkv, quantize
 from .ops import MODES
@@ -29,8 +29,9 @@ __all__ = [
     "scaled_dot_product_attention",
     # integrations (docs/integrations.md)
     "AttnQATFallbackWarning", "QATConfig", "SensitivityReport", "WanAttnQATProcessor", "all_reduce_gradients",
-    "attention_report", "calibrate_k_shift", "convert", "disable", "enable", "merge_attention_states", "patch_sdpa",
-    "plan_precision", "prepare", "register_diffusers_backend", "register_transformers", "reset_diffusers_backend",
+    "attention_report", "calibrate_k_shift", "convert", "disable", "enable", "learned_qk_parameters",
+    "merge_attention_states", "patch_sdpa", "plan_precision", "prepare", "register_diffusers_backend",
+    "register_transformers", "reset_diffusers_backend",
     "sensitivity", "ulysses_attention", "ulysses_wan",
 ]
 

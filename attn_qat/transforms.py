@@ -11,6 +11,11 @@ Each leaves every softmax row unchanged in exact arithmetic and moves only where
 - Q/K balance: Q's channel c multiplied by a fixed s_c and K's divided by it, so sum_c (q_c s_c)(k_c / s_c) = q·k;
   with s_c = (max|k_c| / max|q_c|)^alpha (calibrated like mu) it moves range from the operand with the larger
   channel to the other, as SmoothQuant does between activations and weights.
+
+With QATConfig(learn_qk_transforms=True) the balance and the rotation are trained with the model
+(integrations/qk_transforms.LearnedQK): s = s_calibrated * exp(delta) and R = R_hadamard exp(A − Aᵀ)
+(`learned_rotation`), delta and A parameters that start at 0, so training starts from the fixed transforms and every
+value of them keeps the scores.
 """
 import math
 from typing import Dict, Optional, Tuple
@@ -40,14 +45,30 @@ def qk_rotation(head_dim: int, device=None) -> torch.Tensor:
     return rotation
 
 
+def learned_rotation(generator: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """R = qk_rotation(D) · exp(A − Aᵀ), A the strictly lower triangle of the (D, D) `generator`, computed in `dtype`
+    promoted with the generator's and float32 (autocast off; differentiable): orthogonal for every generator (the
+    exponential of a skew-symmetric matrix is), the Hadamard rotation of numerics.md §9 at generator = 0."""
+    if generator.dim() != 2 or generator.shape[0] != generator.shape[1]:
+        raise ValueError(f"attn_qat: a rotation generator must be a square (D, D) matrix, got {tuple(generator.shape)}")
+    dtype = torch.promote_types(torch.promote_types(generator.dtype, dtype), torch.float32)
+    with torch.autocast(generator.device.type, enabled=False):
+        a = generator.to(dtype).tril(-1)
+        return qk_rotation(generator.shape[0], generator.device).to(dtype) @ torch.linalg.matrix_exp(a - a.mT)
+
+
 def transform_qk(query: torch.Tensor, key: torch.Tensor, rotate: bool = False,
                  k_shift: Optional[torch.Tensor] = None,
-                 balance: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 balance: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                 rotation: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(query', key') = ((query * s_q) R, ((key − k_shift) / s_k) R) along the last axis, computed in float32
     (float64 for float64 inputs; autocast off, which would round K − k_shift and R first) and returned in the inputs'
     dtypes (differentiable). `k_shift` broadcasts against `key` (e.g. (H_kv, 1, D) for (B, H_kv, S, D)); `balance`
     is (s_q, s_k), the same per-channel scales laid out to broadcast against `query` (each KV head's repeated for
-    its query heads) and `key`; R is the identity unless `rotate`."""
+    its query heads) and `key`; R is the identity unless `rotate`, `rotation` (D, D) when given (a learned one), else
+    qk_rotation's. Gradients reach the inputs and whichever of k_shift, balance and rotation require them."""
+    if rotation is not None and not rotate:
+        raise ValueError("attn_qat: transform_qk got a rotation matrix but rotate=False")
     if not rotate and k_shift is None and balance is None:
         return query, key
     dtype = torch.promote_types(query.dtype, torch.float32)
@@ -59,6 +80,11 @@ def transform_qk(query: torch.Tensor, key: torch.Tensor, rotate: bool = False,
             q = q * balance[0].to(device=q.device, dtype=dtype)
             k = k / balance[1].to(device=k.device, dtype=dtype)
         if rotate:
-            rotation = qk_rotation(query.shape[-1], query.device).to(dtype)
+            if rotation is None:
+                rotation = qk_rotation(query.shape[-1], query.device)
+            elif rotation.shape != (query.shape[-1], query.shape[-1]):
+                raise ValueError(f"attn_qat: a ({query.shape[-1]}, {query.shape[-1]}) rotation is needed for "
+                                 f"head_dim {query.shape[-1]}, got {tuple(rotation.shape)}")
+            rotation = rotation.to(device=q.device, dtype=dtype)
             q, k = q @ rotation, k @ rotation
     return q.to(query.dtype), k.to(key.dtype)

@@ -45,13 +45,21 @@ def quantized_attention(module, query, key, value, attention_mask, scaling=None,
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
 
 
+def fake_quant(x):
+    """x fake-quantized in blocks of 16 along its last axis (reference.fake_quantize), float32; where x needs a
+    gradient, the straight-through one (identity), as attn_qat's backward passes through the rounding (numerics.md
+    §4). The values are the rounding's either way, up to one float32 rounding of x + (fq(x) - x) with a gradient."""
+    y = reference.fake_quantize(x.detach(), -1).float()
+    return x + (y - x).detach() if x.requires_grad else y
+
+
 def fake_quant_attention(q, k, v, parts, scaling=None, q_block=None):
     """Causal attention, (B, H, N, D) float32, of float32 q (B, H, N, D) and k, v (B, H_kv, N, D), with the operands
     named in `parts` ("q", "k", "v", "p") fake-quantized as numerics.md §1-§3 say; q_block: fake_quant_scores'."""
     n, d = q.shape[2], q.shape[3]
     group = q.shape[1] // k.shape[1]
     if "v" in parts:
-        v = reference.fake_quantize(v, -1).float()
+        v = fake_quant(v)
     v = v.repeat_interleave(group, dim=1)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
     t = fake_quant_scores(q, k, parts, q_block) * (scale * math.log2(math.e))
@@ -63,7 +71,7 @@ def fake_quant_attention(q, k, v, parts, scaling=None, q_block=None):
     if "p" in parts:
         pad = (-n) % 16
         wp = F.pad(w, (0, pad)) if pad else w
-        w = reference.fake_quantize(wp, -1)[..., :n].float()
+        w = fake_quant(wp)[..., :n]
     return torch.matmul(w, v) / l
 
 
@@ -79,9 +87,9 @@ def fake_quant_scores(q, k, parts, q_block=None):
         q_mean = torch.stack([b.mean(2) for b in q.split(q_block, dim=2)], 2)  # (B, H, ceil(N / q_block), D)
         q = q - q_mean.repeat_interleave(q_block, dim=2)[:, :, :n]
     if "q" in parts:
-        q = reference.fake_quantize(q, -1).float()
+        q = fake_quant(q)
     if "k" in parts:
-        k = reference.fake_quantize(k, -1).float()
+        k = fake_quant(k)
     k = k.repeat_interleave(group, dim=1)
     s = torch.matmul(q, k.transpose(-1, -2))
     if q_block is not None:  # + q̄ kᵀ, one row per block shared by its queries

@@ -11,12 +11,19 @@ SmolLM2, with Q and K passed through candidate transforms that keep every score 
 - Q smoothing (SageAttention2) after the transform: per block of B consecutive query rows (B = 128, the Hopper
   kernel's query tile, or 64), the block's mean query q̄ is taken out before Q's rounding and q̄ fq(k)ᵀ added back
   unquantized (fp4_error_budget.fake_quant_scores).
+- learned (--learn-steps N): balance alpha (--learn-alpha) + shift + Hadamard as QATConfig(learn_qk_transforms=True)
+  trains it, s = s_alpha exp(delta) and R = H exp(A - Aᵀ) per layer (attn_qat.transforms.learned_rotation), delta
+  and A starting at 0 (the fixed transform, bit for bit) and trained alone (the model frozen) with Adam on training
+  windows, the fake-quant loss (parts "qkvp", straight-through gradients through the rounding). Then evaluated on
+  the held-out windows like every candidate; a second table gives each learned candidate minus its fixed start.
 
 Order: balance, shift, rotate. Every candidate runs in one process against "none" and the baseline "rotation + K
 shift" on the same windows; the table gives each gap vs bf16 and each candidate's difference from the baseline,
 both with paired bootstrap 95% intervals. Few windows on a CPU: the numbers rank candidates, nothing more.
 
     python dev/qk_explore.py --gguf PATH --device cpu --windows 16 --seq-len 512 --calibration 8
+    python dev/qk_explore.py --gguf PATH --device cpu --windows 16 --seq-len 256 --parts qkvp --only "balance a=0.3 \
+        + shift + rotation" --calibration-more 0 --learn-steps 40
 """
 import argparse
 import json
@@ -25,11 +32,12 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fp4_error_budget as budget  # noqa: E402
 lm = budget.lm
-from attn_qat.transforms import qk_rotation  # noqa: E402
+from attn_qat.transforms import learned_rotation, qk_rotation  # noqa: E402
 
 NAME = "qk_explore"
 # parts: what is fake-quantized; transform: a Transform or None; collect: dict filled by calibration or None
@@ -62,6 +70,65 @@ class Transform:
                 q = torch.einsum("bhnd,hde->bhne", q, r.repeat_interleave(group, 0))
                 k = torch.einsum("bhnd,hde->bhne", k, r)
         return q, k
+
+
+class LearnedTransform(torch.nn.Module):
+    """Transform(scale, scaled_shift(mu, scale), Hadamard) with s = scale exp(delta[layer]) (learn_balance) and R =
+    learned_rotation(generator[layer]) (learn_rotation), delta and generator parameters starting at 0: what
+    QATConfig(rotate_qk=True, shift_k=True, balance_qk=alpha, learn_qk_transforms=True) trains (its balance and
+    rotation, per layer, a KV head's query heads sharing s)."""
+
+    q_block = None
+
+    def __init__(self, scale, mu, d, learn_balance=True, learn_rotation=True):
+        super().__init__()
+        layers = sorted(scale)
+        self.register_buffer("scale", torch.stack([scale[layer] for layer in layers]).float())
+        self.register_buffer("mu", torch.stack([mu[layer] for layer in layers]).float())
+        self.register_buffer("hadamard", qk_rotation(d))
+        self.delta = torch.nn.Parameter(torch.zeros_like(self.scale)) if learn_balance else None
+        self.generator = torch.nn.Parameter(torch.zeros(len(layers), d, d)) if learn_rotation else None
+
+    def forward(self, layer, q, k):
+        group = q.shape[1] // k.shape[1]
+        s = self.scale[layer] if self.delta is None else self.scale[layer] * self.delta[layer].exp()
+        q = q * s.repeat_interleave(group, 0)[None, :, None, :]
+        k = k / s[None, :, None, :] - (self.mu[layer] / s)[None, :, None, :]  # Transform's order, bit for bit
+        r = self.hadamard if self.generator is None else learned_rotation(self.generator[layer])
+        return q @ r, k @ r
+
+
+def learn(model, train, transform, args):
+    """Trains only `transform`'s parameters (the model frozen): args.learn_steps Adam steps, each on args.learn_batch
+    of args.learn_windows training windows (an epoch without replacement, reshuffled), minimising the next-token
+    loss with args.learn_parts fake-quantized, straight-through. Returns the per-step losses."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    groups = [{"params": [p], "lr": lr} for p, lr in ((transform.delta, args.lr_balance),
+                                                      (transform.generator, args.lr_rotation)) if p is not None]
+    opt = torch.optim.Adam(groups)
+    starts = lm.evenly_spaced(len(train), args.learn_windows, args.seq_len + 1)
+    gen = torch.Generator().manual_seed(0)
+    order, losses = [], []
+    STATE.update(parts=frozenset(args.learn_parts), transform=transform)
+    for step in range(args.learn_steps):
+        t = time.time()
+        if len(order) < args.learn_batch:
+            order = torch.randperm(len(starts), generator=gen).tolist()
+        chunk, order = order[:args.learn_batch], order[args.learn_batch:]
+        windows = lm.gather_windows(train, starts[chunk], args.seq_len + 1).to(args.device)
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            logits = model(input_ids=windows[:, :-1], use_cache=False).logits
+        loss = F.cross_entropy(logits.float().transpose(1, 2), windows[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        print(f"learn step {step}: loss {losses[-1]:.4f} ({time.time() - t:.0f} s)", flush=True)
+    STATE.update(parts=frozenset(), transform=None)
+    for p in transform.parameters():
+        p.requires_grad_(False)
+    return losses
 
 
 def quantized_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -155,6 +222,18 @@ def main():
     parser.add_argument("--only", default=None, help="';'-separated labels of the candidates to run, beside 'none' "
                         "and the baseline (default: all)")
     parser.add_argument("--out", default=None, help="JSON of the per-window losses and the table")
+    parser.add_argument("--learn-steps", type=int, default=0, help="train the learned candidates this many steps "
+                        "(0: none)")
+    parser.add_argument("--learn", default="balance+rotation", help="comma-separated learned candidates: "
+                        "balance+rotation, balance, rotation (what is learned; the rest stays fixed)")
+    parser.add_argument("--learn-alpha", type=float, default=0.3, help="the fixed balance the learning starts from")
+    parser.add_argument("--learn-windows", type=int, default=64, help="training windows the learning draws from")
+    parser.add_argument("--learn-batch", type=int, default=4)
+    parser.add_argument("--learn-parts", default="qkvp")
+    parser.add_argument("--lr-balance", type=float, default=1e-2, help="Adam's step on the log-balance offsets")
+    parser.add_argument("--lr-rotation", type=float, default=1e-3, help="Adam's step on the rotation generators")
+    parser.add_argument("--learn-insample", type=int, default=0, help="also compare each learned candidate with its "
+                        "start on this many of the windows it was trained on (did the objective go down?)")
     args = parser.parse_args()
     t0 = time.time()
     model, train, run = budget.load_experiment(args, NAME, quantized_attention)
@@ -208,6 +287,18 @@ def main():
         keep = {"none", "rotation + K shift (baseline)", *args.only.split(";")}
         candidates = {label: t for label, t in candidates.items() if label in keep}
     print(f"calibration done {time.time() - t0:.0f} s", flush=True)
+    start = f"balance a={args.learn_alpha} + shift + rotation"
+    learned, curves = {}, {}
+    if args.learn_steps:
+        scale0 = bal.get(args.learn_alpha) or balance(stats, args.learn_alpha)
+        candidates.setdefault(start, Transform(scale0, scaled_shift(mu, scale0), hadamard))
+        for what in args.learn.split(","):
+            t = time.time()
+            label = f"learned {what} ({args.learn_steps} steps) from {start}"
+            transform = LearnedTransform(scale0, mu, d, "balance" in what, "rotation" in what).to(args.device)
+            curves[label] = learn(model, train, transform, args)
+            candidates[label] = learned[label] = transform
+            print(f"{label}: learned in {time.time() - t:.0f} s", flush=True)
 
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -240,12 +331,40 @@ def main():
                          "minus_baseline_ci": [dlo, dhi]})
             print(f"| {parts} | {label} | {g:+.4f} [{lo:+.4f}, {hi:+.4f}] | {100 * g / base.mean():+.2f}% | "
                   f"{dg:+.4f} [{dlo:+.4f}, {dhi:+.4f}] |")
+    if learned:
+        print(f"\n| parts | learned candidate | minus its start ({start}) [95% CI] |\n|---|---|---|")
+    for parts in args.parts.split(",") if learned else ():
+        for label in learned:
+            dg, dlo, dhi = interval(results[(label, parts)] - results[(start, parts)])
+            rows.append({"parts": parts, "transform": label, "minus_start": dg, "minus_start_ci": [dlo, dhi]})
+            print(f"| {parts} | {label} | {dg:+.4f} [{dlo:+.4f}, {dhi:+.4f}] |")
+    insample = {}
+    if learned and args.learn_insample:
+        starts = lm.evenly_spaced(len(train), args.learn_windows, args.seq_len + 1)[:args.learn_insample]
+        for label, transform in [(start, candidates[start]), *learned.items()]:
+            STATE.update(parts=frozenset(args.learn_parts), transform=transform)
+            insample[label] = budget.heldout_loss(model, train, starts, args.batch, args.seq_len, args.device)
+        STATE.update(parts=frozenset(), transform=None)
+        print(f"\n| in-sample ({len(starts)} training windows, parts {args.learn_parts}) | minus its start [95% CI] |"
+              "\n|---|---|")
+        boot_in = torch.randint(0, len(starts), (2000, len(starts)), generator=torch.Generator().manual_seed(0))
+        for label in learned:
+            means = (insample[label] - insample[start])[boot_in].mean(1)
+            lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=means.dtype)).tolist()
+            d = float((insample[label] - insample[start]).mean())
+            rows.append({"parts": args.learn_parts, "transform": label, "insample_minus_start": d,
+                         "insample_minus_start_ci": [lo, hi]})
+            print(f"| {label} | {d:+.4f} [{lo:+.4f}, {hi:+.4f}] |")
     if args.out:
         meta = {"commit": os.environ.get("ATTN_QAT_COMMIT"), "date": time.strftime("%Y-%m-%d"), "device": args.device,
                 "torch": torch.__version__, "windows": len(base), "seq_len": args.seq_len,
                 "calibration_windows": args.calibration, "bf16_loss": float(base.mean()),
-                "seconds": time.time() - t0}
+                "seconds": time.time() - t0, "learn_curves": curves,
+                "learn": {k: getattr(args, k) for k in ("learn_steps", "learn_alpha", "learn_windows", "learn_batch",
+                                                        "learn_parts", "lr_balance", "lr_rotation", "learn",
+                                                        "learn_insample")}}
         losses = {f"{k[1]} | {k[0]}" if isinstance(k, tuple) else k: v.tolist() for k, v in results.items()}
+        losses.update({f"in-sample {args.learn_parts} | {k}": v.tolist() for k, v in insample.items()})
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows, "losses": losses}, f, indent=1)
 

@@ -102,12 +102,16 @@ RESAMPLES = 10_000
 
 # ------------------------------------------------------------------------------------------ options
 
-def qat_config(arm, balance_qk=None, **fields):
+def qat_config(arm, balance_qk=None, learn_qk=False, **fields):
     """The QATConfig of an arm ("bf16" evaluates in FP4 as "attn_qat"), with the task's other `fields`;
-    `balance_qk` (--balance-qk) adds the Q/K balance to the transformed arm and its PTQ twins."""
+    `balance_qk` (--balance-qk) adds the Q/K balance to the transformed arm and its PTQ twins, `learn_qk` (--learn-qk)
+    trains the transformed arm's rotation and balance (learn_qk_transforms; its PTQ twins, untrained, keep the
+    fixed transforms the learning starts from)."""
     settings = ARM_SETTINGS.get(arm, dict(mode="attn_qat" if arm == "bf16" else arm))
     if balance_qk is not None and settings.get("rotate_qk"):
         settings = dict(settings, balance_qk=balance_qk)
+    if learn_qk and settings.get("rotate_qk"):
+        settings = dict(settings, learn_qk_transforms=True)
     return attn_qat.QATConfig(**settings, **fields)
 
 
@@ -179,15 +183,21 @@ def to_bf16_weights(model):
 
 class MasterWeightAdamW:
     """AdamW on fp32 master copies of a (bf16) model's parameters: gradients are copied to the masters, clipped
-    there, the masters step, and the model's weights are set to the masters rounded to their dtype."""
+    there, the masters step, and the model's weights are set to the masters rounded to their dtype. `own_lr`:
+    (parameters, lr) that train at another peak learning rate (the learned Q/K transforms, --learn-qk-lr)."""
 
-    def __init__(self, params, lr, weight_decay=0.0, betas=(0.9, 0.95)):
+    def __init__(self, params, lr, weight_decay=0.0, betas=(0.9, 0.95), own_lr=None):
         self.params = [p for p in params if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         for m in self.master:
             m.grad = torch.zeros_like(m)
         fused = all(p.device.type == "cuda" for p in self.params)
-        self.optimizer = torch.optim.AdamW(self.master, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
+        own = {id(p) for p in own_lr[0]} if own_lr is not None else set()
+        groups = [{"params": [m for m, p in zip(self.master, self.params) if id(p) not in own]}]
+        if own:
+            groups.append({"params": [m for m, p in zip(self.master, self.params) if id(p) in own], "lr": own_lr[1]})
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
+                                           weight_decay=weight_decay, fused=fused)
 
     @torch.no_grad()
     def step(self, clip=1.0):
@@ -244,7 +254,10 @@ def train(task, model, arm, seed, args, progress=True, generator=None, weight_de
     attention (its PTQ curve).
     """
     weight_decay = task.weight_decay if weight_decay is None else weight_decay
-    optimizer = MasterWeightAdamW(model.parameters(), lr=args.lr, weight_decay=weight_decay)
+    own_lr = None
+    if getattr(args, "learn_qk_lr", None) is not None and task.qat_config(arm).learn_qk_transforms:
+        own_lr = (list(attn_qat.learned_qk_parameters(model).values()), args.learn_qk_lr)
+    optimizer = MasterWeightAdamW(model.parameters(), lr=args.lr, weight_decay=weight_decay, own_lr=own_lr)
     schedule = warmup_cosine_schedule(optimizer.optimizer, args.warmup_steps, args.steps)
     if teacher is not None and teacher_learns:
         teacher_optimizer = MasterWeightAdamW(teacher.parameters(), lr=args.lr, weight_decay=weight_decay)

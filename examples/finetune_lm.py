@@ -130,6 +130,11 @@ def build_parser():
                         help="also train on this much of the installed packages' Python sources (site_package_files; "
                              "default 0: the standard library only, 1.8M tokens, which 600 steps of 8 x 1024 pass "
                              "over 2.7 times)")
+    parser.add_argument("--learn-qk", action="store_true",
+                        help="attn_qat_qk trains its Q/K rotation and balance with the model (QATConfig("
+                             "learn_qk_transforms=True), starting at the fixed ones); use its own --out")
+    parser.add_argument("--learn-qk-lr", type=float, default=None, metavar="LR",
+                        help="peak learning rate of the learned Q/K transforms (default: --lr; same schedule)")
     return parser
 
 
@@ -139,6 +144,8 @@ def parse_args(argv=None):
     args = finish_pareto_args(parser, args)
     if args.site_packages_mb < 0:
         parser.error(f"--site-packages-mb must be 0 or more, got {args.site_packages_mb}")
+    if args.learn_qk_lr is not None and not (args.learn_qk and args.learn_qk_lr > 0):
+        parser.error(f"--learn-qk-lr needs --learn-qk and a positive rate, got {args.learn_qk_lr}")
     return args
 
 
@@ -446,7 +453,7 @@ class LMTask:
         args = self.args
         keys = ("preset", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "eval_every", "eval_windows",
                 "curve_windows", "prompts", "prompt_len", "new_tokens", "max_train_mb", "max_heldout_mb",
-                "site_packages_mb", "balance_qk")
+                "site_packages_mb", "balance_qk", "learn_qk", "learn_qk_lr")
         config = {k: getattr(args, k) for k in keys}
         config.update(transformers=transformers.__version__, gguf_file=GGUF_NAME, gguf_sha256=args.gguf_sha256,
                       weights="bf16, AdamW on fp32 master weights (betas 0.9, 0.95; no weight decay)",
@@ -465,7 +472,7 @@ class LMTask:
     # ----------------------------------------------------------------- what training needs
 
     def qat_config(self, arm):
-        return qat_config(arm, self.args.balance_qk, strict=True)
+        return qat_config(arm, self.args.balance_qk, self.args.learn_qk, strict=True)
 
     @torch.no_grad()
     def calibrate(self, model):

@@ -59,6 +59,12 @@ class QATConfig:
     balance_qk: None (off), or an exponent alpha in (0, 1]: multiply Q's channels by a fixed per-(KV head,
         channel) s and divide K's by it, after the shift and before the rotation (numerics.md §9; q·k unchanged),
         s = (max|k| / max|q|)^alpha over the calibration batches of the same `attn_qat.calibrate_k_shift` call.
+    learn_qk_transforms: train the balance and the rotation with the model instead of keeping them fixed
+        (numerics.md §9): `prepare` gives each attention module parameters (submodule `attn_qat_learned_qk`: a
+        per-(KV head, channel) log-offset of the calibrated s, a per-module rotation generator) that start at the
+        fixed transforms and keep the scores for every value; needs rotate_qk and/or balance_qk, learns those that
+        are on (the K shift stays calibrated). `attn_qat.learned_qk_parameters(model)` lists them (a PEFT model
+        freezes them when it wraps a prepared model: set requires_grad on them, and save them beside the adapters).
     The transforms are part of the trained model's numerics: train, evaluate and deploy with the same
     settings. `prepare` (transformers and Wan models) supports them; `patch_sdpa` and the diffusers backend on its
     own, which see no module to keep a K shift in, raise.
@@ -77,6 +83,7 @@ class QATConfig:
     rotate_qk: bool = False
     shift_k: bool = False
     balance_qk: Optional[float] = None
+    learn_qk_transforms: bool = False
     bf16_modules: Tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -88,13 +95,16 @@ class QATConfig:
         if not (self.self_attention or self.cross_attention):
             raise ValueError("attn_qat.QATConfig: self_attention and cross_attention are both False, so nothing "
                              "would be converted")
-        for name in ("rotate_qk", "shift_k"):  # a truthy string such as "false" must not switch a numerics on
+        for name in ("rotate_qk", "shift_k", "learn_qk_transforms"):  # a truthy "false" must not switch a numerics on
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"attn_qat.QATConfig: {name} must be True or False; got {getattr(self, name)!r}")
         alpha = self.balance_qk
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or
                                   not 0 < alpha <= 1):
             raise ValueError(f"attn_qat.QATConfig: balance_qk must be None or a number in (0, 1]; got {alpha!r}")
+        if self.learn_qk_transforms and not (self.rotate_qk or alpha is not None):
+            raise ValueError("attn_qat.QATConfig: learn_qk_transforms learns the rotation and the Q/K balance; switch "
+                             "on rotate_qk=True and/or balance_qk=alpha (e.g. 0.3) to learn them")
         names = self.bf16_modules
         if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):  # a str would give its letters
             raise TypeError("attn_qat.QATConfig: bf16_modules must be a sequence of module names (str), e.g. "
@@ -112,7 +122,7 @@ class QATConfig:
         return self.shift_k or self.balance_qk is not None
 
     def refuse_qk_transforms(self, where: str) -> None:
-        """Raises for an integration that does not implement the §9 transforms."""
+        """Raises for an integration that does not implement the §9 transforms (learned ones need them on)."""
         if self.transforms_qk:
             raise NotImplementedError(f"{where}: rotate_qk, shift_k and balance_qk (numerics.md §9) need a model "
                                       "prepared with attn_qat.prepare (transformers or Wan), which keeps each "
@@ -126,7 +136,8 @@ class QATConfig:
 
     def kept_in_bf16(self) -> "QATConfig":
         """The config a module that `bf16_modules` keeps runs with: exact bf16 attention, no Q/K transform."""
-        return dataclasses.replace(self, mode="bf16", rotate_qk=False, shift_k=False, balance_qk=None)
+        return dataclasses.replace(self, mode="bf16", rotate_qk=False, shift_k=False, balance_qk=None,
+                                   learn_qk_transforms=False)
 
     @property
     def inference_mode(self) -> str:
@@ -235,8 +246,11 @@ def _adopt_saved_plan(module, state_dict, prefix, local_metadata, strict, missin
         raise ValueError(f"attn_qat: this checkpoint keeps {prefix.rstrip('.')} in bf16, but the model was prepared "
                          f"with QATConfig(bf16_modules={state.config.bf16_modules}); prepare it with the checkpoint's "
                          "plan, or without bf16_modules to adopt it")
-    from .qk_transforms import K_SHIFT_BUFFER, QK_BALANCE_BUFFER  # a kept module has no Q/K transform to calibrate
+    # a kept module has no Q/K transform to calibrate or learn
+    from .qk_transforms import K_SHIFT_BUFFER, LEARNED_QK_MODULE, QK_BALANCE_BUFFER
     for name in (K_SHIFT_BUFFER, QK_BALANCE_BUFFER):
         if prefix + name not in state_dict:
             module._buffers.pop(name, None)
+    if not any(k.startswith(f"{prefix}{LEARNED_QK_MODULE}.") for k in state_dict):
+        module._modules.pop(LEARNED_QK_MODULE, None)
     install_state(module, dataclasses.replace(state, config=state.config.kept_in_bf16(), kept_bf16=True))

@@ -1,25 +1,71 @@
 """The Q/K transforms of numerics.md §9 in a prepared model: each attention module's K shift and Q/K balance (buffers,
-calibrated by `calibrate_k_shift`) and the transform an integration applies to a call's query and key before attn_qat
-quantizes them. The transforms themselves are `attn_qat.transforms`."""
+calibrated by `calibrate_k_shift`), its learned balance and rotation (`LearnedQK`, with learn_qk_transforms) and the
+transform an integration applies to a call's query and key before attn_qat quantizes them. The transforms themselves
+are `attn_qat.transforms`."""
 import dataclasses
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 from ..host_cache import HostCache
-from ..transforms import transform_qk
+from ..transforms import learned_rotation, transform_qk
 from .config import QATConfig, module_state
 from .models import unwrap_peft
 
 # The buffers of an attention module that hold its calibrated K shift and Q/K balance scales, (H_kv, D) float32.
 K_SHIFT_BUFFER = "attn_qat_k_shift"
 QK_BALANCE_BUFFER = "attn_qat_qk_balance"
+# The submodule of a prepared attention module that holds its learned balance and rotation (learn_qk_transforms).
+LEARNED_QK_MODULE = "attn_qat_learned_qk"
 # The balance scales' range: s_c beyond it would move a channel out of bf16's normal range
 BALANCE_LIMIT = 2.0 ** 24
 
 # Whether a calibrated buffer (K shift, Q/K balance) holds values (no NaN): read on the host once per calibration or
 # state_dict load, not once a layer and step.
 _calibrated_buffers = HostCache()
+# A learned rotation per generator version, for calls that need no gradient of it (inference, decoding step by step).
+_learned_rotations = HostCache()
+
+
+class LearnedQK(torch.nn.Module):
+    """The trained part of a prepared attention module's Q/K transforms (QATConfig(learn_qk_transforms=True),
+    numerics.md §9): float32 parameters, 0 at the start, where the transforms are the fixed ones.
+
+    log_balance (H_kv, D), with balance_qk: s = (the calibrated s) · exp(log_balance), positive for every value;
+    rotation_generator (D, D), with rotate_qk: R = `attn_qat.transforms.learned_rotation(rotation_generator)`, the
+    Hadamard rotation times exp(A − Aᵀ) (A the strictly lower triangle), orthogonal for every value."""
+
+    def __init__(self, heads_kv: int, head_dim: int, balance: bool, rotate: bool, device=None):
+        super().__init__()
+        self.register_parameter("log_balance", torch.nn.Parameter(torch.zeros(heads_kv, head_dim, device=device))
+                                if balance else None)
+        self.register_parameter("rotation_generator", torch.nn.Parameter(
+            torch.zeros(head_dim, head_dim, device=device)) if rotate else None)
+
+    def fits(self, heads_kv: int, head_dim: int, config: QATConfig) -> bool:
+        """Whether these parameters are the ones `config` learns for `heads_kv` KV heads of `head_dim` channels."""
+        balance, generator = self.log_balance, self.rotation_generator
+        return ((balance is not None) == (config.balance_qk is not None) and (generator is not None) ==
+                config.rotate_qk and (balance is None or balance.shape == (heads_kv, head_dim)) and
+                (generator is None or generator.shape == (head_dim, head_dim)))
+
+    def balance(self, calibrated: torch.Tensor) -> torch.Tensor:
+        """The learned s, float32 (float64 for a float64 calibration) of the calibrated (H_kv, D) s."""
+        dtype = torch.promote_types(calibrated.dtype, torch.float32)
+        return calibrated.to(dtype) * self.log_balance.to(dtype).exp()
+
+    def rotation(self, dtype: torch.dtype) -> torch.Tensor:
+        """The learned (D, D) rotation, computed in `dtype` (at least float32); recomputed only when the generator
+        changed, where no gradient needs it."""
+        generator = self.rotation_generator
+        if (torch.is_grad_enabled() and generator.requires_grad) or torch.compiler.is_compiling():
+            return learned_rotation(generator, dtype)
+
+        def compute():
+            with torch.inference_mode(False), torch.no_grad():  # usable after inference mode, by a later backward
+                return learned_rotation(generator.detach(), dtype)
+
+        return _learned_rotations.get(generator, compute, key=dtype)
 
 
 def _calibrated(buffer: torch.Tensor) -> bool:
@@ -55,29 +101,80 @@ def transform_module_qk(module, query, key, config: QATConfig, heads_axis: int, 
     transforms."""
     if not config.transforms_qk:
         return query, key
-    shift = balance = None
+    shift = balance = rotation = None
+    learned = _learned(module, key, heads_axis, config, where) if config.learn_qk_transforms else None
     if config.shift_k:
         shift = _along(_calibrated_buffer(module, K_SHIFT_BUFFER, key, heads_axis, "K shift", "shift_k=True", where),
                        key, heads_axis)
     if config.balance_qk is not None:
         s = _calibrated_buffer(module, QK_BALANCE_BUFFER, key, heads_axis, "Q/K balance",
                                f"balance_qk={config.balance_qk}", where)
+        if learned is not None:
+            s = learned.balance(s)
         group = query.shape[heads_axis] // s.shape[0]  # the query heads of a KV head share its scales
         balance = (_along(s.repeat_interleave(group, 0), query, heads_axis), _along(s, key, heads_axis))
-    return transform_qk(query, key, config.rotate_qk, shift, balance)
+    if learned is not None and config.rotate_qk:
+        rotation = learned.rotation(torch.promote_types(query.dtype, torch.float32))
+    return transform_qk(query, key, config.rotate_qk, shift, balance, rotation)
+
+
+def _learned(module, key, heads_axis: int, config: QATConfig, where: str) -> LearnedQK:
+    """`module`'s learned transform parameters, checked against `config` and the call's key."""
+    learned = getattr(module, LEARNED_QK_MODULE, None)
+    if not isinstance(learned, LearnedQK):
+        raise RuntimeError(f"{where}: {type(module).__name__} runs with QATConfig(learn_qk_transforms=True) but has no "
+                           f"learned Q/K transform ('{LEARNED_QK_MODULE}'): attn_qat.prepare(model, config) creates it")
+    if not learned.fits(key.shape[heads_axis], key.shape[-1], config):
+        raise ValueError(f"{where}: the learned Q/K transform of {type(module).__name__} does not fit its keys "
+                         f"({key.shape[heads_axis]} KV heads of {key.shape[-1]} channels) or the config (rotate_qk="
+                         f"{config.rotate_qk}, balance_qk={config.balance_qk}); prepare the model with the config it "
+                         "was trained with")
+    return learned
 
 
 def prepare_module(module: torch.nn.Module, config: QATConfig, name: str, heads_kv: Optional[int],
                    head_dim: Optional[int]) -> None:
     """What `prepare` does for the transforms on a selected module with `heads_kv` KV heads of `head_dim` channels
-    (None where the integration cannot tell): refuse a rotation the head_dim does not allow, and give a module with
-    a K shift or a Q/K balance its placeholder buffers."""
+    (None where the integration cannot tell): refuse a rotation the head_dim does not allow, give a module with
+    a K shift or a Q/K balance its placeholder buffers and one with learned transforms its parameters."""
     if config.rotate_qk and head_dim and head_dim & (head_dim - 1):  # qk_rotation's rule, said before training
         raise ValueError(f"attn_qat.prepare: rotate_qk needs a power-of-two head_dim; {name} has {head_dim}")
     if config.shift_k:
         _placeholder(module, K_SHIFT_BUFFER, heads_kv, head_dim)
     if config.balance_qk is not None:
         _placeholder(module, QK_BALANCE_BUFFER, heads_kv, head_dim)
+    learned = getattr(module, LEARNED_QK_MODULE, None)
+    if learned is not None and not isinstance(learned, LearnedQK):
+        raise TypeError(f"attn_qat.prepare: {name} already has an attribute '{LEARNED_QK_MODULE}' that is not "
+                        "attn_qat's learned Q/K transform")
+    if not config.learn_qk_transforms:
+        if learned is not None:
+            delattr(module, LEARNED_QK_MODULE)  # prepared again without learning: the fixed transforms run
+        return
+    if not heads_kv or not head_dim:
+        raise ValueError(f"attn_qat.prepare: learn_qk_transforms needs the KV heads and head_dim of {name}, which "
+                         f"{type(module).__name__}'s attributes do not tell")
+    if learned is None or not learned.fits(heads_kv, head_dim, config):  # else prepared again: keep what it learned
+        param = next(module.parameters(), None)
+        setattr(module, LEARNED_QK_MODULE, LearnedQK(heads_kv, head_dim, config.balance_qk is not None,
+                                                     config.rotate_qk, param.device if param is not None else None))
+
+
+def learned_qk_parameters(model: torch.nn.Module, requires_grad: Optional[bool] = None
+                          ) -> Dict[str, torch.nn.Parameter]:
+    """{name: parameter} of the learned Q/K transforms (QATConfig(learn_qk_transforms=True), numerics.md §9) of a
+    prepared model, named as `model.named_parameters()` names them (a PeftModel's too). `requires_grad` (if given)
+    is set on each: a PEFT model made from a prepared one has frozen them, `requires_grad=True` trains them again.
+    Save them with the model (PEFT's save_pretrained keeps only the adapters): they are part of its numerics."""
+    found = {f"{prefix}.{name}" if prefix else name: p for prefix, m in model.named_modules()
+             if isinstance(m, LearnedQK) for name, p in m.named_parameters()}
+    if not found:
+        raise ValueError(f"attn_qat.learned_qk_parameters: {type(model).__name__} has no learned Q/K transform; "
+                         "prepare it with QATConfig(learn_qk_transforms=True, rotate_qk=True and/or balance_qk=...)")
+    if requires_grad is not None:
+        for p in found.values():
+            p.requires_grad_(requires_grad)
+    return found
 
 
 def _placeholder(module: torch.nn.Module, name: str, heads: Optional[int], head_dim: Optional[int]) -> None:
