@@ -4,7 +4,6 @@ gradients of attn_qat's attention reach them, and training, `convert`, the NVFP4
 the same transformed operands; clear errors where they cannot work."""
 import copy
 import json
-import inspect
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ from conftest import DEVICES, importorskip
 importorskip("transformers")
 from attn_qat.integrations import qk_transforms as qk  # noqa: E402
 from attn_qat.integrations import transformers as tf_integration  # noqa: E402
-from test_qk_transforms import ALL, VOCAB, calibration_batches, prepared, tiny_qwen3, tiny_wan_and_inputs  # noqa: E402
+from test_qk_transforms import (ALL, VOCAB, calibration_batches, greedy_through_cache_and_recomputed,  # noqa: E402
+                                prepared, tiny_qwen3, tiny_wan_and_inputs)
 
 LEARN = QATConfig(rotate_qk=True, shift_k=True, balance_qk=0.5, learn_qk_transforms=True, strict=True)
 NO_SHIFT = QATConfig(rotate_qk=True, balance_qk=0.5, learn_qk_transforms=True, strict=True)
@@ -135,15 +135,7 @@ def test_training_convert_and_the_cache_run_the_same_operands():
     assert all(torch.equal(a.detach(), b) for a, b in zip(trained, converted))
     assert all(torch.equal(a, b) for a, b in zip(converted, again))
 
-    prompts = torch.randint(0, VOCAB, (2, 12))
-    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=24)
-    with torch.no_grad():
-        keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        cached = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=8, do_sample=False,
-                                min_new_tokens=8, pad_token_id=0, **{keyword: cache})
-        ids = prompts
-        for _ in range(8):
-            ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    cached, ids = greedy_through_cache_and_recomputed(model, torch.randint(0, VOCAB, (2, 12)))
     assert torch.equal(cached, ids)
 
 

@@ -210,21 +210,26 @@ def test_calibration_is_the_mean_of_the_keys(monkeypatch):
     assert all(s.calibration is None for s in attn_qat.integrations.attention_states(model).values())
 
 
+def greedy_through_cache_and_recomputed(model, prompts, new_tokens=8):
+    """(greedy tokens through `generate` with an NVFP4Cache, the same recomputed from scratch every step)."""
+    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=prompts.shape[1] + 2 * new_tokens)
+    with torch.no_grad():
+        keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        cached = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                                do_sample=False, min_new_tokens=new_tokens, pad_token_id=0, **{keyword: cache})
+        ids = prompts
+        for _ in range(new_tokens):
+            ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return cached, ids
+
+
 @pytest.mark.parametrize("config", [BOTH, ALL], ids=["rotate_shift", "rotate_shift_balance"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_nvfp4_cache_generation_matches_the_fake_quant_recompute(device, config):
     """The cache stores the transformed keys and transforms each step's query: greedy decoding through it equals
     recomputing every step with the fake-quant forward (bit-identical on the CPU, where both run one C kernel)."""
     model = attn_qat.convert(prepared(tiny_qwen3(device=device), config))
-    prompts = torch.randint(0, VOCAB, (2, 12), device=device)
-    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=24)
-    with torch.no_grad():
-        keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        cached = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=8, do_sample=False,
-                                min_new_tokens=8, pad_token_id=0, **{keyword: cache})
-        ids = prompts
-        for _ in range(8):
-            ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    cached, ids = greedy_through_cache_and_recomputed(model, torch.randint(0, VOCAB, (2, 12), device=device))
     if device == "cpu":
         assert torch.equal(cached, ids)
     else:  # the decode kernel sums in another order (numerics.md §7): most steps agree
