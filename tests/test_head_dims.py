@@ -231,3 +231,38 @@ def test_padded_hopper_kernels_agree_with_the_mma_sync_ones(kernel_options, dims
     plain = run(q, k, v, dout, causal="top_left")
     for name, a, b in zip(("out", "dq", "dk", "dv"), padded, plain):
         assert rel_error(a, b) < 5e-3, name
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_padded_calls_return_the_layouts_of_unpadded_ones(kernel_options, layout):
+    """The ops' outputs and gradients of a padded call have the sizes and strides the unpadded call (and the fake
+    kernels, which torch.compile plans from) give them: (B, H, S, D) views of (B, S, H, D) memory stay so."""
+    g = fresh_generator()
+    shape = (2, 30, 4, 80) if layout == "bshd" else (2, 4, 30, 80)
+    q, k, v, dout = (torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(4))
+    if layout == "bshd":
+        q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))
+    results = {}
+    for pad in (False, True):
+        kernel_options(pad_head_dims=pad)
+        results[pad] = run(q, k, v, dout)
+        fwd = attn_qat.ops.ops.attention_forward(q, k, v, None, 0.1, 0, 0, True, True)
+        results[pad] += tuple(t for t in fwd if t.numel())
+    for a, b in zip(results[True], results[False]):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_opcheck_of_a_padded_call(kernel_options, layout):
+    """torch.library.opcheck (schema, fake kernel against the real one, autograd registration, AOT dispatch) of the
+    training forward on a padded call: what torch.compile relies on holds with the padding too."""
+    kernel_options(pad_head_dims=True)
+    g = fresh_generator()
+
+    def t(h, d):
+        if layout == "bshd":
+            return torch.randn(1, 24, h, d, generator=g).to(torch.bfloat16).transpose(1, 2).requires_grad_()
+        return torch.randn(1, h, 24, d, generator=g).to(torch.bfloat16).requires_grad_()
+
+    torch.library.opcheck(attn_qat.ops.ops.attention_forward.default, (t(4, 80), t(2, 80), t(2, 48), None, 0.1, 0, 0,
+                                                                      True, True))

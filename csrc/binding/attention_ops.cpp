@@ -189,9 +189,14 @@ Tensor with_columns(const Tensor &t, int64_t width) {
     return t.size(3) == width ? t : torch::stable::pad(t, {0, width - t.size(3)});
 }
 
-// The first `d` columns of a (B, H, N, width) tensor (a view); an empty placeholder as it is.
-Tensor first_columns(Tensor t, int64_t d) {
-    return t.dim() != 4 || t.size(3) == d ? t : torch::stable::narrow(t, 3, 0, d);
+// The first `d` columns of a (B, H, N, width) tensor as a new tensor in the layout of `like` (an unpadded operand), as
+// the unpadded ops and their fake kernels (attn_qat/ops.py) make it: torch.compile plans the outputs' strides from
+// those; an empty placeholder, or a tensor with no padding, as it is.
+Tensor first_columns(Tensor t, int64_t d, const Tensor &like) {
+    if (t.dim() != 4 || t.size(3) == d) return t;
+    Tensor out = empty_like_layout(like, t.size(0), t.size(1), t.size(2), d);
+    torch::stable::copy_(out, torch::stable::narrow(t, 3, 0, d));
+    return out;
 }
 
 AttentionShape with_head_dims(AttentionShape s, int64_t width) {
@@ -261,6 +266,7 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
     const AttentionShape given = check_attention_inputs(q, k, v);
     const int64_t width = padded_head_dim(q, given);
     const AttentionShape s = width ? with_head_dims(given, width) : given;
+    const Tensor q_in = q, k_in = k, v_in = v;
     if (width) q = with_columns(q, width), k = with_columns(k, width), v = with_columns(v, width);
     set_causal(causal, s, nullptr, nullptr); // a bad code fails before any work
     const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
@@ -280,10 +286,10 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     run_forward(qf, kf, vf, mask, scale, causal, quantize, out, with_prime ? &out_prime : nullptr, frame, row_sum, s,
                 spans, order, order_len);
-    out = first_columns(out, given.head_dim_v), out_prime = first_columns(out_prime, given.head_dim_v);
+    out = first_columns(out, given.head_dim_v, q_in), out_prime = first_columns(out_prime, given.head_dim_v, q_in);
     if (!with_operands) return {out, out_prime, frame, row_sum, none(), none(), none()};
-    return {out, out_prime, frame, row_sum, first_columns(qf, given.head_dim), first_columns(kf, given.head_dim),
-            first_columns(vf, given.head_dim_v)};
+    return {out, out_prime, frame, row_sum, first_columns(qf, given.head_dim, q_in),
+            first_columns(kf, given.head_dim, k_in), first_columns(vf, given.head_dim_v, v_in)};
 }
 
 // Gradients w.r.t. the original q, k, v (straight-through), for each mode of numerics.md §5.
@@ -317,6 +323,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                         "attn_qat: ", name, " must have the output's shape and dtype, a contiguous last dimension, "
                         "on the query's device");
     }
+    const Tensor q_in = q, k_in = k, v_in = v;
     if (width) {
         q = with_columns(q, width), k = with_columns(k, width), v = with_columns(v, width);
         dout = with_columns(dout, width), for_delta = with_columns(for_delta, width);
@@ -375,7 +382,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
         return plan_and_launch(q, &p, aq_attention_bwd_plan_cuda, aq_attention_bwd_cuda, stream,
                                deterministic ? nullptr : &p.dq_accum);
     });
-    return {first_columns(dq, given.head_dim), first_columns(dk, given.head_dim), first_columns(dv, given.head_dim_v)};
+    return {first_columns(dq, given.head_dim, q_in), first_columns(dk, given.head_dim, k_in),
+            first_columns(dv, given.head_dim_v, v_in)};
 }
 
 // The forward of numerics.md §3 on operands the caller has already made: nothing is quantized but P (the KV cache's
@@ -387,12 +395,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward_prequantized(Tensor q, Tens
     const AttentionShape given = check_attention_inputs(q, k, v);
     const int64_t width = padded_head_dim(q, given);
     const AttentionShape s = width ? with_head_dims(given, width) : given;
+    const Tensor q_in = q;
     if (width) q = with_columns(q, width), k = with_columns(k, width), v = with_columns(v, width);
     Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim_v);
     Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     run_forward(q, k, v, mask, scale, causal, /*quantize_p=*/true, out, nullptr, frame, row_sum, s);
-    return {first_columns(out, given.head_dim_v), frame, row_sum};
+    return {first_columns(out, given.head_dim_v, q_in), frame, row_sum};
 }
 
 // P's fp16 path (numerics.md §3) on fp32 exponent arguments x = t - (M - 11), blocks of 16 along the last dim:
