@@ -139,23 +139,41 @@ def test_training_convert_and_the_cache_run_the_same_operands():
     assert torch.equal(cached, ids)
 
 
-def test_the_cached_rotation_follows_the_parameters():
-    """Without gradients the rotation is computed once per generator version: an in-place update (an optimiser
-    step, load_state_dict) is seen at the next call."""
+def test_the_rotation_follows_the_parameters_until_convert():
+    """Without gradients the rotation is computed at every call, so parameter writes that leave no trace (a fused
+    optimiser step, EMA weights copied through .data) are seen at once; a converted model keeps it, and loading a
+    state dict, moving the module or preparing again drops what it kept."""
     model = attn_qat.prepare(tiny_qwen3(), NO_SHIFT)
     attn_qat.calibrate_k_shift(model, calibration_batches("cpu"))
     params = learned(model.model.layers[0].self_attn)
+    generator = params.rotation_generator
+    optimizer = torch.optim.AdamW([generator], lr=0.1, fused=True)
     with torch.no_grad():
         first = params.rotation(torch.float32)
-        assert params.rotation(torch.float32) is first
-        params.rotation_generator.add_(0.01)
-        moved = params.rotation(torch.float32)
-    assert not torch.equal(moved, first)
-    assert torch.equal(moved, learned_rotation(params.rotation_generator.detach()))
-    # cached under inference mode, then a training step with the rotation frozen (a backward saves it)
-    params.rotation_generator.requires_grad_(False)
+    generator.grad = torch.ones_like(generator)
+    optimizer.step()  # a fused step does not bump the parameter's version
     with torch.no_grad():
-        params.rotation_generator.add_(0.01)
+        stepped = params.rotation(torch.float32)
+        assert not torch.equal(stepped, first)
+        assert torch.equal(stepped, learned_rotation(generator.detach()))
+        generator.data.copy_(generator.detach() + 0.01)  # EMA weights copied in
+        assert torch.equal(params.rotation(torch.float32), learned_rotation(generator.detach()))
+    attn_qat.convert(model)
+    with torch.no_grad():
+        kept = params.rotation(torch.float32)
+        assert params.rotation(torch.float32) is kept and torch.equal(kept, learned_rotation(generator.detach()))
+        state = {name: t + 0.01 for name, t in params.state_dict().items()}
+    params.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(params.rotation(torch.float32), learned_rotation(generator.detach()))
+    params.double()
+    with torch.no_grad():
+        assert params.rotation(torch.float32).dtype == torch.float64
+    params.float()
+    attn_qat.prepare(model, NO_SHIFT)  # trains again: computed at every call
+    assert not params.frozen
+    # computed under inference mode, then a training step with the rotation frozen (a backward saves it)
+    generator.requires_grad_(False)
     ids = torch.randint(0, VOCAB, (1, 16))
     with torch.inference_mode():
         model(ids)

@@ -6,6 +6,7 @@ import torch
 
 from .config import QATConfig, module_state
 from .models import FilterFn, is_diffusers_model, is_transformers_model, unwrap_peft
+from .qk_transforms import LearnedQK
 from .report import report_prepared
 
 
@@ -66,10 +67,14 @@ def convert(model: torch.nn.Module) -> torch.nn.Module:
     saved for a backward. Today that is the training kernels' forward under no_grad, exactly what the
     model computed in training; a real NVFP4 inference kernel will replace it here without a change to
     user code. The converted attention has no gradient (a forward with grad enabled warns once).
-    `convert` does not touch train/eval mode, weights or anything outside attention.
+    `convert` does not touch train/eval mode, weights or anything outside attention. Learned Q/K rotations are
+    kept from their next computation on (`LearnedQK.freeze`; preparing again trains them again).
     """
     for state in _states(model, "convert"):
         state.inference = True
+    for module in model.modules():
+        if isinstance(module, LearnedQK):
+            module.freeze()
     return model
 
 

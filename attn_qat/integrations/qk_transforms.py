@@ -24,7 +24,6 @@ BALANCE_LIMIT = 2.0 ** 24
 # state_dict load, not once a layer and step.
 _calibrated_buffers = HostCache()
 # A learned rotation per generator version, for calls that need no gradient of it (inference, decoding step by step).
-_learned_rotations = HostCache()
 
 
 class LearnedQK(torch.nn.Module):
@@ -33,10 +32,17 @@ class LearnedQK(torch.nn.Module):
 
     log_balance (H_kv, D), with balance_qk: s = (the calibrated s) · exp(log_balance), positive for every value;
     rotation_generator (D, D), with rotate_qk: R = `attn_qat.transforms.learned_rotation(rotation_generator)`, the
-    Hadamard rotation times exp(A − Aᵀ) (A the strictly lower triangle), orthogonal for every value."""
+    Hadamard rotation times exp(A − Aᵀ) (A the strictly lower triangle), orthogonal for every value.
+
+    R is computed at every call, but after `freeze` (`attn_qat.convert`) once per device and dtype: an optimiser's
+    fused step or a write through `.data` (EMA weights) changes a parameter without a trace a cache could check, so
+    only a converted model, whose parameters no longer train, keeps R; loading a state dict or moving the module
+    drops it."""
 
     def __init__(self, heads_kv: int, head_dim: int, balance: bool, rotate: bool, device=None):
         super().__init__()
+        self.frozen = False
+        self._rotations = {}  # (device, dtype): R, while frozen
         self.register_parameter("log_balance", torch.nn.Parameter(torch.zeros(heads_kv, head_dim, device=device))
                                 if balance else None)
         self.register_parameter("rotation_generator", torch.nn.Parameter(
@@ -55,17 +61,30 @@ class LearnedQK(torch.nn.Module):
         return calibrated.to(dtype) * self.log_balance.to(dtype).exp()
 
     def rotation(self, dtype: torch.dtype) -> torch.Tensor:
-        """The learned (D, D) rotation, computed in `dtype` (at least float32); recomputed only when the generator
-        changed, where no gradient needs it."""
+        """The learned (D, D) rotation, computed in `dtype` (at least float32), the same bits whether kept or not."""
         generator = self.rotation_generator
         if (torch.is_grad_enabled() and generator.requires_grad) or torch.compiler.is_compiling():
             return learned_rotation(generator, dtype)
-
-        def compute():
+        key = (generator.device, dtype)
+        rotation = self._rotations.get(key) if self.frozen else None
+        if rotation is None:
             with torch.inference_mode(False), torch.no_grad():  # usable after inference mode, by a later backward
-                return learned_rotation(generator.detach(), dtype)
+                rotation = learned_rotation(generator.detach(), dtype)
+            if self.frozen:
+                self._rotations[key] = rotation
+        return rotation
 
-        return _learned_rotations.get(generator, compute, key=dtype)
+    def freeze(self, frozen: bool = True) -> None:
+        """Keep R from its next computation on (a converted model's), or (False) compute it at every call again."""
+        self.frozen, self._rotations = frozen, {}
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(): R of the moved parameters
+        self._rotations = {}
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._rotations = {}
+        super()._load_from_state_dict(*args, **kwargs)
 
 
 def _calibrated(buffer: torch.Tensor) -> bool:
@@ -158,6 +177,8 @@ def prepare_module(module: torch.nn.Module, config: QATConfig, name: str, heads_
         param = next(module.parameters(), None)
         setattr(module, LEARNED_QK_MODULE, LearnedQK(heads_kv, head_dim, config.balance_qk is not None,
                                                      config.rotate_qk, param.device if param is not None else None))
+    else:
+        learned.freeze(False)  # trains again
 
 
 def learned_qk_parameters(model: torch.nn.Module, requires_grad: Optional[bool] = None
