@@ -232,6 +232,7 @@ class NVFP4KVCache:
         try:
             self._store(k, v, counts)
         except BaseException:  # a failed store (out of memory, say) gives its pages back: the append changed nothing
+            self._lengths.copy_(self._staged(self._host_lengths, torch.long))  # in case the device's moved on
             if new_pages is not None:
                 for pages, extra in zip(self._pages, new_pages):
                     for _ in range(extra):
@@ -261,8 +262,9 @@ class NVFP4KVCache:
         sees keys j <= lengths[b] - Tq + t, else all lengths[b] keys; a query with no visible key (a sequence
         shorter than Tq) gets 0. `softmax_scale` defaults to 1/sqrt(head_dim). Returns (batch, heads_q, Tq,
         head_dim) in q's dtype, which must be the cache's. Any Tq >= 1; above 16, on the CPU, or at head dims
-        other than 64 and 128 (the decode kernel's) it takes the composite path. V is blocked along head_dim whether or not `causal` (the cache stores it so), unlike
-        `attn_qat.attention(..., causal=False)`, which blocks it along tokens (numerics.md §2)."""
+        other than 64 and 128 (the decode kernel's) it takes the composite path. V is blocked along head_dim whether
+        or not `causal` (the cache stores it so), unlike `attn_qat.attention(..., causal=False)`, which blocks it
+        along tokens (numerics.md §2)."""
         fn = "attn_qat.NVFP4KVCache.attention"
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")

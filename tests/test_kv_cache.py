@@ -949,3 +949,26 @@ def test_kernel_graph_replays_with_new_lengths():
         torch.cuda.synchronize()
         assert torch.equal(bits(out), bits(expected)), f"lengths {new}"
         assert out.isfinite().all() and not out[[b for b, n in enumerate(new) if n == 0]].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failed_store_changes_nothing(device, monkeypatch):
+    """A store that fails after the op ran (the op's lengths advanced on the device) leaves the cache as it was:
+    lengths on the device and the host, pages, and the next append's positions."""
+    f = Filled(2, 2, 64, 64, torch.bfloat16, device, page_size=16)
+    f.append(5, [5, 3])
+    before = (f.cache.lengths.tolist(), f.cache.free_pages, f.cache.block_table.tolist())
+    real_store = NVFP4KVCache._store
+
+    def store_then_fail(self, *args):
+        real_store(self, *args)
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(NVFP4KVCache, "_store", store_then_fail)
+    k = torch.zeros(2, 2, 20, 64, dtype=torch.bfloat16, device=device)
+    with pytest.raises(MemoryError):
+        f.cache.append(k, k)
+    assert (f.cache.lengths.tolist(), f.cache.free_pages, f.cache.block_table.tolist()) == before
+    monkeypatch.undo()
+    f.append(4, [4, 4])
+    check(f, f.query(4, 1), True, "after a failed store")

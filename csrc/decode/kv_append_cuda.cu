@@ -89,9 +89,12 @@ extern "C" const char *aq_kv_cache_append_cuda(const aq_kv_append_params *p, voi
     for (const void *pool : pools)
         if ((uintptr_t)pool & 15u) return "kv_cache_append: the pools must be 16-byte aligned";
     cudaStream_t s = (cudaStream_t)stream;
+    (void)cudaGetLastError(); /* an earlier launch's error is not this op's */
     if (p->tokens > 0) {
         if (p->dtype == AQ_BFLOAT16) launch_append<__nv_bfloat16>(p, s);
         else launch_append<__half>(p, s);
+        const cudaError_t err = cudaGetLastError(); /* no lengths advance over tokens that were not written */
+        if (err != cudaSuccess) return cudaGetErrorString(err);
     }
     advance_lengths_kernel<<<(unsigned)((p->batch + 127) / 128), 128, 0, s>>>(*p);
     const cudaError_t err = cudaGetLastError();
