@@ -56,9 +56,10 @@ class LearnedQK(torch.nn.Module):
                 (generator is None or generator.shape == (head_dim, head_dim)))
 
     def balance(self, calibrated: torch.Tensor) -> torch.Tensor:
-        """The learned s, float32 (float64 for a float64 calibration) of the calibrated (H_kv, D) s."""
+        """The learned s, float32 (float64 for a float64 calibration) of the calibrated (H_kv, D) s, within the
+        calibrated one's bounds [1 / BALANCE_LIMIT, BALANCE_LIMIT] (q·s and k/s stay in the 16-bit range)."""
         dtype = torch.promote_types(calibrated.dtype, torch.float32)
-        return calibrated.to(dtype) * self.log_balance.to(dtype).exp()
+        return (calibrated.to(dtype) * self.log_balance.to(dtype).exp()).clamp(1 / BALANCE_LIMIT, BALANCE_LIMIT)
 
     def rotation(self, dtype: torch.dtype) -> torch.Tensor:
         """The learned (D, D) rotation, computed in `dtype` (at least float32), the same bits whether kept or not."""
