@@ -27,9 +27,10 @@ static inline int sm80_tile_width(int64_t head_dim, int64_t head_dim_v) {
 static constexpr __host__ __device__ int sm80_slice_width(int tile_width) {
     return tile_width < 128 ? tile_width : 128;
 }
-static inline int sm80_slices(int64_t head_dim, int tile_width) {
-    const int w = sm80_slice_width(tile_width);
-    return (int)((head_dim + w - 1) / w);
+/* The column slices (CTAs) that cover `columns` accumulator columns at tile width W: the launchers size their grids
+   by it and the kernels split blockIdx by it. */
+static constexpr __host__ __device__ int sm80_slices(int columns, int tile_width) {
+    return (columns + sm80_slice_width(tile_width) - 1) / sm80_slice_width(tile_width);
 }
 
 /* f(std::integral_constant<int, W>(), std::integral_constant<aq_dtype, DT>()) for the call's tile width W. */

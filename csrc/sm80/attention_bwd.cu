@@ -1,6 +1,8 @@
 /* Attention backward on CUDA (numerics.md §4), deterministic and without atomics: after delta = rowsum(dO * O')
    (attention/backward_preprocess.cu), dK/dV per key tile (summing over the query heads of its KV group) and dQ per
    query tile, both recomputing P. */
+#include <algorithm>
+
 #include "attention/backward_steps.cuh"
 #include "attention/dispatch.h"
 #include "attention/launch.h"
@@ -22,9 +24,9 @@ static constexpr __host__ __device__ int dkdv_queries_per_step(int w) { return w
    row_sum, delta: (B, Hq, Nq) fp32. W is the tile width (attention/launch.h): K, V, Q and dO tiles of W columns,
    zeros past D (K, Q) and Dv (V, dO). grid slices x ceil(Nk / 64) Hkv B (work_item_at of x / slices), 128 threads,
    slices = ceil(max(D, Dv) / SW) with SW = sm80_slice_width(W): CTA x takes the SW columns of dK and dV from
-   SW * (x % slices) (those within D, resp. Dv). FULL: D = Dv = W, which makes the column checks compile-time. The CTA keeps its 64 keys (K, V) in shared memory and, for every
-   query head of the KV group and every step of BQ queries that can see its keys, loads Q, dO and the row
-   statistics.
+   SW * (x % slices) (those within D, resp. Dv). FULL: D = Dv = W, which makes the column checks compile-time. The
+   CTA keeps its 64 keys (K, V) in shared memory and, for every query head of the KV group and every step of BQ
+   queries that can see its keys, loads Q, dO and the row statistics.
    Warp w owns keys 16w .. 16w+15, with keys as the MMA rows:
      S^T = K Q^T and dP^T = V dO^T (16 x BQ), P̂ = 2^(t - M), dS^T = P^T ∘ (dP^T - delta),
      dV += (P^F or P)^T dO and dK += dS^T Q (16 x SW each, fp32 registers), scaled and written once at the end.
@@ -44,7 +46,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dkdv_kernel(const aq
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, key0 = 16 * warp;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k, group = (int)(p.heads_q / p.heads_kv);
     const int d_qk = FULL ? W : (int)p.head_dim, d_v = FULL ? W : (int)p.head_dim_v;
-    const int slices = (max(d_qk, d_v) + SW - 1) / SW, c0 = SW * ((int)blockIdx.x % slices);
+    const int slices = sm80_slices(max(d_qk, d_v), W), c0 = SW * ((int)blockIdx.x % slices);
     const int dk_cols = min(SW, d_qk - c0), dv_cols = min(SW, d_v - c0); /* this CTA's columns (<= 0: none) */
     const work_item wi =
         work_item_at((int)blockIdx.x / slices, (nk + BWD_KEYS - 1) / BWD_KEYS, (int)p.heads_kv, (int)p.batch,
@@ -185,7 +187,7 @@ __global__ void __launch_bounds__(AQ_THREADS) attention_bwd_dq_kernel(const aq_a
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
     const int nq = (int)p.seqlen_q, nk = (int)p.seqlen_k;
     const int d_qk = FULL ? W : (int)p.head_dim, d_v = FULL ? W : (int)p.head_dim_v;
-    const int slices = (d_qk + SW - 1) / SW, c0 = SW * ((int)blockIdx.x % slices), dq_cols = min(SW, d_qk - c0);
+    const int slices = sm80_slices(d_qk, W), c0 = SW * ((int)blockIdx.x % slices), dq_cols = min(SW, d_qk - c0);
     const work_item wi =
         work_item_at((int)blockIdx.x / slices, (nq + BWD_ROWS - 1) / BWD_ROWS, (int)p.heads_q, (int)p.batch,
                      p.causal, true, p.sm_count);
@@ -304,7 +306,7 @@ static const char *launch_bwd(const aq_attention_bwd_params *p, cudaStream_t str
         if ((err = check_shared_memory(smem))) return err;
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cudaGetErrorString(e);
-        const int64_t slices = sm80_slices(p->head_dim > p->head_dim_v ? p->head_dim : p->head_dim_v, W);
+        const int64_t slices = sm80_slices(std::max(p->head_dim, p->head_dim_v), W);
         const dim3 grid((unsigned)((p->seqlen_k + BWD_KEYS - 1) / BWD_KEYS * p->heads_kv * p->batch * slices));
         kernel<<<grid, AQ_THREADS, smem, stream>>>(*p, vec, only_if);
         if ((err = launch_status())) return err;

@@ -27,9 +27,10 @@ static constexpr __host__ __device__ int fwd_min_ctas_per_sm(int w, bool with_o_
    (B, Hq, Nq) fp32 contiguous. W is the tile width (attention/launch.h): Q and K tiles of W columns, zeros past D.
    grid (ceil(Nq / 64) * slices, Hq, B), 128 threads, slices = ceil(Dv / SW) with SW = sm80_slice_width(W): CTA x
    takes query tile x / slices and the SW columns of V, O and O' from SW * (x % slices). FULL: D = Dv = W, which
-   makes the column checks compile-time (the registers of the kernels before head dims other than W). run_only_if: NULL, or a
-   device flag without which the CTA exits at once (attention/dispatch.h). The CTA keeps its 64 query rows in shared
-   memory and walks the key tiles of BN that any of its rows can see (K and its slice of V through shared memory).
+   makes the column checks compile-time (the registers of the kernels before head dims other than W). run_only_if:
+   NULL, or a device flag without which the CTA exits at once (attention/dispatch.h). The CTA keeps its 64 query
+   rows in shared memory and walks the key tiles of BN that any of its rows can see (K and its slice of V through
+   shared memory).
    Warp w owns rows 16w .. 16w+15 and keeps S (16 x BN), O (16 x SW) and, with WITH_O_PRIME, O' (16 x SW) in
    registers. The slices compute the same S, M and l; the first stores M and l.
    QUANTIZE_P: O accumulates fq16(P̂ * 2^11) (scaled back by 2^-11 / l at the end) and, with WITH_O_PRIME, O'
@@ -49,7 +50,7 @@ __global__ void __launch_bounds__(AQ_THREADS, fwd_min_ctas_per_sm(W, WITH_O_PRIM
 
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, row0 = 16 * warp;
     const int dk = FULL ? W : (int)p.head_dim, d_v = FULL ? W : (int)p.head_dim_v;
-    const int tiles = (int)((p.seqlen_q + FWD_BM - 1) / FWD_BM), slices = (d_v + SW - 1) / SW;
+    const int tiles = (int)((p.seqlen_q + FWD_BM - 1) / FWD_BM), slices = sm80_slices(d_v, W);
     const int tile_x = (int)blockIdx.x / slices, c0 = SW * ((int)blockIdx.x % slices); /* this CTA's V columns */
     const int dv = min(SW, d_v - c0);
     /* causal: the last query tiles see the most keys, so they are scheduled first */
