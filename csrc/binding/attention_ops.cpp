@@ -199,9 +199,22 @@ Tensor first_columns(Tensor t, int64_t d, const Tensor &like) {
     return out;
 }
 
-AttentionShape with_head_dims(AttentionShape s, int64_t width) {
-    s.head_dim = s.head_dim_v = width;
-    return s;
+// A call's sizes as given, and as the kernels take them once q, k and v are padded to `width` (0: not padded).
+struct KernelShape {
+    AttentionShape given, s;
+    int64_t width;
+};
+
+// Checks q, k, v (check_attention_inputs) and zero-pads them in place to padded_head_dim's width.
+KernelShape pad_for_kernels(Tensor &q, Tensor &k, Tensor &v) {
+    KernelShape shape{check_attention_inputs(q, k, v), {}, 0};
+    shape.s = shape.given;
+    shape.width = padded_head_dim(q, shape.given);
+    if (shape.width) {
+        shape.s.head_dim = shape.s.head_dim_v = shape.width;
+        q = with_columns(q, shape.width), k = with_columns(k, shape.width), v = with_columns(v, shape.width);
+    }
+    return shape;
 }
 
 // Runs the forward kernel on operands the caller has already prepared.
@@ -263,11 +276,8 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
                   bool need_grad, bool v_along_tokens, std::optional<Tensor> q_span, std::optional<Tensor> k_span,
                   std::optional<Tensor> fwd_order, std::optional<Tensor> dkdv_order) {
     const unsigned flags = mode_flags(mode);
-    const AttentionShape given = check_attention_inputs(q, k, v);
-    const int64_t width = padded_head_dim(q, given);
-    const AttentionShape s = width ? with_head_dims(given, width) : given;
     const Tensor q_in = q, k_in = k, v_in = v;
-    if (width) q = with_columns(q, width), k = with_columns(k, width), v = with_columns(v, width);
+    const auto [given, s, width] = pad_for_kernels(q, k, v);
     set_causal(causal, s, nullptr, nullptr); // a bad code fails before any work
     const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
     int64_t order_len = 0, dkdv_len = 0;
@@ -301,9 +311,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                                                       std::optional<Tensor> k_span, std::optional<Tensor> dkdv_order) {
     const unsigned flags = mode_flags(mode);
     check_scale(scale);
-    const AttentionShape given = check_attention_inputs(q, k, v);
-    const int64_t width = padded_head_dim(q, given);
-    const AttentionShape s = width ? with_head_dims(given, width) : given;
+    const Tensor q_in = q, k_in = k, v_in = v;
+    const auto [given, s, width] = pad_for_kernels(q, k, v);
     set_causal(causal, s, nullptr, nullptr);
     const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
     int64_t order_len = 0;
@@ -323,11 +332,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
                         "attn_qat: ", name, " must have the output's shape and dtype, a contiguous last dimension, "
                         "on the query's device");
     }
-    const Tensor q_in = q, k_in = k, v_in = v;
-    if (width) {
-        q = with_columns(q, width), k = with_columns(k, width), v = with_columns(v, width);
-        dout = with_columns(dout, width), for_delta = with_columns(for_delta, width);
-    }
+    if (width) dout = with_columns(dout, width), for_delta = with_columns(for_delta, width);
     Tensor qo = quantized_operands ? fake_quantize_operand(q, false) : q;
     Tensor ko = quantized_operands ? fake_quantize_operand(k, false) : k;
     Tensor vo = quantized_operands ? fake_quantize_operand(v, v_along_tokens) : v;
@@ -392,11 +397,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
 std::tuple<Tensor, Tensor, Tensor> attention_forward_prequantized(Tensor q, Tensor k, Tensor v,
                                                                   std::optional<Tensor> mask, double scale,
                                                                   int64_t causal) {
-    const AttentionShape given = check_attention_inputs(q, k, v);
-    const int64_t width = padded_head_dim(q, given);
-    const AttentionShape s = width ? with_head_dims(given, width) : given;
     const Tensor q_in = q;
-    if (width) q = with_columns(q, width), k = with_columns(k, width), v = with_columns(v, width);
+    const auto [given, s, width] = pad_for_kernels(q, k, v);
     Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim_v);
     Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
