@@ -286,8 +286,9 @@ def attention(
     """FlashAttention-style 4-bit attention.
 
     `layout="bshd"`: q (B, Nq, H, D), k (B, Nk, H_kv, D), v (B, Nk, H_kv, Dv), output (B, Nq, H, Dv), D and Dv
-    multiples of 16 from 32 to 256; `layout="bhsd"`: the heads before the tokens. Grouped KV heads need H % H_kv == 0. dtypes (float32 runs in
-    bfloat16 and comes back in float32) and strides as in `scaled_dot_product_attention`.
+    multiples of 16 from 32 to 256; `layout="bhsd"`: the heads before the tokens. Grouped KV heads need
+    H % H_kv == 0. dtypes (float32 runs in bfloat16 and comes back in float32) and strides as in
+    `scaled_dot_product_attention`.
     `causal` aligns bottom-right like FlashAttention (key j visible to query i iff j <= i + Nk - Nq).
     With `return_lse`, also returns the natural-log log-sum-exp of the scores, (B, H, Nq) float32
     (-inf for a row with no visible key); it is not differentiable. `v_block_axis` as in

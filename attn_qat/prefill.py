@@ -94,7 +94,8 @@ def nvfp4_attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False,
     along D (block_axis 3), V along D when `causal` and along tokens otherwise (block_axis 1 in "bshd",
     2 in "bhsd"; `v_block_axis` "tokens" or "head_dim" forces one), as `quantize_qkv(..., causal=causal)`
     packs them, or a bfloat16/float16 tensor. All must stand for one dtype, which the output has. D in
-    a multiple of 16 from 32 to 256, V's may differ from Q's and K's; grouped KV heads need H % H_kv == 0; `causal` aligns bottom-right like `attn_qat.attention`.
+    a multiple of 16 from 32 to 256, V's may differ from Q's and K's; grouped KV heads need H % H_kv == 0;
+    `causal` aligns bottom-right like `attn_qat.attention`.
     The result equals `attn_qat.attention(q, k, v, causal=causal, mode="attn_qat")` under no_grad on the
     unpacked inputs (numerics.md §3); it carries no gradient (train with `attention`).
     """
