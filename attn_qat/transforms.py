@@ -46,9 +46,9 @@ def qk_rotation(head_dim: int, device=None) -> torch.Tensor:
 
 
 def learned_rotation(generator: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """R = qk_rotation(D) · exp(A − Aᵀ), A the strictly lower triangle of the (D, D) `generator`, computed in `dtype`
-    promoted with the generator's and float32 (autocast off; differentiable): orthogonal for every generator (the
-    exponential of a skew-symmetric matrix is), the Hadamard rotation of numerics.md §9 at generator = 0."""
+    """R = qk_rotation(D) · exp(A − Aᵀ), A the strictly lower triangle of the (D, D) `generator`, computed in
+    `dtype` promoted with the generator's and float32 (autocast off; differentiable): orthogonal for every
+    generator (the exponential of a skew-symmetric matrix is), the Hadamard rotation of numerics.md §9 at 0."""
     if generator.dim() != 2 or generator.shape[0] != generator.shape[1]:
         raise ValueError(f"attn_qat: a rotation generator must be a square (D, D) matrix, got {tuple(generator.shape)}")
     dtype = torch.promote_types(torch.promote_types(generator.dtype, dtype), torch.float32)

@@ -52,8 +52,9 @@ def register_transformers(config: Optional[QATConfig] = None) -> None:
                              "config) and attn_qat.calibrate_k_shift; a registered default config cannot hold their "
                              "calibrated values")
         if config.learn_qk_transforms:  # parameters that prepare gives each module
-            raise ValueError("attn_qat.register_transformers: learn_qk_transforms needs attn_qat.prepare(model, config), "
-                             "which gives each attention module its parameters; a registered default config has none")
+            raise ValueError("attn_qat.register_transformers: learn_qk_transforms needs attn_qat.prepare(model, "
+                             "config), which gives each attention module its parameters; a registered default config "
+                             "has none")
         config.refuse_bf16_modules("attn_qat.register_transformers")
         _default_state = AttentionState(config)
     AttentionInterface.register(IMPLEMENTATION, attn_qat_attention_forward)
