@@ -27,6 +27,13 @@ sequence's first key). For a causal prefix it is the training forward's O (`attn
 causal=True)`), up to the fp32 summation order of the kernels. `attn_qat.reference.attention_forward(...,
 operands_quantized=True)` is the float64 definition the tests compare with.
 
+Static (`static=True`, unpaged): the cache keeps no host copy of the lengths, so appending and attending read
+and write device memory only: a step is capturable by CUDA graphs and traceable by torch.compile with no graph
+break and no recompilation (`attn_qat.NVFP4Cache(..., static=True)` is transformers' compiled decoding on it).
+Attention then plans for `capacity` keys (the kernel skips a sequence's empty part), and an append past the
+capacity fails on the device (`torch._assert_async`; on CUDA a device-side assert, fatal to the process's CUDA
+context, as an out-of-range index is): size `capacity` for the prompt plus every token to be generated.
+
 Paths: on CUDA with 1 to 16 query tokens the decode kernel (csrc/decode/decode_cuda.cu) reads the packed cache
 directly: split over the context, the query heads of a KV group on the tensor cores. Otherwise (the CPU,
 or more than 16 query tokens) a composite path dequantizes K and V into dtype buffers and runs the
@@ -46,6 +53,14 @@ DECODE_HEAD_DIMS = _C.DECODE_HEAD_DIMS  # the CUDA decode kernel's head dims; ot
 MAX_KERNEL_QUERIES = 16  # query tokens the CUDA decode kernel takes; more use the composite path
 
 
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Tells torch.compile that these buffers keep their addresses from call to call, so that CUDA graphs read and
+    write them in place instead of copying them in and out (as transformers' StaticLayer marks its own)."""
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"attn_qat.NVFP4KVCache: {name} must be a positive int, got {value!r}")
@@ -61,11 +76,21 @@ class NVFP4KVCache:
     With `page_size` (a multiple of 16) the cache is paged: a pool of `num_pages` pages (default: enough for
     every sequence to reach `capacity`) that sequences take from as they grow and return with `reset`; a pool
     smaller than batch * capacity serves sequences of unequal lengths in less memory, and an append that finds
-    no free page raises."""
+    no free page raises.
+
+    With `static=True` (unpaged only) the lengths live on the device alone: no call reads them back or copies them
+    over, so `append` and `attention` can be captured in a CUDA graph or compiled; the module docstring says what
+    that costs."""
 
     def __init__(self, batch: int, heads_kv: int, head_dim: int, capacity: int, *,
                  dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device, None] = None,
-                 page_size: Optional[int] = None, num_pages: Optional[int] = None):
+                 page_size: Optional[int] = None, num_pages: Optional[int] = None, static: bool = False):
+        if not isinstance(static, bool):
+            raise TypeError(f"attn_qat.NVFP4KVCache: static must be a bool, got {static!r}")
+        if static and page_size is not None:
+            raise ValueError("attn_qat.NVFP4KVCache: a static cache is unpaged (pages are allotted on the host); "
+                             "leave page_size unset")
+        self.static = static
         self.batch = _positive_int("batch", batch)
         self.heads_kv = _positive_int("heads_kv", heads_kv)
         capacity = _positive_int("capacity", capacity)
@@ -94,13 +119,17 @@ class NVFP4KVCache:
         self.v_codes = torch.zeros(p, h, n // 2, d, **zeros)
         self.v_scales = torch.zeros(p, h, n // BLOCK, d, **zeros)
         self._lengths = torch.zeros(self.batch, dtype=torch.long, device=self.device)
-        self._host_lengths = [0] * self.batch  # the same numbers, so no call needs to read them back from the device
-        self._max_length = 0  # max(_host_lengths), which every decode call passes
+        # The same numbers on the host, so no call needs to read them back from the device (None when static: the
+        # device alone knows them), and their maximum, which every decode call passes (a static cache passes capacity).
+        self._host_lengths = None if static else [0] * self.batch
+        self._max_length = self.capacity if static else 0
         # The pages of each sequence in token order (host copy of block_table's rows), and the free pages.
         self._pages = [[] for _ in range(self.batch)] if self.paged else [[b] for b in range(self.batch)]
         self._free = list(range(num_pages - 1, -1, -1)) if self.paged else []  # pop() takes the lowest first
         self.block_table = torch.full((self.batch, pages_per_seq), -1, dtype=torch.int32, device=self.device)
         self._sync_block_table()
+        if static:
+            mark_static(self.k_codes, self.k_scales, self.v_codes, self.v_scales, self._lengths, self.block_table)
 
     # ------------------------------------------------------------------------------------------
     # State
@@ -117,6 +146,12 @@ class NVFP4KVCache:
         if any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch for b in chosen):
             raise ValueError(f"attn_qat.NVFP4KVCache.reset: sequences must be ints in [0, {self.batch}), "
                              f"got {sequences!r}")
+        if self.static:
+            if sequences is None:
+                self._lengths.zero_()
+            else:
+                self._lengths[torch.tensor(chosen, dtype=torch.long, device=self.device)] = 0
+            return
         for b in chosen:
             self._host_lengths[b] = 0
             if self.paged:
@@ -158,7 +193,7 @@ class NVFP4KVCache:
         return (f"NVFP4KVCache(batch={self.batch}, heads_kv={self.heads_kv}, head_dim={self.head_dim}, "
                 f"capacity={self.capacity}, dtype={self.dtype}, device={self.device}, "
                 + (f"page_size={self.page_size}, num_pages={self.num_pages}, free_pages={self.free_pages}, "
-                   if self.paged else "") + f"lengths={self._host_lengths})")
+                   if self.paged else "") + ("static=True)" if self.static else f"lengths={self._host_lengths})"))
 
     # ------------------------------------------------------------------------------------------
     # Append
@@ -200,6 +235,9 @@ class NVFP4KVCache:
         self._check_new("v", v)
         if k.shape != v.shape:
             raise ValueError(f"attn_qat.NVFP4KVCache.append: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+        if self.static:
+            self._append_static(k, v, lengths)
+            return
         tokens = k.shape[2]
         counts = self._counts(lengths, tokens)
         held = self._host_lengths
@@ -242,6 +280,33 @@ class NVFP4KVCache:
         self._host_lengths = grown
         self._max_length = max(grown)
 
+    def _append_static(self, k: torch.Tensor, v: torch.Tensor, lengths) -> None:
+        """`append` with no host state: a device `lengths` tensor is checked on the device, and so is the capacity
+        (before anything is written), by `torch._assert_async`."""
+        tokens = k.shape[2]
+        if isinstance(lengths, torch.Tensor):
+            if lengths.shape != (self.batch,) or lengths.is_floating_point() or lengths.is_complex() \
+                    or lengths.dtype == torch.bool:
+                raise ValueError(f"attn_qat.NVFP4KVCache.append: lengths must be an integer ({self.batch},) tensor, "
+                                 f"got {lengths.dtype} {tuple(lengths.shape)}")
+            if lengths.device != self.device:
+                raise ValueError(f"attn_qat.NVFP4KVCache.append: a static cache takes lengths on its device "
+                                 f"({self.device}), got {lengths.device}")
+            counts = lengths.to(torch.long).contiguous()
+            torch._assert_async(((counts >= 0) & (counts <= tokens)).all(),
+                                f"attn_qat.NVFP4KVCache.append: lengths must be in [0, {tokens}] (the tokens passed)")
+            grown = self._lengths + counts
+        else:
+            listed = self._counts(lengths, tokens)
+            counts = None if listed is None else self._staged(listed, torch.long).to(self.device, non_blocking=True)
+            grown = self._lengths + (tokens if counts is None else counts)
+        torch._assert_async((grown <= self.capacity).all(),
+                            f"attn_qat.NVFP4KVCache.append: an append exceeds the static cache's capacity of "
+                            f"{self.capacity} tokens a sequence")
+        with torch.no_grad():
+            ops.kv_cache_append(k, v, counts, self._lengths, self.block_table, self.k_codes, self.k_scales,
+                                self.v_codes, self.v_scales)
+
     def _store(self, k: torch.Tensor, v: torch.Tensor, counts: Optional[list]) -> None:
         """Quantizes the first counts[b] tokens of each sequence (all of them for None) along head_dim and stores them
         at positions lengths[b] onwards, then advances lengths, on the device (csrc/decode/kv_append.h): one op, and
@@ -282,16 +347,14 @@ class NVFP4KVCache:
         with torch.no_grad():
             if q.is_cuda and q.shape[2] <= MAX_KERNEL_QUERIES and _C.with_cuda and self.head_dim in DECODE_HEAD_DIMS:
                 q, scale = positive_scale(q, scale)  # the kernel takes scale > 0 (ops.positive_scale)
-                if not q.is_contiguous() or q.data_ptr() % 16:  # the kernel reads q's rows 16 bytes at a time
-                    q = q.clone(memory_format=torch.contiguous_format)
                 return ops.kv_cache_decode(q, self.k_codes, self.k_scales, self.v_codes, self.v_scales, self._lengths,
                                            self.block_table, self._max_length, scale, bool(causal))
             return self._attention_composite(q, scale, bool(causal))
 
     def dequantized(self):
         """(K, V) as (batch, heads_kv, max(lengths), head_dim) tensors in the cache's dtype: K^F and V^F. Positions
-        at or past a sequence's length hold stale values."""
-        n = max(self._host_lengths)
+        at or past a sequence's length hold stale values; a static cache returns all `capacity` positions."""
+        n = self._max_length if self.static else max(self._host_lengths)
         b, h, d = self.batch, self.heads_kv, self.head_dim
         if n == 0:
             return tuple(torch.empty(b, h, 0, d, dtype=self.dtype, device=self.device) for _ in range(2))
@@ -319,13 +382,13 @@ class NVFP4KVCache:
     def _attention_composite(self, q: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
         """The attention forward kernel on the dequantized cache: with the causal flag alone when every sequence
         holds the same number of tokens (the call the training forward makes, so on the CPU the result is that
-        forward's bit for bit), else with a mask carrying the lengths."""
-        n = max(self._host_lengths)
+        forward's bit for bit), else (and always in a static cache) with a mask carrying the lengths."""
+        n = self._max_length if self.static else max(self._host_lengths)
         if n == 0:
             return q.new_zeros(q.shape)
         k, v = self.dequantized()
         q_fq, scale = positive_scale(ops.nvfp4_fake_quantize(q, 3), scale)
-        if min(self._host_lengths) == n:
+        if not self.static and min(self._host_lengths) == n:
             return ops.attention_forward_prequantized(q_fq, k, v, None, scale,
                                                       CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE)[0]
         batch, heads_q, tq, _ = q.shape

@@ -9,6 +9,11 @@ through SDPA's flash backend), in one process, with peak memory.
   through `prepare` + `convert` + `attn_qat.NVFP4Cache`, against SDPA with transformers' default cache. Reports
   tokens per second (new tokens over the whole call, prefill included), the decode steps alone (the call minus
   a 1-token call) and the kernels, copies and memsets a decode step queues (torch.profiler, once after the rounds).
+- generate_b8_static: the same `generate`, with the decoding steps compiled as transformers compiles them for a
+  static cache (torch.compile, CUDA graphs: its default CompileConfig): attn_qat through `NVFP4Cache(static=True)`
+  against SDPA with transformers' StaticCache (cache_implementation="static") and, as generate_b8's baseline, SDPA
+  with the default cache (eager). One cache per arm, reset before each call, as transformers reuses its own; the
+  first round's warm-up call pays the compilation.
 - max_batch_32k: the largest batch whose decode step fits in GPU memory at 32768 tokens a sequence, NVFP4Cache against
   transformers' default bf16 cache (the caches filled with random K/V directly; no prefill).
 - wan13b_train (when diffusers is installed): one training step of Wan 2.1 1.3B's DiT (`WanTransformer3DModel`
@@ -38,7 +43,7 @@ from common import metadata, parse_bench_args, write_json  # noqa: E402
 QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                   rope_theta=1000000.0, tie_word_embeddings=True)
-CASES = ("qwen3_train_4k", "qwen3_train_8k", "generate_b8", "max_batch_32k", "wan13b_train")
+CASES = ("qwen3_train_4k", "qwen3_train_8k", "generate_b8", "generate_b8_static", "max_batch_32k", "wan13b_train")
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
 
 
@@ -137,6 +142,39 @@ def generate_b8(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, ne
             result[f"{arm}_{new}"]["decode_ms_per_step"] = (full - one) / (new - 1)
             result[f"{arm}_{new}"]["device_ops_per_step"] = device_ops_per_step(
                 gen(model, 1, nvfp4), gen(model, 5, nvfp4), 4)
+    return result
+
+
+def generate_b8_static(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, new: int = 128) -> dict:
+    cache_kw = cache_keyword()
+    base = qwen3_model().eval()
+    ids = torch.randint(0, QWEN3_1_7B["vocab_size"], (batch, prompt), device="cuda")
+    fp4 = attn_qat.convert(attn_qat.prepare(copy.deepcopy(base))).eval()
+    nvfp4_cache = attn_qat.NVFP4Cache(fp4.config, max_cache_len=prompt + new, static=True)
+
+    def gen(model, steps, how):
+        def run(warm=False):
+            kwargs = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+            if how == "nvfp4":
+                nvfp4_cache.reset()
+                kwargs[cache_kw] = nvfp4_cache
+            elif how == "static":
+                kwargs.update(cache_implementation="static", max_cache_len=prompt + new)
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        return run
+
+    arms = {}
+    for steps in (new, 1):
+        arms[f"attn_qat_nvfp4cache_static_{steps}"] = gen(fp4, steps, "nvfp4")
+        arms[f"sdpa_static_{steps}"] = gen(base, steps, "static")
+        arms[f"sdpa_default_{steps}"] = gen(base, steps, "default")
+    result = rounds_of(arms, repeat, rounds)
+    for arm in ("attn_qat_nvfp4cache_static", "sdpa_static", "sdpa_default"):
+        full, one = result[f"{arm}_{new}"]["ms"], result[f"{arm}_1"]["ms"]
+        if full is not None and one is not None:
+            result[f"{arm}_{new}"]["tokens_per_s"] = batch * new / (full / 1e3)
+            result[f"{arm}_{new}"]["decode_ms_per_step"] = (full - one) / (new - 1)
     return result
 
 
@@ -260,6 +298,8 @@ def main():
             results[case] = wan13b_train(args.repeat, args.rounds)
         elif case == "generate_b8":
             results[case] = generate_b8(args.repeat, args.rounds)
+        elif case == "generate_b8_static":
+            results[case] = generate_b8_static(args.repeat, args.rounds)
         elif case == "max_batch_32k":
             results[case] = max_batch_32k()
             continue

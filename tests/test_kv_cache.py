@@ -972,3 +972,142 @@ def test_a_failed_store_changes_nothing(device, monkeypatch):
     monkeypatch.undo()
     f.append(4, [4, 4])
     check(f, f.query(4, 1), True, "after a failed store")
+
+
+# ----------------------------------------------------------------------------------------------
+# Static caches: the lengths on the device alone, so a step can be compiled or captured in a CUDA graph
+
+
+def twins(batch, heads_kv, head_dim, capacity, device, steps, tensor_lengths=False):
+    """A host-length cache and a static one filled with the same tokens by `steps` (as `fill`'s); with
+    `tensor_lengths` every other per-sequence append gives the static cache its lengths as a device tensor."""
+    g = fresh_generator()
+    host, static = (Filled(batch, heads_kv, head_dim, capacity, torch.bfloat16, device, static=flag)
+                    for flag in (False, True))
+    for i, (tokens, lengths) in enumerate(steps):
+        k, v = (torch.randn(batch, heads_kv, tokens, head_dim, generator=g).to(torch.bfloat16) for _ in "kv")
+        host.append(tokens, lengths, k, v)
+        on_device = tensor_lengths and lengths is not None and i % 2
+        static.append(tokens, torch.tensor(lengths, device=device) if on_device else lengths, k, v)
+    return host, static
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("tq", [1, 5, 17])
+def test_static_cache_matches_reference_and_host_length_cache(device, head_dim, tq):
+    """The same appends (lists, device tensors) into a static cache store the same bytes and lengths; its attention,
+    planned for the whole capacity, matches the reference, and on the CPU the host-length cache bit for bit (the
+    composite path's keys past a length are absent)."""
+    f, s = twins(3, 2, head_dim, 100, device, UNEQUAL, tensor_lengths=True)
+    assert s.cache.capacity == 112 and torch.equal(s.cache.lengths, f.cache.lengths)
+    for name in ("k_codes", "k_scales", "v_codes", "v_scales"):
+        ours, theirs = getattr(s.cache, name), getattr(f.cache, name)
+        for b, n in enumerate(f.cache.lengths.tolist()):  # the rows appended; the rest is never written
+            rows = {"k_codes": n, "k_scales": n, "v_codes": (n + 1) // 2, "v_scales": -(-n // 16)}[name]
+            assert torch.equal(ours[b, :, :rows], theirs[b, :, :rows]), (name, b)
+    for causal in (True, False):
+        q = s.query(6, tq)
+        out, _ = check(s, q, causal, f"static tq={tq} causal={causal}")
+        if device == "cpu":
+            assert torch.equal(out, f.cache.attention(q, causal=causal))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_cache_reset(device):
+    f = Filled(3, 1, 64, 48, torch.bfloat16, device, static=True)
+    f.append(30, [30, 12, 5])
+    f.cache.reset([0, 2])
+    assert f.cache.lengths.tolist() == [0, 12, 0]
+    f.k[0], f.v[0], f.k[2], f.v[2] = [], [], [], []
+    f.append(9, [9, 4, 1])
+    check(f, f.query(2, 1), label="after a partial reset")
+    f.cache.reset()
+    assert f.cache.lengths.tolist() == [0, 0, 0] and "static=True" in repr(f.cache)
+
+
+def test_static_cache_misuse():
+    with pytest.raises(ValueError, match="unpaged"):
+        NVFP4KVCache(2, 1, 64, 64, page_size=16, static=True)
+    with pytest.raises(TypeError, match="static"):
+        NVFP4KVCache(2, 1, 64, 64, static=1)
+    cache = NVFP4KVCache(2, 1, 64, 32, static=True)
+    ok = torch.zeros(2, 1, 20, 64, dtype=torch.bfloat16)
+    cache.append(ok, ok, lengths=torch.tensor([20, 3]))
+    with pytest.raises(RuntimeError, match="capacity of 32"):  # on a GPU: a device-side assert, not tested here
+        cache.append(ok, ok)
+    assert cache.lengths.tolist() == [20, 3]  # checked before anything is written
+    for bad, err, match in [(torch.tensor([21, 0]), RuntimeError, r"\[0, 20\]"),
+                            (torch.tensor([-1, 0]), RuntimeError, r"\[0, 20\]"),
+                            (torch.tensor([1.0, 2.0]), ValueError, "integer"),
+                            (torch.tensor([1, 2, 3]), ValueError, "integer"),
+                            ([1, 30], ValueError, "lengths must be in")]:
+        with pytest.raises(err, match=match):
+            cache.append(ok, ok, lengths=bad)
+    assert cache.lengths.tolist() == [20, 3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_step_compiles_once_without_graph_breaks(device):
+    """A decode step (append, then attend) on a static cache traces into one graph that later steps reuse: nothing in
+    it depends on host state that changes from step to step."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    batch, heads_kv, head_dim = 2, 2, 64
+    compiled_cache, eager_cache = (NVFP4KVCache(batch, heads_kv, head_dim, 80, device=device, static=True)
+                                   for _ in range(2))
+
+    def step(cache, q, k, v):
+        cache.append(k, v)
+        return cache.attention(q)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager" if device == "cpu" else "inductor")
+    g = fresh_generator()
+    prompt = [torch.randn(batch, heads_kv, 37, head_dim, generator=g).to(torch.bfloat16).to(device) for _ in "kv"]
+    for c in (compiled_cache, eager_cache):
+        c.append(*prompt, lengths=[37, 21])
+    for i in range(6):
+        q = torch.randn(batch, 8, 1, head_dim, generator=g).to(torch.bfloat16).to(device)
+        k, v = (torch.randn(batch, heads_kv, 1, head_dim, generator=g).to(torch.bfloat16).to(device) for _ in "kv")
+        out = compiled(compiled_cache, q, k, v)
+        expected = step(eager_cache, q, k, v)
+        assert torch.equal(out, expected), i
+    assert compiled_cache.lengths.tolist() == [43, 27]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_static_step_replays_in_a_cuda_graph(head_dim):
+    """Append and attention on a static cache captured once in a CUDA graph and replayed with new tokens give what the
+    same calls give eagerly, bit for bit (one plan: both attend over the capacity), and match the reference."""
+    batch, heads_kv, heads_q = 3, 2, 8
+    g = fresh_generator()
+    graphed, eager = (Filled(batch, heads_kv, head_dim, 300, torch.bfloat16, "cuda", static=True) for _ in range(2))
+    prompt = [torch.randn(batch, heads_kv, 150, head_dim, generator=g).to(torch.bfloat16) for _ in "kv"]
+    for f in (graphed, eager):
+        f.append(150, [150, 37, 1], *prompt)
+    q, k, v = (torch.zeros(batch, h, 1, head_dim, dtype=torch.bfloat16, device="cuda")
+               for h in (heads_q, heads_kv, heads_kv))
+    c = graphed.cache
+    c.attention(q)  # a first call outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c.append(k, v)
+        out = c.attention(q)
+    assert c.lengths.tolist() == [150, 37, 1]  # capturing ran nothing
+    for step in range(20):  # the short sequences cross 16-token units and the decode plan's chunk edges
+        new_q = torch.randn(batch, heads_q, 1, head_dim, generator=g).to(torch.bfloat16).cuda()
+        new_k, new_v = (torch.randn(batch, heads_kv, 1, head_dim, generator=g).to(torch.bfloat16) for _ in "kv")
+        q.copy_(new_q)
+        k.copy_(new_k.cuda())
+        v.copy_(new_v.cuda())
+        graph.replay()
+        eager.append(1, k=new_k, v=new_v)
+        expected = eager.cache.attention(new_q)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), step
+        assert c.lengths.tolist() == eager.cache.lengths.tolist()
+    error, flipped = forward_error(out, eager.reference(new_q))
+    assert error <= FWD_TOL, f"error {error} ({flipped} rows set aside)"

@@ -76,9 +76,9 @@ def head_dim(request):
     return request.param
 
 
-def generate(model, ids, attention_mask=None, steps=STEPS, max_cache_len=64, **kwargs):
+def generate(model, ids, attention_mask=None, steps=STEPS, max_cache_len=64, static=False, **kwargs):
     """Greedy decoding through a fresh NVFP4Cache: (sequences, logits (B, steps, V) float32)."""
-    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=max_cache_len)
+    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=max_cache_len, static=static)
     out = model.generate(ids, attention_mask=attention_mask, **{CACHE: cache}, max_new_tokens=steps,
                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD, **kwargs)
     return out.sequences, torch.stack(out.logits, dim=1).float()
@@ -159,17 +159,24 @@ def test_a_wrong_cache_is_caught(device, monkeypatch):
     assert not torch.equal(sequences, expected_sequences)
 
 
-def test_left_padding(device):
+def left_padded(docs, lengths=(PROMPT, PROMPT - 9)):
+    """The documents' first `lengths` tokens as a left-padded batch: (prompt, attention_mask)."""
+    prompt = torch.full((2, PROMPT), PAD, dtype=torch.long, device=docs.device)
+    mask = torch.zeros(2, PROMPT, dtype=torch.long, device=docs.device)
+    for row, n in enumerate(lengths):
+        prompt[row, PROMPT - n:] = docs[row, :n]
+        mask[row, PROMPT - n:] = 1
+    return prompt, mask
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["host_lengths", "static"])
+def test_left_padding(device, static):
     """A left-padded batch decodes each sequence as if it ran alone: the cache holds only real tokens,
     with P's 16-key blocks starting at each sequence's first token."""
     model, docs = trained(64, device)
     lengths = (PROMPT, PROMPT - 9)
-    prompt = torch.full((2, PROMPT), PAD, dtype=torch.long, device=device)
-    mask = torch.zeros(2, PROMPT, dtype=torch.long, device=device)
-    for row, n in enumerate(lengths):
-        prompt[row, PROMPT - n:] = docs[row, :n]
-        mask[row, PROMPT - n:] = 1
-    sequences, logits = generate(model, prompt, attention_mask=mask)
+    prompt, mask = left_padded(docs, lengths)
+    sequences, logits = generate(model, prompt, attention_mask=mask, static=static)
     for row, n in enumerate(lengths):
         alone, alone_logits = recompute(model, docs[row:row + 1, :n])
         assert torch.equal(sequences[row, PROMPT:], alone[0, n:])
@@ -288,3 +295,81 @@ def test_mask_checks_read_the_host_once(monkeypatch):
     ]:
         with pytest.raises(err, match=match):
             _Padding().of(mask, batch, q_len, kv_len, prefill=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4Cache(static=True): no host state that changes from step to step, so generate compiles the decoding steps
+
+
+def test_static_cache_decodes_as_the_host_length_cache(device, head_dim):
+    """Run eagerly, a static cache decodes what the default one does: the same tokens, on the CPU the same logits bit
+    for bit (its attention reads the whole capacity, keys past a length absent); transformers' length is a tensor."""
+    model, docs = trained(head_dim, device)
+    prompt = docs[:, :PROMPT]
+    expected_sequences, expected_logits = generate(model, prompt)
+    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=64, static=True)
+    out = model.generate(prompt, **{CACHE: cache}, max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=PAD)
+    logits = torch.stack(out.logits, dim=1).float()
+    assert torch.equal(out.sequences, expected_sequences)
+    difference = float((logits - expected_logits).abs().max())
+    assert difference < DECODE_LOGIT_TOL, difference
+    if device == "cpu":
+        assert difference == 0.0
+    assert cache.is_compileable and int(cache.get_seq_length()) == PROMPT + STEPS - 1
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0 and cache.layers[0].kv.lengths.tolist() == [0, 0]
+    again = model.generate(prompt, **{CACHE: cache}, max_new_tokens=STEPS, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(again, expected_sequences)
+
+
+def test_static_cache_compiles_the_steps_once(device):
+    """generate compiles a static cache's decoding steps (transformers does so on a GPU, with CUDA graphs; on the CPU
+    the test asks for it, without inductor): one graph, no graph break, no recompilation for a second generate with a
+    new cache, and the tokens the eager cache decodes."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model, docs = trained(64, device)
+    prompt, mask = left_padded(docs)
+    expected_sequences, expected_logits = generate(model, prompt, attention_mask=mask)
+    if device == "cpu":
+        config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+        if not hasattr(config, "_compile_all_devices"):
+            pytest.skip("this transformers compiles generate's steps on GPUs only")
+        config._compile_all_devices = True
+    else:
+        config = CompileConfig(fullgraph=True)  # transformers' default: inductor, CUDA graphs ("reduce-overhead")
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(2):
+        sequences, logits = generate(model, prompt, attention_mask=mask, static=True, compile_config=config)
+        assert torch.equal(sequences, expected_sequences)
+        difference = float((logits - expected_logits).abs().max())
+        if device == "cpu":  # the eager backend runs the same ops
+            assert difference == 0.0, difference
+        else:  # inductor fuses the model's other ops (norms, rotary) into other roundings
+            assert difference < LOGIT_TOL, difference
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    torch._dynamo.reset()
+
+
+def test_static_cache_capacity_and_kept_layers():
+    """The prefill's length is checked on the host; a decoding step past the capacity fails on the device (on the
+    CPU a RuntimeError). A layer kept in bf16 keeps StaticLayer-like buffers and decodes as with the default cache."""
+    model, docs = trained(64, "cpu")
+    prompt = docs[:, :PROMPT]
+    with pytest.raises(ValueError, match="max_cache_len"):
+        generate(model, prompt, max_cache_len=PROMPT - 1, static=True)
+    with pytest.raises(RuntimeError, match="capacity of 32"):  # max_cache_len 30 rounds up to 32 tokens
+        generate(model, prompt, max_cache_len=30, static=True)
+    with pytest.raises(TypeError, match="static"):
+        attn_qat.NVFP4Cache(model.config, max_cache_len=64, static="yes")
+    kept = attn_qat.prepare(model, QATConfig(bf16_modules=("model.layers.0.self_attn",)))
+    expected_sequences, expected_logits = generate(kept, prompt)
+    cache = attn_qat.NVFP4Cache(kept.config, max_cache_len=64, static=True)
+    out = kept.generate(prompt, **{CACHE: cache}, max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                        return_dict_in_generate=True, pad_token_id=PAD)
+    assert cache.layers[0].bf16 and cache.layers[0].keys.shape[2] == 64 and cache.layers[1].kv is not None
+    assert torch.equal(out.sequences, expected_sequences)
+    assert torch.equal(torch.stack(out.logits, dim=1).float(), expected_logits)

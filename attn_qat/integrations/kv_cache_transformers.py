@@ -31,6 +31,14 @@ A layer whose attention module `QATConfig.bf16_modules` keeps in bf16 finds that
 from then on it stores bf16 keys and values, as transformers' DynamicLayer does, and its attention runs exactly as
 it would with a DynamicCache, mode "bf16".
 
+Static (`NVFP4Cache(..., static=True)`): the layers keep no host state that changes from step to step (the
+lengths live on the device, `get_seq_length` is a device tensor and the mask spans `max_cache_len`, as
+transformers' StaticCache), so `generate` compiles its decoding steps (torch.compile, CUDA graphs by default on
+a GPU) and a step replays without host work. The prefill runs eagerly and checks the mask as above; the decoding
+steps do not look at the mask again (transformers extends it by one visible token a step), and a layer kept in
+bf16 stores its keys in a `max_cache_len` buffer as StaticLayer does. An append beyond `max_cache_len` (rounded
+up to 16) fails on the device (see `attn_qat.NVFP4KVCache`).
+
 A returned tag that nobody consumed means the model's attention is not "attn_qat" (it would have read
 the step's keys only); the next `update` of that layer raises instead of letting it compute garbage.
 """
@@ -50,7 +58,7 @@ except ImportError:  # transformers 4.x spells it PretrainedConfig
 
 from .. import _C
 from ..attention import MASKED_BELOW, attention
-from ..kv_cache import NVFP4KVCache
+from ..kv_cache import NVFP4KVCache, mark_static
 # The attribute of the key tensor `update` returns that names the layer whose pending step it is; the
 # "attn_qat" attention function reads it.
 from .transformers import CACHE_LAYER_ATTR
@@ -70,9 +78,11 @@ class _Padding:
     def reset(self):
         self.pads, self.host_pads, self._checked = None, None, None
 
-    def of(self, mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int, prefill: bool):
+    def of(self, mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int, prefill: bool,
+           mask_len: Optional[int] = None):
         """Left-padding counts (or None) for a step of `q_len` queries whose keys are the `kv_len` tokens
-        (padding included) seen so far; validates that `mask` is transformers' causal + left-padding mask.
+        (padding included) seen so far; validates that `mask` is transformers' causal + left-padding mask, of
+        `mask_len` keys (default kv_len; a static cache's spans max_cache_len, and its first kv_len are checked).
         Every check of a mask comes to the host in one read (a forward's one sync, at its first layer)."""
         if mask is None:
             if self.pads is not None and not prefill:
@@ -84,9 +94,12 @@ class _Padding:
         checked = self._checked
         if checked is not None and checked[0] is mask and checked[1] == kv_len:
             return self.pads
-        if mask.dim() != 4 or mask.shape[-2] != q_len or mask.shape[-1] != kv_len or mask.shape[0] not in (1, batch):
-            raise ValueError(f"{_WHERE}: expected an attention mask of shape (batch, heads, {q_len}, {kv_len}), got "
+        width = kv_len if mask_len is None else mask_len
+        if mask.dim() != 4 or mask.shape[-2] != q_len or mask.shape[-1] != width or mask.shape[0] not in (1, batch):
+            raise ValueError(f"{_WHERE}: expected an attention mask of shape (batch, heads, {q_len}, {width}), got "
                              f"{tuple(mask.shape)}")
+        mask_in = mask
+        mask = mask[..., :kv_len]
         if mask.dtype == torch.bool:
             visible, bias = mask, None
         elif mask.is_floating_point():
@@ -123,25 +136,29 @@ class _Padding:
             if any(p >= kv_len for p in host_pads):
                 raise ValueError(f"{_WHERE}: a sequence of the batch is all padding")
             self.pads, self.host_pads = (pads, host_pads) if any(host_pads) else (None, None)
-        self._checked = (mask, kv_len)
+        self._checked = (mask_in, kv_len)
         return self.pads
 
 
 class NVFP4CacheLayer(CacheLayerMixin):
     """One attention layer of `NVFP4Cache`: an `attn_qat.NVFP4KVCache` of `max_cache_len` tokens per
-    sequence, allocated at the first `update` (batch, KV heads, head_dim, dtype and device from it)."""
+    sequence, allocated at the first `update` (batch, KV heads, head_dim, dtype and device from it); with `static`,
+    one whose steps keep no host state (the module docstring)."""
 
-    is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, max_cache_len: int, padding: Optional[_Padding] = None):
+    def __init__(self, max_cache_len: int, padding: Optional[_Padding] = None, static: bool = False):
         super().__init__()
         self.is_initialized = False  # transformers 4.56's CacheLayerMixin does not set it
         self.max_cache_len = max_cache_len
         self.padding = padding if padding is not None else _Padding()
+        self.static = self.is_compileable = static
         self.kv = None  # the NVFP4KVCache
-        self.seen = 0  # tokens passed through update, padding included: transformers' notion of the length
+        self.filled = False  # the prefill has run: later steps append to the cache and attend to it
+        # Tokens passed through update, padding included (transformers' notion of the length): an int, or for a
+        # static layer a device tensor (allocated with the storage), as transformers' StaticLayer keeps it.
+        self.seen = 0
         self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.bf16 = False  # the layer's module is kept in bf16 (keep_bf16): self.keys / self.values hold its cache
 
@@ -156,7 +173,11 @@ class NVFP4CacheLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads, self.head_dim = batch, heads_kv, head_dim
         capacity = -(-self.max_cache_len // 16) * 16  # whole 16-token units; `update` enforces max_cache_len itself
-        self.kv = NVFP4KVCache(batch, heads_kv, head_dim, capacity, dtype=self.dtype, device=self.device)
+        self.kv = NVFP4KVCache(batch, heads_kv, head_dim, capacity, dtype=self.dtype, device=self.device,
+                               static=self.static)
+        if self.static:
+            self.seen = torch.zeros((), dtype=torch.long, device=self.device)
+            mark_static(self.seen)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -172,15 +193,26 @@ class NVFP4CacheLayer(CacheLayerMixin):
         if key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads:
             raise ValueError(f"{_WHERE}: this cache holds batch {self.batch_size} with {self.num_heads} KV heads, got "
                              f"keys of shape {tuple(key_states.shape)}; reset() it or make a new one")
-        if self.seen + steps > self.max_cache_len:
-            raise ValueError(f"{_WHERE}: {self.seen} cached + {steps} new tokens exceed max_cache_len="
-                             f"{self.max_cache_len}; make the cache with max_cache_len >= prompt length (padding "
-                             "included) + max_new_tokens")
-        self.seen += steps
-        if self.bf16:  # as transformers' DynamicLayer: every key and value so far, untagged
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-            return self.keys, self.values
+        if self.static:  # the host checks the prefill; later steps' appends check the capacity on the device
+            if not self.filled and steps > self.max_cache_len:
+                raise ValueError(f"{_WHERE}: {steps} tokens exceed max_cache_len={self.max_cache_len}")
+            if self.bf16:  # as transformers' StaticLayer: the keys and values at their positions, untagged
+                positions = self.seen + torch.arange(steps, device=self.device)
+                self.keys.index_copy_(2, positions, key_states)
+                self.values.index_copy_(2, positions, value_states)
+                self.seen.add_(steps)
+                return self.keys, self.values
+            self.seen.add_(steps)
+        else:
+            if self.seen + steps > self.max_cache_len:
+                raise ValueError(f"{_WHERE}: {self.seen} cached + {steps} new tokens exceed max_cache_len="
+                                 f"{self.max_cache_len}; make the cache with max_cache_len >= prompt length (padding "
+                                 "included) + max_new_tokens")
+            self.seen += steps
+            if self.bf16:  # as transformers' DynamicLayer: every key and value so far, untagged
+                self.keys = torch.cat([self.keys, key_states], dim=-2)
+                self.values = torch.cat([self.values, value_states], dim=-2)
+                return self.keys, self.values
         self.pending = (key_states, value_states)
         tagged = key_states.view_as(key_states)  # a fresh tensor object, so the tag stays ours
         setattr(tagged, CACHE_LAYER_ATTR, self)
@@ -189,13 +221,21 @@ class NVFP4CacheLayer(CacheLayerMixin):
     def keep_bf16(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Makes this a bf16 layer (its attention module is kept in bf16, QATConfig.bf16_modules) at its prefill:
         returns the step's keys and values, which it keeps, and later steps' `update` returns all of them."""
-        if self.pending is None or self.seen != self.pending[0].shape[2]:
+        if self.pending is None or self.filled:
             self.pending = None
             raise RuntimeError(f"{_WHERE}: a layer kept in bf16 (QATConfig.bf16_modules) must be so from its first "
                                "step; this one stored NVFP4 keys and values already (prepare the model before "
                                "generating, or reset() the cache)")
-        self.keys, self.values = self.pending
-        self.pending, self.kv, self.bf16 = None, None, True  # no NVFP4 storage for this layer
+        keys, values = self.pending
+        self.pending, self.kv, self.bf16, self.filled = None, None, True, True  # no NVFP4 storage for this layer
+        if self.static:  # StaticLayer's buffers: the mask spans max_cache_len keys
+            shape = (self.batch_size, self.num_heads, self.max_cache_len, self.head_dim)
+            self.keys, self.values = keys.new_zeros(shape), values.new_zeros(shape)
+            self.keys[:, :, :keys.shape[2]] = keys
+            self.values[:, :, :values.shape[2]] = values
+            mark_static(self.keys, self.values)
+        else:
+            self.keys, self.values = keys, values
         return self.keys, self.values
 
     def attend(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -209,10 +249,13 @@ class NVFP4CacheLayer(CacheLayerMixin):
         if q_len != steps:
             raise NotImplementedError(f"{_WHERE}: {q_len} queries for {steps} new keys (only self-attention over the "
                                       "tokens just appended is supported)")
-        prefill = self.seen == steps
-        pads = self.padding.of(attention_mask, batch, q_len, self.seen, prefill)
-        if prefill:
+        if not self.filled:
+            self.filled = True
+            mask_len = self.max_cache_len if self.static else None
+            pads = self.padding.of(attention_mask, batch, q_len, steps, True, mask_len)
             return self._prefill(query, key, value, pads, scale)
+        if not self.static:  # a static step trusts transformers' mask: reading it would stop the step on the host
+            self.padding.of(attention_mask, batch, q_len, self.seen, False)
         self.kv.append(key, value)
         return self.kv.attention(query, softmax_scale=scale, causal=True)
 
@@ -241,6 +284,8 @@ class NVFP4CacheLayer(CacheLayerMixin):
         return out.masked_fill(~(tokens[None, :] >= pads[:, None])[:, None, :, None], 0)
 
     def get_mask_sizes(self, query_length) -> Tuple[int, int]:
+        if self.static:  # every step's mask spans the whole cache, so a compiled step keeps its shapes
+            return self.max_cache_len, 0
         # transformers 4.x passes the step's cache_position tensor, 5.x the query length
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
@@ -260,7 +305,11 @@ class NVFP4CacheLayer(CacheLayerMixin):
             self.kv.reset()
         if self.bf16:  # the next prefill finds out again which kind of layer this is
             self.bf16, self.keys, self.values, self.is_initialized = False, None, None, False
-        self.seen, self.pending = 0, None
+        if isinstance(self.seen, torch.Tensor) and self.is_initialized:
+            self.seen.zero_()  # in place: compiled steps hold its address
+        else:
+            self.seen = 0
+        self.pending, self.filled = None, False
         self.padding.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -272,11 +321,11 @@ class NVFP4CacheLayer(CacheLayerMixin):
         raise NotImplementedError(f"{_WHERE}: beam search is not supported; use greedy decoding or sampling")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.seen:
+        if self.filled:
             raise NotImplementedError(f"{_WHERE}: expanding a filled cache is not supported")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.seen:
+        if self.filled:
             raise NotImplementedError(f"{_WHERE}: selecting sequences of a filled cache is not supported")
 
     def offload(self):
@@ -295,21 +344,27 @@ class NVFP4Cache(Cache):
     max_cache_len: tokens per sequence the cache holds, the prompt (with its padding) plus the generated
         tokens; storage is allocated up front at the first step, and exceeding it raises.
 
+    static: layers whose decoding steps keep no host state, so that `generate` compiles them (torch.compile
+        with CUDA graphs on a GPU, as for transformers' StaticCache): the first `generate` pays the compilation,
+        later steps replay. An append past max_cache_len then fails on the device instead of raising a ValueError.
+
     Greedy decoding and sampling with batches of any size, with or without left padding; not beam search,
-    assisted generation, offloading or torch.compile. Inference only (no gradients). See the module
-    docstring for how prefill and decode steps are computed.
+    assisted generation or offloading. Inference only (no gradients). See the module docstring for how prefill
+    and decode steps are computed.
     """
 
-    def __init__(self, config: PreTrainedConfig, max_cache_len: int):
-        if not isinstance(max_cache_len, int) or max_cache_len <= 0:
+    def __init__(self, config: PreTrainedConfig, max_cache_len: int, static: bool = False):
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len <= 0:
             raise ValueError(f"{_WHERE}: max_cache_len must be a positive int, got {max_cache_len!r}")
+        if not isinstance(static, bool):
+            raise TypeError(f"{_WHERE}: static must be a bool, got {static!r}")
         config = config.get_text_config(decoder=True)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         others = sorted(set(layer_types) - {"full_attention"})
         if others:
             raise NotImplementedError(f"{_WHERE}: only full-attention layers are supported; this model has {others}")
         padding = _Padding()
-        super().__init__(layers=[NVFP4CacheLayer(max_cache_len, padding) for _ in layer_types])
+        super().__init__(layers=[NVFP4CacheLayer(max_cache_len, padding, static) for _ in layer_types])
         # Some transformers 5.x releases (5.17) define Cache.max_cache_len as a read-only property that reads the
         # layers' max_cache_len, which the layers above already carry; later ones expect a plain attribute.
         if not isinstance(getattr(type(self), "max_cache_len", None), property):

@@ -118,6 +118,10 @@ Tensor kv_cache_decode(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes
     aq_decode_params p = {};
     p.dtype = attention_dtype(q);
     Tensor qc = torch::stable::contiguous(q); // raw: the kernel fake-quantizes its rows along D itself
+    if (reinterpret_cast<uintptr_t>(qc.data_ptr()) % 16) { // the kernel reads q's rows 16 bytes at a time
+        qc = torch::stable::new_empty(q, {batch, heads_q, tokens, dim});
+        torch::stable::copy_(qc, q);
+    }
     p.q = qc.data_ptr();
     p.k_codes = static_cast<const uint8_t *>(k_codes.data_ptr());
     p.k_scales = static_cast<const uint8_t *>(k_scales.data_ptr());
