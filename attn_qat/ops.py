@@ -61,17 +61,19 @@ class kernel_options:
     default) zero-pads the head dims of a call up to 128 that the Hopper kernels do not take (D != Dv, or other than
     64 and 128) to 64 or 128 on a device where they run, since the mma.sync kernels are several times slower there;
     True pads on every device (the CPU too: tests hold it to the unpadded result), False never. Padding columns are
-    absent (numerics.md §6), so the results are those of the kernels that run. None leaves an option as it is.
+    absent (numerics.md §6), so the results are those of the kernels that run. sm90_d256: True lets the Hopper forward
+    without O' (the inference and bf16 modes) take D = Dv = 256, False (the default) leaves 256 to the mma.sync
+    kernels: off until that kernel has run against the reference on a GPU. None leaves an option as it is.
 
     The call sets the options at once; as a context manager it restores, on exit, the ones in force before it. With
     no arguments it changes nothing, and its attributes tell the options in force. The environment variables
-    ATTN_QAT_SM90, ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT, ATTN_QAT_DECODE_CHUNK, ATTN_QAT_WORK_ORDER and
-    ATTN_QAT_PAD_HEAD_DIMS give the options when the library loads."""
+    ATTN_QAT_SM90, ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT, ATTN_QAT_DECODE_CHUNK, ATTN_QAT_WORK_ORDER,
+    ATTN_QAT_PAD_HEAD_DIMS and ATTN_QAT_SM90_D256 give the options when the library loads."""
 
     def __init__(self, sm90=None, tail_split=None, decode_variant=None, decode_chunk=None, work_order=None,
-                 pad_head_dims=None):
+                 pad_head_dims=None, sm90_d256=None):
         self._previous = _C.kernel_options()
-        sm90_on, mode, tail, parts, variant, chunk, index_order, pad = self._previous
+        sm90_on, mode, tail, parts, variant, chunk, index_order, pad, d256 = self._previous
         if sm90 is not None:
             if not isinstance(sm90, bool):
                 raise TypeError(f"attn_qat.ops.kernel_options: sm90 must be True, False or None, got {sm90!r}")
@@ -95,13 +97,19 @@ class kernel_options:
                 raise ValueError(f"attn_qat.ops.kernel_options: pad_head_dims must be \"auto\", True or False, got "
                                  f"{pad_head_dims!r}")
             pad = -1 if pad_head_dims == "auto" else int(pad_head_dims)
-        _C.set_kernel_options(sm90_on, mode, tail, parts, variant, chunk, index_order, pad)
+        if sm90_d256 is not None:
+            if not isinstance(sm90_d256, bool):
+                raise TypeError(f"attn_qat.ops.kernel_options: sm90_d256 must be True, False or None, got "
+                                f"{sm90_d256!r}")
+            d256 = int(sm90_d256)
+        _C.set_kernel_options(sm90_on, mode, tail, parts, variant, chunk, index_order, pad, d256)
         self.sm90 = bool(sm90_on)
         self.tail_split = "auto" if mode == _TAIL_AUTO else 0 if mode == _TAIL_OFF else (tail, parts)
         self.decode_variant = "auto" if variant < 0 else variant
         self.decode_chunk = "auto" if chunk == 0 else chunk
         self.work_order = "index" if index_order else "lpt"
         self.pad_head_dims = "auto" if pad < 0 else bool(pad)
+        self.sm90_d256 = bool(d256)
 
     @staticmethod
     def _auto_or_int(name, value, auto, valid, allowed):

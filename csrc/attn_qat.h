@@ -31,6 +31,12 @@ static inline int aq_head_dim_supported(int64_t head_dim) {
 static inline int aq_sm90_head_dims(int64_t head_dim, int64_t head_dim_v) {
     return head_dim == head_dim_v && (head_dim == 64 || head_dim == 128);
 }
+/* The Hopper forward also takes 256 without a second accumulator for O' (the inference forward; mode "bf16", whose O'
+   is O) where the kernel options allow it (sm90_d256): O alone then fills 128 registers a thread, so the quantized
+   training forward (O and O') and the backward keep the mma.sync kernels at 256. */
+static inline int aq_sm90_forward_head_dims(int64_t head_dim, int64_t head_dim_v, int with_o_prime, int d256) {
+    return aq_sm90_head_dims(head_dim, head_dim_v) || (d256 && !with_o_prime && head_dim == 256 && head_dim_v == 256);
+}
 #define AQ_DECODE_HEAD_DIMS_TEXT "64 or 128"
 static inline int aq_decode_head_dim_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 static inline int aq_attention_dtype_supported(aq_dtype dtype) { return dtype == AQ_BFLOAT16 || dtype == AQ_FLOAT16; }
@@ -226,9 +232,9 @@ const char *aq_quantize_cuda(const aq_quantize_params *p, void *stream);
 const char *aq_dequantize_cuda(const aq_dequantize_params *p, void *stream);
 
 /* The CUDA kernels' options, one set per process (README, "Kernel options"): read from ATTN_QAT_SM90,
-   ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT, ATTN_QAT_DECODE_CHUNK and ATTN_QAT_WORK_ORDER when the library
-   loads (binding/kernel_options.cpp), set at run time by attn_qat.ops.kernel_options; a call is planned with the set
-   in force when it starts. */
+   ATTN_QAT_TAIL_SPLIT, ATTN_QAT_DECODE_VARIANT, ATTN_QAT_DECODE_CHUNK, ATTN_QAT_WORK_ORDER, ATTN_QAT_PAD_HEAD_DIMS
+   and ATTN_QAT_SM90_D256 when the library loads (binding/kernel_options.cpp), set at run time by
+   attn_qat.ops.kernel_options; a call is planned with the set in force when it starts. */
 typedef enum { AQ_TAIL_SPLIT_AUTO = 0, AQ_TAIL_SPLIT_OFF = 1, AQ_TAIL_SPLIT_FORCED = 2 } aq_tail_split_mode;
 typedef struct {
     int sm90;                       /* 0: the mma.sync kernels, even where the Hopper ones could run */
@@ -240,6 +246,8 @@ typedef struct {
     int pad_head_dims;              /* -1: the ops zero-pad head dims up to 128 that the Hopper kernels do not take
                                        to 64 or 128 where those run (aq_attention_sm90_runs); 1: always, on the
                                        CPU too (tests); 0: never */
+    int sm90_d256;                  /* 1: the Hopper forward without O' takes D = Dv = 256 (aq_sm90_forward_head_dims);
+                                       0 (the default) until it has run against the reference on a GPU */
 } aq_kernel_options;
 
 /* What the decode options may pick: a variant below AQ_DECODE_VARIANTS (decode_cuda.cu's FLAGS), and chunks of a

@@ -266,3 +266,67 @@ def test_opcheck_of_a_padded_call(kernel_options, layout):
 
     torch.library.opcheck(attn_qat.ops.ops.attention_forward.default, (t(4, 80), t(2, 80), t(2, 48), None, 0.1, 0, 0,
                                                                       True, True))
+
+
+def test_sm90_d256_option_checks_its_value():
+    with pytest.raises(TypeError, match="sm90_d256"):
+        attn_qat.ops.kernel_options(sm90_d256=1)
+    with attn_qat.ops.kernel_options(sm90_d256=True) as options:
+        assert options.sm90_d256 is True
+    assert attn_qat.ops.kernel_options().sm90_d256 is False  # off until it has run against the reference on a GPU
+
+
+def hopper_kernels_run(fn, d):
+    """The names of the CUDA kernels `fn` launches include the Hopper forward at head dim d."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, any(f"attention_fwd_sm90_kernel<{d}," in e.name for e in prof.events())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
+@pytest.mark.parametrize("case", ["plain", "causal", "masked", "split", "fp16"])
+def test_hopper_forward_at_256(kernel_options, mode, case):
+    """kernel_options(sm90_d256=True): the Hopper forward without a second accumulator (the inference forward; mode
+    "bf16") takes D = 256 in 64-key tiles. Against the reference at awkward sizes (GQA, N_q != N_k, neither a tile
+    multiple), causal, a mask with an empty row, a forced tail split, fp16, the allocator poisoned; against the
+    mma.sync kernels (the option off) to fp32 summation order; and on an H100 the Hopper kernel is what ran. The
+    training forward and the backward keep the mma.sync kernels (check, with the option on)."""
+    from test_attention import FWD_TOL, forward_error, poison_cuda_allocator
+    dtype = torch.float16 if case == "fp16" else torch.bfloat16
+    g = fresh_generator()
+    q, k, v, dout = make_inputs(2, 4, 2, 300, 333, 256, 256, dtype, "cuda", g=g)
+    mask = None
+    if case == "masked":
+        mask = torch.rand(2, 1, 300, 333, generator=g) > 0.3
+        mask[1, :, 17] = False  # a row with no visible key: O = 0
+        mask = mask.cuda()
+    if case == "split":
+        kernel_options(tail_split=(5, 3))
+
+    def inference():
+        poison_cuda_allocator()
+        with torch.no_grad():
+            return attn_qat.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case == "causal",
+                                                         enable_gqa=True, mode=mode)
+
+    kernel_options(sm90_d256=True)
+    out, hopper = hopper_kernels_run(inference, 256)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert hopper, "the Hopper forward did not run at D = 256"
+    causal = "top_left" if case == "causal" else None
+    ref = reference.attention(q.cpu(), k.cpu(), v.cpu(), attn_mask=None if mask is None else mask.cpu(),
+                              causal=causal, mode=mode)
+    error, flipped = forward_error(out, ref)
+    assert error <= FWD_TOL, f"error {error} ({flipped} rows set aside)"
+    if case == "masked":
+        assert not out[1, :, 17].any()
+    kernel_options(sm90_d256=False)
+    plain, hopper = hopper_kernels_run(inference, 256)
+    assert not hopper
+    assert rel_error(out, plain) < 1e-3
+    if case in ("plain", "causal"):
+        kernel_options(sm90_d256=True)
+        check(q, k, v, dout, mode=mode, causal=causal, label=f"training at 256 with sm90_d256, {mode}")

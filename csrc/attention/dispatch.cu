@@ -54,21 +54,20 @@ static void plan_tail(const sm90_tail_shape &shape, const aq_kernel_options *o, 
 
 /* What the current device decides before either kernel family is asked: the SM count, and whether the Hopper
    kernels may run (the options allow them, on an sm_90 device with this build's sm_90a code, for head dims they
-   take). */
-static const char *plan_device(const aq_kernel_options *o, int64_t head_dim, int64_t head_dim_v,
-                               aq_attention_plan *plan) {
+   take: sm90_head_dims, the caller's rule). */
+static const char *plan_device(const aq_kernel_options *o, int sm90_head_dims, aq_attention_plan *plan) {
     int device = 0, major = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&plan->sm_count, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     if (err != cudaSuccess) return cudaGetErrorString(err);
-    plan->sm90 = o->sm90 && major == 9 && aq_sm90_head_dims(head_dim, head_dim_v) && aq_sm90_kernels_run_here();
+    plan->sm90 = o->sm90 && major == 9 && sm90_head_dims && aq_sm90_kernels_run_here();
     return NULL;
 }
 
 int aq_attention_sm90_runs(const aq_kernel_options *o) {
     aq_attention_plan plan = {};
-    return plan_device(o, 128, 128, &plan) == NULL && plan.sm90; /* head dims they take: the device decides */
+    return plan_device(o, 1, &plan) == NULL && plan.sm90; /* head dims they take: the device decides */
 }
 
 /* A plan that runs nothing beyond the mma.sync kernels, with no split. */
@@ -84,7 +83,9 @@ const char *aq_attention_fwd_plan_cuda(const aq_attention_fwd_params *p, const a
     const char *err = check_attention_sizes(p->dtype, p->head_dim, p->head_dim_v, p->batch, p->heads_q, p->heads_kv,
                                             p->seqlen_q, p->seqlen_k);
     if (err || p->batch == 0 || p->seqlen_q == 0) return err;
-    if ((err = plan_device(o, p->head_dim, p->head_dim_v, plan)) || !plan->sm90) return err;
+    const int head_dims = aq_sm90_forward_head_dims(p->head_dim, p->head_dim_v, p->quantize_p && p->o_prime != NULL,
+                                                    o->sm90_d256);
+    if ((err = plan_device(o, head_dims, plan)) || !plan->sm90) return err;
     plan->use_work_order = p->work_order != NULL && !o->index_order;
     plan_tail(aq_attention_fwd_sm90_tail_shape(p), o, plan);
     return NULL;
@@ -96,7 +97,7 @@ const char *aq_attention_bwd_plan_cuda(const aq_attention_bwd_params *p, const a
     const char *err = check_attention_sizes(p->dtype, p->head_dim, p->head_dim_v, p->batch, p->heads_q, p->heads_kv,
                                             p->seqlen_q, p->seqlen_k);
     if (err || p->batch == 0) return err;
-    if ((err = plan_device(o, p->head_dim, p->head_dim_v, plan)) || !plan->sm90) return err;
+    if ((err = plan_device(o, aq_sm90_head_dims(p->head_dim, p->head_dim_v), plan)) || !plan->sm90) return err;
     if (p->seqlen_q > 0) plan->dq_accum_floats = aq_attention_bwd_sm90_dq_accum_floats(p);
     plan->use_work_order = p->work_order != NULL && !o->index_order;
     plan_tail(aq_attention_bwd_sm90_tail_shape(p), o, plan);

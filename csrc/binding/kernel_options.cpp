@@ -14,8 +14,9 @@ namespace {
 // ATTN_QAT_DECODE_CHUNK (keys): the decode kernel's variant and chunk for A/B runs; other values keep the defaults.
 // ATTN_QAT_WORK_ORDER: "index" runs packed calls' items in index order (their LPT tables ignored; A/B runs).
 // ATTN_QAT_PAD_HEAD_DIMS: "0" never pads head dims for the Hopper kernels, "1" always (the CPU too).
+// ATTN_QAT_SM90_D256: "1" lets the Hopper forward without O' take D = 256.
 aq_kernel_options from_environment() {
-    aq_kernel_options o = {1, AQ_TAIL_SPLIT_AUTO, 0, 0, -1, 0, 0, -1};
+    aq_kernel_options o = {1, AQ_TAIL_SPLIT_AUTO, 0, 0, -1, 0, 0, -1, 0};
     const char *sm90 = std::getenv("ATTN_QAT_SM90");
     o.sm90 = !(sm90 != nullptr && sm90[0] == '0');
     const char *split = std::getenv("ATTN_QAT_TAIL_SPLIT");
@@ -34,6 +35,8 @@ aq_kernel_options from_environment() {
     o.index_order = order != nullptr && std::strcmp(order, "index") == 0;
     const char *pad = std::getenv("ATTN_QAT_PAD_HEAD_DIMS");
     if (pad != nullptr && (std::strcmp(pad, "0") == 0 || std::strcmp(pad, "1") == 0)) o.pad_head_dims = pad[0] - '0';
+    const char *d256 = std::getenv("ATTN_QAT_SM90_D256");
+    o.sm90_d256 = d256 != nullptr && std::strcmp(d256, "1") == 0;
     return o;
 }
 

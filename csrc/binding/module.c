@@ -16,22 +16,23 @@
 #endif
 
 /* kernel_options() -> (sm90, tail_split mode, forced_tail, forced_splits, decode_variant, decode_chunk, index_order,
-   pad_head_dims), as aq_kernel_options holds them. */
+   pad_head_dims, sm90_d256), as aq_kernel_options holds them. */
 static PyObject *kernel_options(PyObject *self, PyObject *noargs) {
     (void)self, (void)noargs;
     const aq_kernel_options o = aq_get_kernel_options();
-    return Py_BuildValue("(iiLLiLii)", o.sm90, (int)o.tail_split, (long long)o.forced_tail,
+    return Py_BuildValue("(iiLLiLiii)", o.sm90, (int)o.tail_split, (long long)o.forced_tail,
                          (long long)o.forced_splits, o.decode_variant, (long long)o.decode_chunk, o.index_order,
-                         o.pad_head_dims);
+                         o.pad_head_dims, o.sm90_d256);
 }
 
 /* set_kernel_options(sm90, tail_split mode, forced_tail, forced_splits, decode_variant, decode_chunk, index_order,
-   pad_head_dims); attn_qat/ops.py checks the values. */
+   pad_head_dims, sm90_d256); attn_qat/ops.py checks the values. */
 static PyObject *set_kernel_options(PyObject *self, PyObject *args) {
     (void)self;
-    int sm90 = 1, mode = AQ_TAIL_SPLIT_AUTO, variant = -1, index_order = 0, pad = -1;
+    int sm90 = 1, mode = AQ_TAIL_SPLIT_AUTO, variant = -1, index_order = 0, pad = -1, d256 = 0;
     long long tail = 0, splits = 0, chunk = 0;
-    if (!PyArg_ParseTuple(args, "iiLLiLii", &sm90, &mode, &tail, &splits, &variant, &chunk, &index_order, &pad))
+    if (!PyArg_ParseTuple(args, "iiLLiLiii", &sm90, &mode, &tail, &splits, &variant, &chunk, &index_order, &pad,
+                          &d256))
         return NULL;
     if (mode < AQ_TAIL_SPLIT_AUTO || mode > AQ_TAIL_SPLIT_FORCED) {
         PyErr_SetString(PyExc_ValueError, "attn_qat._C.set_kernel_options: bad tail_split mode");
@@ -45,8 +46,8 @@ static PyObject *set_kernel_options(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "attn_qat._C.set_kernel_options: bad pad_head_dims");
         return NULL;
     }
-    const aq_kernel_options o = {sm90 != 0,     (aq_tail_split_mode)mode, tail, splits, variant, chunk,
-                                 index_order != 0, pad};
+    const aq_kernel_options o = {sm90 != 0,        (aq_tail_split_mode)mode, tail, splits, variant, chunk,
+                                 index_order != 0, pad,                    d256 != 0};
     aq_set_kernel_options(&o);
     Py_RETURN_NONE;
 }

@@ -251,7 +251,7 @@ struct Fwd90Mainloop {
     AQ_D void softmax_scores(int j, bool masked, float alpha[2]) {
         scores_to_logits<BN>(&lm, sc, q0 + row0, k0 + j * BN, masked, seen, fwd.warp_spans);
         if constexpr (QUANTIZE_P) {
-            online_softmax_p_scales<BN, DT, D == 128, WITH_O_PRIME>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
+            online_softmax_p_scales<BN, DT, D >= 128, WITH_O_PRIME>(sc, m, l, alpha, lm.exp_scale, p_recips, p_scales);
             __syncwarp(); /* the last tile's reads are done */
 #pragma unroll
             for (int pp = 0; pp < BN / 32; pp++) {
@@ -557,11 +557,13 @@ sm90_tail_shape aq_attention_fwd_sm90_tail_shape(const aq_attention_fwd_params *
     if (!p->quantize_p || p->causal) return t;
     t.splittable = true;
     t.units = (p->seqlen_k + FWD_TAIL_KEYS - 1) / FWD_TAIL_KEYS;
-    t.full_grids = p->o_prime != NULL || p->head_dim == 128;
-    t.part_floats = with_head_dim(p->head_dim, [&](auto d) {
-        constexpr int D = decltype(d)::value;
-        return p->o_prime ? FwdTailPart<D, FWD_TAIL_BM, true>::FLOATS : FwdTailPart<D, FWD_TAIL_BM, false>::FLOATS;
-    });
+    t.full_grids = p->o_prime != NULL || p->head_dim >= 128;
+    t.part_floats = p->head_dim == 256 ? FwdTailPart<256, FWD_TAIL_BM, false>::FLOATS /* no O' at 256 */
+                                       : with_head_dim(p->head_dim, [&](auto d) {
+                                             constexpr int D = decltype(d)::value;
+                                             return p->o_prime ? FwdTailPart<D, FWD_TAIL_BM, true>::FLOATS
+                                                               : FwdTailPart<D, FWD_TAIL_BM, false>::FLOATS;
+                                         });
     return t;
 }
 
@@ -631,7 +633,8 @@ template <int D, aq_dtype DT>
 static const char *launch_sm90_mode(const aq_attention_fwd_params *p, const aq_attention_plan *plan,
                                     cudaStream_t stream, bool *taken, const int **fallback_flag) {
     if (!p->quantize_p) return launch_sm90<D, DT, false, false>(p, plan, stream, taken, fallback_flag);
-    if (p->o_prime) return launch_sm90<D, DT, true, true>(p, plan, stream, taken, fallback_flag);
+    if constexpr (D != 256) /* O and O' do not fit a thread's registers at 256 (aq_sm90_forward_head_dims) */
+        if (p->o_prime) return launch_sm90<D, DT, true, true>(p, plan, stream, taken, fallback_flag);
     return launch_sm90<D, DT, true, false>(p, plan, stream, taken, fallback_flag);
 }
 
@@ -639,8 +642,12 @@ const char *aq_attention_fwd_sm90(const aq_attention_fwd_params *p, const aq_att
                                   cudaStream_t stream, bool *taken, const int **fallback_flag) {
     *taken = false;
     *fallback_flag = NULL;
-    if (!aq_sm90_head_dims(p->head_dim, p->head_dim_v)) return NULL; /* the mma.sync kernels take these */
-    return with_head_dim_and_dtype(p->head_dim, p->dtype, [&](auto d, auto dt) {
-        return launch_sm90_mode<decltype(d)::value, decltype(dt)::value>(p, plan, stream, taken, fallback_flag);
-    });
+    /* the plan has applied the options; the mma.sync kernels take what is left */
+    if (!aq_sm90_forward_head_dims(p->head_dim, p->head_dim_v, p->quantize_p && p->o_prime != NULL, 1)) return NULL;
+    const auto launch = [&](auto d) {
+        return p->dtype == AQ_BFLOAT16
+                   ? launch_sm90_mode<decltype(d)::value, AQ_BFLOAT16>(p, plan, stream, taken, fallback_flag)
+                   : launch_sm90_mode<decltype(d)::value, AQ_FLOAT16>(p, plan, stream, taken, fallback_flag);
+    };
+    return p->head_dim == 256 ? launch(std::integral_constant<int, 256>()) : with_head_dim(p->head_dim, launch);
 }

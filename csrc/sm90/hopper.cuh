@@ -261,11 +261,20 @@ AQ_D void fence_registers(uint32_t (&a)[R][4]) {
 #define AQ_WGMMA_D128                                                                                               \
     AQ_WGMMA_D64, AQ_WGMMA_D4(8), AQ_WGMMA_D4(9), AQ_WGMMA_D4(10), AQ_WGMMA_D4(11), AQ_WGMMA_D4(12), AQ_WGMMA_D4(13), \
         AQ_WGMMA_D4(14), AQ_WGMMA_D4(15)
+#define AQ_WGMMA_D256                                                                                               \
+    AQ_WGMMA_D128, AQ_WGMMA_D4(16), AQ_WGMMA_D4(17), AQ_WGMMA_D4(18), AQ_WGMMA_D4(19), AQ_WGMMA_D4(20),             \
+        AQ_WGMMA_D4(21), AQ_WGMMA_D4(22), AQ_WGMMA_D4(23), AQ_WGMMA_D4(24), AQ_WGMMA_D4(25), AQ_WGMMA_D4(26),         \
+        AQ_WGMMA_D4(27), AQ_WGMMA_D4(28), AQ_WGMMA_D4(29), AQ_WGMMA_D4(30), AQ_WGMMA_D4(31)
 #define AQ_WGMMA_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define AQ_WGMMA_R64 AQ_WGMMA_R32 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define AQ_WGMMA_R128                                                                                               \
     AQ_WGMMA_R64 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"                 \
                  ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define AQ_WGMMA_R256                                                                                               \
+    AQ_WGMMA_R128 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"                \
+                  ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"                \
+                  ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"    \
+                  ", %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
 /* The instruction of shape N in element type TYPE: A_B, the text of the A and B operands; P, the accumulate flag's
    operand; TRANS, the transpose immediates'; then the input operands. AQ_WGMMA_DT picks TYPE from DT. */
@@ -303,9 +312,11 @@ AQ_D void wgmma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int a
 
 template <int N, aq_dtype DT, int TRANS_B>
 AQ_D void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t desc_b, int accumulate) {
-    static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma N: 64, 128 or 256");
     if constexpr (N == 64) {
         AQ_WGMMA_RS(64, 32, 33, 34, 35, 36, 37, 38);
+    } else if constexpr (N == 256) {
+        AQ_WGMMA_RS(256, 128, 129, 130, 131, 132, 133, 134);
     } else {
         AQ_WGMMA_RS(128, 64, 65, 66, 67, 68, 69, 70);
     }
@@ -315,9 +326,11 @@ AQ_D void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t desc_b, i
 #undef AQ_WGMMA_SS
 #undef AQ_WGMMA_DT
 #undef AQ_WGMMA
+#undef AQ_WGMMA_R256
 #undef AQ_WGMMA_R128
 #undef AQ_WGMMA_R64
 #undef AQ_WGMMA_R32
+#undef AQ_WGMMA_D256
 #undef AQ_WGMMA_D128
 #undef AQ_WGMMA_D64
 #undef AQ_WGMMA_D32

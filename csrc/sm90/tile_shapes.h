@@ -17,10 +17,10 @@
 SM90_SHAPE int sm90_consumer_warpgroups(int d, int quantize_p) { return !quantize_p && d == 128 ? 3 : 2; }
 
 /* Forward: keys per tile. 128 fills the wgmma N for S; 64 with the second accumulator O' and its P̂ registers
-   (128 spills there, at D = 64 too) and with three consumer warpgroups (160 registers each). */
+   (128 spills there, at D = 64 too), with three consumer warpgroups (160 registers each), and at D = 256, where a
+   ring of 128-key K and V tiles does not fit in shared memory beside Q. */
 SM90_SHAPE int sm90_keys_per_tile(int d, int with_o_prime, int nwg) {
-    (void)d;
-    return with_o_prime || nwg == 3 ? 64 : 128;
+    return with_o_prime || nwg == 3 || d == 256 ? 64 : 128;
 }
 
 /* dK/dV: an item is a tile of BWD90_KEYS keys of a KV head, which visits its queries BWD90_Q_STEP at a time. */
