@@ -2,7 +2,7 @@
 # On a GPU machine whose copy of the working tree has no .git: builds this tree and, beside it, one copy a patch
 # (git diff BASE BRANCH, made where the branches are) in /tmp/<patch name>, all at once, for same-machine A/B runs
 # of branches that are not merged:
-#   here:   git diff main my-branch -- . ':!docs' ':!.*' > .ab/my-branch.patch   (carry .ab; the copies leave out
+#   here:   git diff main my-branch -- . ':!docs' ':!.*' ':!*.png' > .ab/my-branch.patch   (carry .ab; the copies leave out
 #           the top's dot folders, so a patch touching .ci/ would not apply)
 #   there:  bash dev/branch_trees.sh .ab/my-branch.patch ...
 #           (cd /tmp/my-branch && PYTHONPATH=$PWD python3 benchmarks/bench_x.py ...)
