@@ -78,9 +78,9 @@ class NVFP4KVCache:
     smaller than batch * capacity serves sequences of unequal lengths in less memory, and an append that finds
     no free page raises.
 
-    With `static=True` (unpaged only) the lengths live on the device alone: no call reads them back or copies them
-    over, so `append` and `attention` can be captured in a CUDA graph or compiled; the module docstring says what
-    that costs."""
+    With `static=True` (unpaged only) the lengths live on the device alone: no call reads them back, so `append`
+    (with `lengths` None or a device tensor: a list is copied from the host) and `attention` can be captured in a
+    CUDA graph or compiled; the module docstring says what that costs."""
 
     def __init__(self, batch: int, heads_kv: int, head_dim: int, capacity: int, *,
                  dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device, None] = None,
@@ -150,6 +150,7 @@ class NVFP4KVCache:
             if sequences is None:
                 self._lengths.zero_()
             else:
+                self._not_capturing("reset(sequences) copies the sequence numbers from the host; reset() does not")
                 self._lengths[torch.tensor(chosen, dtype=torch.long, device=self.device)] = 0
             return
         for b in chosen:
@@ -298,6 +299,8 @@ class NVFP4KVCache:
             grown = self._lengths + counts
         else:
             listed = self._counts(lengths, tokens)
+            if listed is not None:
+                self._not_capturing("a list of lengths is copied from the host; pass a device tensor")
             counts = None if listed is None else self._staged(listed, torch.long).to(self.device, non_blocking=True)
             grown = self._lengths + (tokens if counts is None else counts)
         torch._assert_async((grown <= self.capacity).all(),
@@ -306,6 +309,12 @@ class NVFP4KVCache:
         with torch.no_grad():
             ops.kv_cache_append(k, v, counts, self._lengths, self.block_table, self.k_codes, self.k_scales,
                                 self.v_codes, self.v_scales)
+
+    def _not_capturing(self, why: str) -> None:
+        """Raises when the current CUDA stream is being captured into a graph, whose replays could not redo a copy
+        from the host."""
+        if self.device.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"attn_qat.NVFP4KVCache: inside a CUDA graph capture: {why}")
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, counts: Optional[list]) -> None:
         """Quantizes the first counts[b] tokens of each sequence (all of them for None) along head_dim and stores them

@@ -209,7 +209,7 @@ def fits(model, batch: int, context: int, nvfp4: bool) -> bool:
                     if layer.kv is None:
                         layer.lazy_initialization(k, v)
                     layer.kv.append(k, v)
-                layer.seen = context
+                layer.seen, layer.filled = context, True  # as a prefill leaves it: the step below decodes
         else:
             cache = DynamicCache()
             for i in range(config.num_hidden_layers):

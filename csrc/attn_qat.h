@@ -31,9 +31,9 @@ static inline int aq_head_dim_supported(int64_t head_dim) {
 static inline int aq_sm90_head_dims(int64_t head_dim, int64_t head_dim_v) {
     return head_dim == head_dim_v && (head_dim == 64 || head_dim == 128);
 }
-/* The Hopper forward also takes 256 without a second accumulator for O' (the inference forward; mode "bf16", whose O'
-   is O) where the kernel options allow it (sm90_d256): O alone then fills 128 registers a thread, so the quantized
-   training forward (O and O') and the backward keep the mma.sync kernels at 256. */
+/* The Hopper forward also takes 256 where it keeps no second accumulator for O' (the inference forward; training
+   forwards that make no O', and mode "bf16", whose O' is O) and the kernel options allow it (sm90_d256): O alone then
+   fills 128 registers a thread, so forwards with O and O' and the backward keep the mma.sync kernels at 256. */
 static inline int aq_sm90_forward_head_dims(int64_t head_dim, int64_t head_dim_v, int with_o_prime, int d256) {
     return aq_sm90_head_dims(head_dim, head_dim_v) || (d256 && !with_o_prime && head_dim == 256 && head_dim_v == 256);
 }

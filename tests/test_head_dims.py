@@ -1,6 +1,8 @@
 """Head dims other than 64 and 128, and V's head dim differing from Q's and K's (DeepSeek's 192 / 128): every
 multiple of 16 from 32 to 256, against attn_qat.reference at the awkward sizes of test_attention.py, on the CPU
 kernels and on the GPU (the mma.sync kernels, which take the head dims the Hopper kernels do not)."""
+import os
+
 import pytest
 import torch
 
@@ -273,60 +275,96 @@ def test_sm90_d256_option_checks_its_value():
         attn_qat.ops.kernel_options(sm90_d256=1)
     with attn_qat.ops.kernel_options(sm90_d256=True) as options:
         assert options.sm90_d256 is True
-    assert attn_qat.ops.kernel_options().sm90_d256 is False  # off until it has run against the reference on a GPU
+    if os.environ.get("ATTN_QAT_SM90_D256") != "1":  # off until it has run against the reference on a GPU
+        assert attn_qat.ops.kernel_options().sm90_d256 is False
 
 
-def hopper_kernels_run(fn, d):
-    """The names of the CUDA kernels `fn` launches include the Hopper forward at head dim d."""
+def kernels_run(fn):
+    """fn()'s result and the names of the CUDA kernels it launched."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         result = fn()
         torch.cuda.synchronize()
-    return result, any(f"attention_fwd_sm90_kernel<{d}," in e.name for e in prof.events())
+    return result, {e.name for e in prof.events()}
+
+
+def hopper_forward_at_256(names):
+    return any("attention_fwd_sm90_kernel<256," in n for n in names)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
-@pytest.mark.parametrize("case", ["plain", "causal", "masked", "split", "fp16"])
+@pytest.mark.parametrize("case", ["plain", "causal", "masked", "split", "fp16", "many_items", "many_items_causal"])
 def test_hopper_forward_at_256(kernel_options, mode, case):
-    """kernel_options(sm90_d256=True): the Hopper forward without a second accumulator (the inference forward; mode
-    "bf16") takes D = 256 in 64-key tiles. Against the reference at awkward sizes (GQA, N_q != N_k, neither a tile
-    multiple), causal, a mask with an empty row, a forced tail split, fp16, the allocator poisoned; against the
-    mma.sync kernels (the option off) to fp32 summation order; and on an H100 the Hopper kernel is what ran. The
-    training forward and the backward keep the mma.sync kernels (check, with the option on)."""
+    """kernel_options(sm90_d256=True): the Hopper forwards that keep no second accumulator for O' (inference; training
+    in modes without O', and bf16) take D = 256 in 64-key tiles. Against the reference at awkward sizes (GQA, N_q !=
+    N_k, neither a tile multiple), causal, a mask with an empty row, a forced tail split, fp16, more items than SMs
+    (the persistent bf16 kernel's loop), the allocator poisoned; against the mma.sync kernels (the option off) to fp32
+    summation order; on an H100 the Hopper kernel is what ran. With hidden keys a non-finite Hopper output would be
+    redone by the mma.sync kernel (launched behind it either way), which gives the option-off bits exactly: so the
+    outputs must differ from those somewhere. The training forward and backward run too (check)."""
     from test_attention import FWD_TOL, forward_error, poison_cuda_allocator
     dtype = torch.float16 if case == "fp16" else torch.bfloat16
     g = fresh_generator()
-    q, k, v, dout = make_inputs(2, 4, 2, 300, 333, 256, 256, dtype, "cuda", g=g)
+    b, hq, hkv, nq, nk = (2, 16, 4, 600, 517) if case.startswith("many_items") else (2, 4, 2, 300, 333)
+    q, k, v, dout = make_inputs(b, hq, hkv, nq, nk, 256, 256, dtype, "cuda", g=g)
     mask = None
     if case == "masked":
-        mask = torch.rand(2, 1, 300, 333, generator=g) > 0.3
+        mask = torch.rand(b, 1, nq, nk, generator=g) > 0.3
         mask[1, :, 17] = False  # a row with no visible key: O = 0
         mask = mask.cuda()
     if case == "split":
         kernel_options(tail_split=(5, 3))
+    is_causal = case in ("causal", "many_items_causal")
 
     def inference():
         poison_cuda_allocator()
         with torch.no_grad():
-            return attn_qat.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case == "causal",
+            return attn_qat.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                          enable_gqa=True, mode=mode)
 
     kernel_options(sm90_d256=True)
-    out, hopper = hopper_kernels_run(inference, 256)
+    out, names = kernels_run(inference)
     if torch.cuda.get_device_capability() == (9, 0):
-        assert hopper, "the Hopper forward did not run at D = 256"
-    causal = "top_left" if case == "causal" else None
+        assert hopper_forward_at_256(names), "the Hopper forward did not run at D = 256"
     ref = reference.attention(q.cpu(), k.cpu(), v.cpu(), attn_mask=None if mask is None else mask.cpu(),
-                              causal=causal, mode=mode)
+                              causal="top_left" if is_causal else None, mode=mode)
     error, flipped = forward_error(out, ref)
     assert error <= FWD_TOL, f"error {error} ({flipped} rows set aside)"
     if case == "masked":
         assert not out[1, :, 17].any()
     kernel_options(sm90_d256=False)
-    plain, hopper = hopper_kernels_run(inference, 256)
-    assert not hopper
+    plain, names = kernels_run(inference)
+    assert not hopper_forward_at_256(names)
     assert rel_error(out, plain) < 1e-3
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert not torch.equal(out, plain), "the mma.sync kernel's bits: the Hopper output was redone"
     if case in ("plain", "causal"):
         kernel_options(sm90_d256=True)
-        check(q, k, v, dout, mode=mode, causal=causal, label=f"training at 256 with sm90_d256, {mode}")
+        for training_mode in (mode, "low_precision_o", "drop_in") if mode == "attn_qat" else (mode,):
+            check(q, k, v, dout, mode=training_mode, causal="top_left" if is_causal else None,
+                  label=f"training at 256 with sm90_d256, {training_mode}")
+
+
+@pytest.mark.gpu
+def test_hopper_forward_at_256_packed_and_cache(kernel_options):
+    """With sm90_d256 the packed path (attention_varlen: spans, no work order at 256) and the NVFP4 KV cache's
+    composite path (a mask of the lengths) reach the Hopper forward at 256 too: they agree with the option off."""
+    g = fresh_generator()
+    cu = torch.tensor([0, 300, 301, 700], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(700, h, 256, generator=g).to(torch.bfloat16).cuda() for h in (4, 2, 2))
+    cache = attn_qat.NVFP4KVCache(2, 2, 256, 64, device="cuda")
+    cache.append(*(torch.randn(2, 2, 50, 256, generator=g).to(torch.bfloat16).cuda() for _ in "kv"), lengths=[50, 23])
+    query = torch.randn(2, 8, 20, 256, generator=g).to(torch.bfloat16).cuda()  # > 16 queries: the composite path
+
+    def calls():
+        with torch.no_grad():
+            return (attn_qat.attention_varlen(q, k, v, cu, cu, 400, 400, causal=True), cache.attention(query))
+
+    kernel_options(sm90_d256=True)
+    (packed, cached), names = kernels_run(calls)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert hopper_forward_at_256(names)
+    kernel_options(sm90_d256=False)
+    plain_packed, plain_cached = calls()
+    assert rel_error(packed, plain_packed) < 1e-3 and rel_error(cached, plain_cached) < 1e-3

@@ -17,7 +17,7 @@ def state(o):
 
 
 VARIABLES = ("ATTN_QAT_SM90", "ATTN_QAT_TAIL_SPLIT", "ATTN_QAT_DECODE_VARIANT", "ATTN_QAT_DECODE_CHUNK",
-             "ATTN_QAT_WORK_ORDER")
+             "ATTN_QAT_WORK_ORDER", "ATTN_QAT_PAD_HEAD_DIMS", "ATTN_QAT_SM90_D256")
 NAMES = ('sm90', 'tail_split', 'decode_variant', 'decode_chunk', 'work_order')
 
 
@@ -50,6 +50,17 @@ def test_environment_is_read_once_at_load(env, expected):
     at_load = options_at_load(env)
     assert at_load[:5] == expected
     assert at_load[5:] == expected, "the environment was read again after the library loaded"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), ("yes", False)])
+def test_sm90_d256_from_the_environment(value, expected):
+    clean = {k: v for k, v in os.environ.items() if k not in VARIABLES}
+    clean["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, clean.get("PYTHONPATH")]))
+    code = "from attn_qat.ops import kernel_options as k; print(k().sm90_d256)"
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, "ATTN_QAT_SM90_D256": value},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(expected)
 
 
 def test_call_sets_and_context_restores(kernel_options):

@@ -10,6 +10,7 @@ token occur several times with different successors, so the predictions need att
 bf16 attention moves the logits by ~1.4, and a cache that forgets the new tokens' values derails decoding.
 """
 import copy
+import functools
 
 import pytest
 import torch
@@ -77,8 +78,11 @@ def head_dim(request):
 
 
 def generate(model, ids, attention_mask=None, steps=STEPS, max_cache_len=64, static=False, **kwargs):
-    """Greedy decoding through a fresh NVFP4Cache: (sequences, logits (B, steps, V) float32)."""
+    """Greedy decoding through a fresh NVFP4Cache: (sequences, logits (B, steps, V) float32). A static cache runs eagerly
+    unless a compile_config is given (on a GPU transformers would compile its steps)."""
     cache = attn_qat.NVFP4Cache(model.config, max_cache_len=max_cache_len, static=static)
+    if static and "compile_config" not in kwargs:
+        kwargs["disable_compile"] = True
     out = model.generate(ids, attention_mask=attention_mask, **{CACHE: cache}, max_new_tokens=steps,
                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD, **kwargs)
     return out.sequences, torch.stack(out.logits, dim=1).float()
@@ -309,7 +313,7 @@ def test_static_cache_decodes_as_the_host_length_cache(device, head_dim):
     expected_sequences, expected_logits = generate(model, prompt)
     cache = attn_qat.NVFP4Cache(model.config, max_cache_len=64, static=True)
     out = model.generate(prompt, **{CACHE: cache}, max_new_tokens=STEPS, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=PAD)
+                         return_dict_in_generate=True, pad_token_id=PAD, disable_compile=True)
     logits = torch.stack(out.logits, dim=1).float()
     assert torch.equal(out.sequences, expected_sequences)
     difference = float((logits - expected_logits).abs().max())
@@ -317,20 +321,27 @@ def test_static_cache_decodes_as_the_host_length_cache(device, head_dim):
     if device == "cpu":
         assert difference == 0.0
     assert cache.is_compileable and int(cache.get_seq_length()) == PROMPT + STEPS - 1
-    cache.reset()
-    assert int(cache.get_seq_length()) == 0 and cache.layers[0].kv.lengths.tolist() == [0, 0]
-    again = model.generate(prompt, **{CACHE: cache}, max_new_tokens=STEPS, do_sample=False, pad_token_id=PAD)
+    layer = cache.layers[0]
+    addresses = [t.data_ptr() for t in (layer.seen, layer.kv.k_codes, layer.kv.v_scales, layer.kv.lengths)]
+    cache.reset()  # in place: compiled steps of the next generate find the same buffers
+    assert int(cache.get_seq_length()) == 0 and layer.kv.lengths.tolist() == [0, 0]
+    again = model.generate(prompt, **{CACHE: cache}, max_new_tokens=STEPS, do_sample=False, pad_token_id=PAD,
+                           disable_compile=True)
     assert torch.equal(again, expected_sequences)
+    assert addresses == [t.data_ptr() for t in (layer.seen, layer.kv.k_codes, layer.kv.v_scales, layer.kv.lengths)]
 
 
-def test_static_cache_compiles_the_steps_once(device):
+@pytest.mark.parametrize("kept", [False, True], ids=["nvfp4", "layer0_bf16"])
+def test_static_cache_compiles_the_steps_once(device, kept):
     """generate compiles a static cache's decoding steps (transformers does so on a GPU, with CUDA graphs; on the CPU
     the test asks for it, without inductor): one graph, no graph break, no recompilation for a second generate with a
-    new cache, and the tokens the eager cache decodes."""
+    new cache, and the tokens the eager cache decodes; also with layer 0 kept in bf16 (StaticLayer-like buffers)."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     model, docs = trained(64, device)
+    if kept:
+        model = attn_qat.prepare(model, QATConfig(bf16_modules=("model.layers.0.self_attn",)))
     prompt, mask = left_padded(docs)
     expected_sequences, expected_logits = generate(model, prompt, attention_mask=mask)
     if device == "cpu":
@@ -361,8 +372,28 @@ def test_static_cache_capacity_and_kept_layers():
     prompt = docs[:, :PROMPT]
     with pytest.raises(ValueError, match="max_cache_len"):
         generate(model, prompt, max_cache_len=PROMPT - 1, static=True)
-    with pytest.raises(RuntimeError, match="capacity of 32"):  # max_cache_len 30 rounds up to 32 tokens
+    with pytest.raises(RuntimeError, match="past max_cache_len=30"):
         generate(model, prompt, max_cache_len=30, static=True)
+    right = torch.ones_like(prompt)
+    right[1, -5:] = 0
+    cache = attn_qat.NVFP4Cache(model.config, max_cache_len=64, static=True)
+    with pytest.raises(NotImplementedError, match="left padding"):
+        model.generate(prompt, attention_mask=right, **{CACHE: cache}, max_new_tokens=2, pad_token_id=PAD,
+                       disable_compile=True)
+    assert not any(layer.filled for layer in cache.layers)  # a rejected prefill leaves the layers empty
+    from transformers import CompileConfig, GenerationConfig
+    if hasattr(GenerationConfig(), "prefill_chunk_size"):  # transformers compiles a chunked prefill's chunks
+        for fullgraph in (True, False):
+            torch._dynamo.reset()
+            config = CompileConfig(fullgraph=fullgraph, backend="eager", mode=None)
+            config._compile_all_devices = True
+            run = functools.partial(generate, model, prompt, static=True, compile_config=config, prefill_chunk_size=16)
+            if fullgraph:
+                with pytest.raises(Exception, match="prefill_chunk_size"):
+                    run()
+            else:  # dynamo runs the prefill's frames eagerly instead
+                assert torch.equal(run()[0], generate(model, prompt)[0])
+        torch._dynamo.reset()
     with pytest.raises(TypeError, match="static"):
         attn_qat.NVFP4Cache(model.config, max_cache_len=64, static="yes")
     kept = attn_qat.prepare(model, QATConfig(bf16_modules=("model.layers.0.self_attn",)))

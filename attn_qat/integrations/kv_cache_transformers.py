@@ -34,10 +34,13 @@ it would with a DynamicCache, mode "bf16".
 Static (`NVFP4Cache(..., static=True)`): the layers keep no host state that changes from step to step (the
 lengths live on the device, `get_seq_length` is a device tensor and the mask spans `max_cache_len`, as
 transformers' StaticCache), so `generate` compiles its decoding steps (torch.compile, CUDA graphs by default on
-a GPU) and a step replays without host work. The prefill runs eagerly and checks the mask as above; the decoding
-steps do not look at the mask again (transformers extends it by one visible token a step), and a layer kept in
-bf16 stores its keys in a `max_cache_len` buffer as StaticLayer does. An append beyond `max_cache_len` (rounded
-up to 16) fails on the device (see `attn_qat.NVFP4KVCache`).
+a GPU) and a step replays without host work. The prefill runs eagerly (transformers compiles the chunks of a
+`prefill_chunk_size` prefill: torch.compile then falls back to eager, or raises under fullgraph=True) and checks the
+mask as above; the decoding steps do not look at the mask again
+(transformers extends it by one visible token a step), and a layer kept in bf16 stores its keys in a
+`max_cache_len` buffer as StaticLayer does. A step past `max_cache_len` fails on the device (`torch._assert_async`).
+`reset` keeps every buffer, and each layer's kind (NVFP4 or bf16), so that the compiled steps of the next
+`generate` find them at the same addresses.
 
 A returned tag that nobody consumed means the model's attention is not "attn_qat" (it would have read
 the step's keys only); the next `update` of that layer raises instead of letting it compute garbage.
@@ -193,16 +196,23 @@ class NVFP4CacheLayer(CacheLayerMixin):
         if key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads:
             raise ValueError(f"{_WHERE}: this cache holds batch {self.batch_size} with {self.num_heads} KV heads, got "
                              f"keys of shape {tuple(key_states.shape)}; reset() it or make a new one")
-        if self.static:  # the host checks the prefill; later steps' appends check the capacity on the device
-            if not self.filled and steps > self.max_cache_len:
-                raise ValueError(f"{_WHERE}: {steps} tokens exceed max_cache_len={self.max_cache_len}")
+        if self.static:  # the host checks the prefill, the device the later steps
+            if not self.filled:
+                if torch.compiler.is_compiling():
+                    raise NotImplementedError(f"{_WHERE}: a static cache's prefill runs eagerly; a compiled prefill "
+                                              "(transformers' prefill_chunk_size) is not supported")
+                if steps > self.max_cache_len:
+                    raise ValueError(f"{_WHERE}: {steps} tokens exceed max_cache_len={self.max_cache_len}")
+            positions = self.seen + torch.arange(steps, device=self.device) if self.bf16 else None
+            self.seen.add_(steps)
+            torch._assert_async(self.seen <= self.max_cache_len,
+                                f"{_WHERE}: a step goes past max_cache_len={self.max_cache_len}; make the cache with "
+                                "max_cache_len >= prompt length (padding included) + max_new_tokens")
             if self.bf16:  # as transformers' StaticLayer: the keys and values at their positions, untagged
-                positions = self.seen + torch.arange(steps, device=self.device)
                 self.keys.index_copy_(2, positions, key_states)
                 self.values.index_copy_(2, positions, value_states)
-                self.seen.add_(steps)
+                self.filled = True
                 return self.keys, self.values
-            self.seen.add_(steps)
         else:
             if self.seen + steps > self.max_cache_len:
                 raise ValueError(f"{_WHERE}: {self.seen} cached + {steps} new tokens exceed max_cache_len="
@@ -250,9 +260,9 @@ class NVFP4CacheLayer(CacheLayerMixin):
             raise NotImplementedError(f"{_WHERE}: {q_len} queries for {steps} new keys (only self-attention over the "
                                       "tokens just appended is supported)")
         if not self.filled:
-            self.filled = True
             mask_len = self.max_cache_len if self.static else None
             pads = self.padding.of(attention_mask, batch, q_len, steps, True, mask_len)
+            self.filled = True  # once the mask passed: a rejected prefill leaves the layer empty
             return self._prefill(query, key, value, pads, scale)
         if not self.static:  # a static step trusts transformers' mask: reading it would stop the step on the host
             self.padding.of(attention_mask, batch, q_len, self.seen, False)
@@ -303,11 +313,12 @@ class NVFP4CacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.kv is not None:
             self.kv.reset()
-        if self.bf16:  # the next prefill finds out again which kind of layer this is
-            self.bf16, self.keys, self.values, self.is_initialized = False, None, None, False
-        if isinstance(self.seen, torch.Tensor) and self.is_initialized:
-            self.seen.zero_()  # in place: compiled steps hold its address
+        if self.static:  # in place, the kind kept: compiled steps hold the buffers' addresses
+            if self.is_initialized:
+                self.seen.zero_()
         else:
+            if self.bf16:  # the next prefill finds out again which kind of layer this is
+                self.bf16, self.keys, self.values, self.is_initialized = False, None, None, False
             self.seen = 0
         self.pending, self.filled = None, False
         self.padding.reset()
@@ -346,7 +357,8 @@ class NVFP4Cache(Cache):
 
     static: layers whose decoding steps keep no host state, so that `generate` compiles them (torch.compile
         with CUDA graphs on a GPU, as for transformers' StaticCache): the first `generate` pays the compilation,
-        later steps replay. An append past max_cache_len then fails on the device instead of raising a ValueError.
+        later steps replay; reuse the cache (`reset()`) to keep them. A step past max_cache_len then fails on the
+        device instead of raising a ValueError.
 
     Greedy decoding and sampling with batches of any size, with or without left padding; not beam search,
     assisted generation or offloading. Inference only (no gradients). See the module docstring for how prefill

@@ -550,7 +550,8 @@ bool aq_sm90_kernels_run_here(void) {
    its split costs more than it saves, unlike the D = 128 one's (performance.md v19). */
 sm90_tail_shape aq_attention_fwd_sm90_tail_shape(const aq_attention_fwd_params *p) {
     static_assert(64 * sm90_consumer_warpgroups(64, true) == FWD_TAIL_BM &&
-                      64 * sm90_consumer_warpgroups(128, true) == FWD_TAIL_BM,
+                      64 * sm90_consumer_warpgroups(128, true) == FWD_TAIL_BM &&
+                      64 * sm90_consumer_warpgroups(256, true) == FWD_TAIL_BM,
                   "the quantized kernels' items are FWD_TAIL_BM query rows");
     sm90_tail_shape t = {};
     t.items = (p->seqlen_q + FWD_TAIL_BM - 1) / FWD_TAIL_BM * p->heads_q * p->batch;
@@ -633,8 +634,12 @@ template <int D, aq_dtype DT>
 static const char *launch_sm90_mode(const aq_attention_fwd_params *p, const aq_attention_plan *plan,
                                     cudaStream_t stream, bool *taken, const int **fallback_flag) {
     if (!p->quantize_p) return launch_sm90<D, DT, false, false>(p, plan, stream, taken, fallback_flag);
-    if constexpr (D != 256) /* O and O' do not fit a thread's registers at 256 (aq_sm90_forward_head_dims) */
-        if (p->o_prime) return launch_sm90<D, DT, true, true>(p, plan, stream, taken, fallback_flag);
+    if (p->o_prime) {
+        if constexpr (D == 256) /* O and O' do not fit a thread's registers (aq_sm90_forward_head_dims) */
+            return "attention (CUDA): no Hopper forward makes O' at head dim 256";
+        else
+            return launch_sm90<D, DT, true, true>(p, plan, stream, taken, fallback_flag);
+    }
     return launch_sm90<D, DT, true, false>(p, plan, stream, taken, fallback_flag);
 }
 
