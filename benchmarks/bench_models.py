@@ -158,8 +158,8 @@ def generate_b8_static(repeat: int, rounds: int, batch: int = 8, prompt: int = 4
             if how == "nvfp4":
                 nvfp4_cache.reset()
                 kwargs[cache_kw] = nvfp4_cache
-            elif how == "static":
-                kwargs.update(cache_implementation="static", max_cache_len=prompt + new)
+            elif how == "static":  # transformers keeps its StaticCache, sized for the longest call so far
+                kwargs.update(cache_implementation="static")
             with torch.no_grad():
                 model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         return run
