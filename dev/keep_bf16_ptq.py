@@ -77,7 +77,11 @@ def parse_args(argv=None):
     parser.add_argument("--balance-qk", type=float, default=0.3, help="ptq_qk's Q/K balance (the fair test's)")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--single-ranking", action="store_true",
+                        help="also keep the layers ranked by the single-layer effect (plan_precision(by='single'))")
     parser.add_argument("--out", required=True, help="JSON of the results (rewritten after every arm)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the maps and arms already in --out (same windows) and run only what is missing")
     args = parser.parse_args(argv)
     args.keep = sorted({int(k) for k in args.keep.split(",")} - {0})
     args.random_seeds = [int(s) for s in args.random_seeds.split(",")]
@@ -114,11 +118,19 @@ def prepare_kind(task, model, kind, names):
     return model
 
 
+def single_ranking(sensitivity):
+    """SensitivityReport.ranking("single") of a map stored as a dict: largest single-layer effect first."""
+    effects = [e["mean"] for e in sensitivity["single"]]
+    return tuple(sensitivity["layers"][i] for i in sorted(range(len(effects)), key=lambda i: -effects[i]))
+
+
 def choices(args, maps, kind, layers):
     """[(K, by, draw, names)] of one kind: 0 kept, K by its map (and ptq_qk by the plain map), K at random."""
     out = [(0, "none", None, ())]
     for k in args.keep:
         out.append((k, "sensitivity", None, tuple(maps[kind]["ranking"][:k])))
+        if args.single_ranking:
+            out.append((k, "sensitivity_single", None, single_ranking(maps[kind])[:k]))
         if kind == "ptq_qk" and "ptq" in maps:
             out.append((k, "sensitivity_plainmap", None, tuple(maps["ptq"]["ranking"][:k])))
         for seed in args.random_seeds:
@@ -153,7 +165,7 @@ def analyse(result):
                      if a["kind"] == kind and a["keep"] == k and a["by"] == "random"]
             mean_random = torch.stack(draws).mean(0)
             entry = {"draws": len(draws), "random_mean_recovered": boot.ratio(zero - mean_random, zero - bf16)}
-            for by in ("sensitivity", "sensitivity_plainmap"):
+            for by in ("sensitivity", "sensitivity_single", "sensitivity_plainmap"):
                 arm = result["arms"].get(f"{kind}_keep{k}_{by}")
                 if arm is not None:
                     x = torch.tensor(arm["item_losses"], dtype=torch.float64)
@@ -178,7 +190,7 @@ def markdown(analysis):
     lines += ["", "| numerics, kept | random mean recovered | sensitivity − random (loss) | "
               "sensitivity − random (recovered) |", "|---|---|---|---|"]
     for name, c in analysis["sensitivity_vs_random"].items():
-        for by in ("sensitivity", "sensitivity_plainmap"):
+        for by in ("sensitivity", "sensitivity_single", "sensitivity_plainmap"):
             if f"{by}_minus_random_loss" in c:
                 lines.append(f"| {name} ({by}) | {fc.fmt_ci(*c['random_mean_recovered'], digits=0, scale=100)} % | "
                              f"{fc.fmt_ci(*c[f'{by}_minus_random_loss'], sign=True)} | "
@@ -207,6 +219,14 @@ def main(argv=None):
                        "randperm(30) seeded 10000 + seed, first K (nested)", "balance_qk": args.balance_qk,
                        "data": task.data_info},
               "maps": {}, "arms": {}, "timings_s": {}}
+    if args.resume and out.exists():
+        earlier = json.loads(out.read_text())
+        for key in ("heldout", "sensitivity"):
+            if earlier["meta"][key] != result["meta"][key]:
+                raise SystemExit(f"--resume: {out} has other {key} windows ({earlier['meta'][key]})")
+        earlier["meta"].setdefault("later_runs", []).append(
+            {k: result["meta"][k] for k in ("command", "commit", "date", "threads")})
+        result = dict(earlier, timings_s=dict(earlier["timings_s"], earlier_total=earlier["timings_s"]["total"]))
 
     def save():
         result["timings_s"]["total"] = time.perf_counter() - t_start
@@ -220,9 +240,13 @@ def main(argv=None):
     t = time.perf_counter()
     bf16 = task.heldout_losses(model)
     result["timings_s"]["bf16_eval"] = time.perf_counter() - t
+    if "bf16" in result and result["bf16"]["item_losses"] != bf16.tolist():
+        raise SystemExit("--resume: the bf16 losses differ from the earlier run's (another machine or build?)")
     result["bf16"] = {"item_losses": bf16.tolist(), "loss": float(bf16.mean())}
     print(f"bf16 held-out loss {bf16.mean():.4f} ({result['timings_s']['bf16_eval']:.0f} s)", flush=True)
     for kind in args.kinds:
+        if kind in result["maps"]:
+            continue
         t = time.perf_counter()
         prepare_kind(task, model, kind, ())
         attn_qat.disable(model)
@@ -235,6 +259,8 @@ def main(argv=None):
     for kind in args.kinds:
         for keep, by, draw, names in choices(args, result["maps"], kind, layers):
             name = f"{kind}_keep{keep}" + ("" if keep == 0 else f"_{by}" + ("" if draw is None else f"{draw}"))
+            if name in result["arms"]:
+                continue
             t = time.perf_counter()
             prepare_kind(task, model, kind, names)
             losses = task.heldout_losses(model)
