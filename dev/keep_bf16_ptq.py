@@ -16,8 +16,10 @@ against the plain PTQ gap, (loss(ptq, 0 kept) - loss(arm)) / (loss(ptq, 0 kept) 
 The kept layers (QATConfig.bf16_modules), K in --keep: "sensitivity" = attn_qat.plan_precision of the map that
 attn_qat.sensitivity measures on TRAINING windows (never the held-out ones; leave-one-out ranking), measured under
 each arm's own numerics (the ptq_qk arm also with the plain map, "sensitivity_plainmap", as finetune_common's Pareto
-does); "random" = finetune_common.kept_layers' seeded permutation (seeds --random-seeds, nested in K). Also K = 30
-(every layer kept, attn_qat's own bf16 attention) as a check that the knob reaches the bf16 loss.
+does); with --single-ranking also "sensitivity_single", the map's first K by the single-layer effect
+(plan_precision(by="single")); "random" = finetune_common.kept_layers' seeded permutation (seeds --random-seeds,
+nested in K). Also K = 30 (every layer kept, attn_qat's own bf16 attention) as a check that the knob reaches the bf16
+loss.
 
 Intervals: 95% percentile intervals of a paired bootstrap over the held-out windows (finetune_common.Bootstrap:
 scipy.stats.bootstrap, paired, 10,000 resamples, one set of resamples for every statistic), for each arm's
@@ -29,6 +31,8 @@ This is a proxy, not the fair test: the fair test fine-tunes (a GPU, examples/fi
 
     python dev/keep_bf16_ptq.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --windows 32 --seq-len 512 \
         --sens-windows 16 --sens-seq-len 256 --out docs/results/keep_bf16_ptq_cpu/keep_bf16_ptq.json
+    ... the same --single-ranking --resume     # adds the arms ranked by the single-layer effect, same windows
+    python dev/keep_bf16_ptq.py --report-only --out docs/results/keep_bf16_ptq_cpu/keep_bf16_ptq.json
 """
 import argparse
 import dataclasses
@@ -80,6 +84,7 @@ def parse_args(argv=None):
     parser.add_argument("--single-ranking", action="store_true",
                         help="also keep the layers ranked by the single-layer effect (plan_precision(by='single'))")
     parser.add_argument("--out", required=True, help="JSON of the results (rewritten after every arm)")
+    parser.add_argument("--report-only", action="store_true", help="only recompute the analysis of --out")
     parser.add_argument("--resume", action="store_true",
                         help="keep the maps and arms already in --out (same windows) and run only what is missing")
     args = parser.parse_args(argv)
@@ -171,6 +176,10 @@ def analyse(result):
                     x = torch.tensor(arm["item_losses"], dtype=torch.float64)
                     entry[f"{by}_minus_random_loss"] = boot.mean(x - mean_random)
                     entry[f"{by}_minus_random_recovered"] = boot.ratio(mean_random - x, zero - bf16)
+            single, loo = (result["arms"].get(f"{kind}_keep{k}_{by}") for by in ("sensitivity_single", "sensitivity"))
+            if single is not None and loo is not None:  # the two rankings of one map, paired
+                s, x = (torch.tensor(a["item_losses"], dtype=torch.float64) for a in (single, loo))
+                entry["single_minus_leave_one_out_recovered"] = boot.ratio(x - s, zero - bf16)
             contrasts[f"{kind}_keep{k}"] = entry
     return {"rows": table, "sensitivity_vs_random": contrasts,
             "interval": f"95% percentile interval, paired bootstrap over {len(bf16)} held-out windows, "
@@ -195,6 +204,11 @@ def markdown(analysis):
                 lines.append(f"| {name} ({by}) | {fc.fmt_ci(*c['random_mean_recovered'], digits=0, scale=100)} % | "
                              f"{fc.fmt_ci(*c[f'{by}_minus_random_loss'], sign=True)} | "
                              f"{fc.fmt_ci(*c[f'{by}_minus_random_recovered'], digits=0, scale=100, sign=True)} % |")
+    rows = [(name, c["single_minus_leave_one_out_recovered"]) for name, c in analysis["sensitivity_vs_random"].items()
+            if "single_minus_leave_one_out_recovered" in c]
+    if rows:
+        lines += ["", "| numerics, kept | ranked by single − by leave-one-out (recovered) |", "|---|---|"]
+        lines += [f"| {name} | {fc.fmt_ci(*v, digits=0, scale=100, sign=True)} % |" for name, v in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -202,6 +216,13 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)
+    if args.report_only:
+        result = json.loads(out.read_text())
+        result["analysis"] = analyse(result)
+        out.with_suffix(".md").write_text(markdown(result["analysis"]))
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(markdown(result["analysis"]), flush=True)
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     task = ProxyTask(args)
