@@ -825,7 +825,9 @@ def prefix_fraction(a, b):
 # batches and schedule as the bf16 arm), its sensitivity map measured (attn_qat.sensitivity on task.sensitivity_batches,
 # training windows, not the held-out set the entries are evaluated on), and then, for each K and each choice of the K
 # layers kept in bf16 (QATConfig.bf16_modules): "sensitivity" = attn_qat.plan_precision of that map (leave-one-out
-# ranking), "random" = the first K of a permutation of the layers seeded by the seed (the control):
+# ranking), "single" = plan_precision(by="single") (the single-layer ranking, which chose better layers than the
+# leave-one-out one in the CPU proxy, docs/results.md), "random" = the first K of a permutation of the layers seeded
+# by the seed (the control):
 #     ptq_keep<K>_<by>           the bf16 fine-tune evaluated with FP4 attention in every other layer (PTQ)
 #     attn_qat_qk_keep<K>_<by>   the attn_qat_qk arm fine-tuned with those layers in bf16
 # K = 0 is plain PTQ and plain attn_qat_qk. Each entry's "fraction of the PTQ gap recovered" is
@@ -833,7 +835,8 @@ def prefix_fraction(a, b):
 # bootstrap over the held-out items (loss_report's). Everything lives in <out>/runs/pareto/, apart from the main runs.
 
 PARETO_KINDS = ("ptq", "attn_qat_qk")
-KEEP_BY = ("sensitivity", "random")
+KEEP_BY = ("sensitivity", "random")  # the default of --keep-by
+KEEP_BY_CHOICES = KEEP_BY + ("single",)
 
 
 def add_pareto_args(parser):
@@ -841,7 +844,8 @@ def add_pareto_args(parser):
                         help="the precision knob's Pareto: numbers of attention layers kept in bf16 (e.g. "
                              "0,1,2,3,4,8), for PTQ and the attn_qat_qk arm (see finetune_common's 'Pareto' section)")
     parser.add_argument("--keep-by", default=",".join(KEEP_BY),
-                        help=f"how the kept layers are chosen, comma list of {', '.join(KEEP_BY)} (the control)")
+                        help=f"how the kept layers are chosen, comma list of {', '.join(KEEP_BY_CHOICES)} (random: "
+                             "the control)")
     parser.add_argument("--keep-kinds", default=",".join(PARETO_KINDS),
                         help=f"which entries the Pareto runs, comma list of {', '.join(PARETO_KINDS)}")
 
@@ -858,8 +862,8 @@ def finish_pareto_args(parser, args):
         parser.error("--keep-bf16: layer counts must be 0 or more")
     args.keep_by = [b.strip() for b in args.keep_by.split(",") if b.strip()]
     args.keep_kinds = [b.strip() for b in args.keep_kinds.split(",") if b.strip()]
-    if not args.keep_by or set(args.keep_by) - set(KEEP_BY):
-        parser.error(f"--keep-by: choose from {', '.join(KEEP_BY)}; got {args.keep_by}")
+    if not args.keep_by or set(args.keep_by) - set(KEEP_BY_CHOICES):
+        parser.error(f"--keep-by: choose from {', '.join(KEEP_BY_CHOICES)}; got {args.keep_by}")
     if not args.keep_kinds or set(args.keep_kinds) - set(PARETO_KINDS):
         parser.error(f"--keep-kinds: choose from {', '.join(PARETO_KINDS)}; got {args.keep_kinds}")
     return args
@@ -872,8 +876,8 @@ def pareto_entry(kind, keep, by):
 def kept_layers(sensitivity, keep, by, seed):
     """The `keep` layers of a sensitivity map (to_dict) to keep in bf16: the map's ranking, or a seeded random pick
     (the first `keep` of one permutation per seed, so that the random sets are nested as the ranked ones are)."""
-    if by == "sensitivity":
-        return tuple(sensitivity["ranking"][:keep])
+    if by in ("sensitivity", "single"):
+        return tuple(sensitivity["ranking" if by == "sensitivity" else "ranking_single"][:keep])
     order = torch.randperm(len(sensitivity["layers"]), generator=torch.Generator().manual_seed(10_000 + seed))
     return tuple(sensitivity["layers"][i] for i in order[:keep].tolist())
 
@@ -883,7 +887,8 @@ def sensitivity_map(task, model):
     ranking plan_precision uses."""
     with task.autocast():
         report = attn_qat.sensitivity(model, task.sensitivity_batches(), getattr(task, "sensitivity_loss", None))
-    return dict(report.to_dict(), ranking=list(report.ranking()), table=report.table())
+    return dict(report.to_dict(), ranking=list(report.ranking()), ranking_single=list(report.ranking("single")),
+                table=report.table())
 
 
 def run_pareto(task, args, store, deadline, log=print):

@@ -402,12 +402,15 @@ def test_finetune_wan_pareto_smoke_cpu(tmp_path):
     out = tmp_path / "wan_pareto"
     run_script(["examples/finetune_wan.py", "--preset", "smoke", "--device", "cpu", "--out", str(out),
                 "--pretrained", str(tmp_path / "pretrained.pt"), "--arms", "bf16", "--keep-bf16", "0,1",
-                "--keep-by", "sensitivity"])
+                "--keep-by", "sensitivity,single"])
     entries = json.loads((out / "pareto.json").read_text())["entries"]
-    assert set(entries) == {"ptq_keep0", "ptq_keep1_sensitivity", "attn_qat_qk_keep0", "attn_qat_qk_keep1_sensitivity"}
-    ranking = json.loads((out / "runs" / "pareto" / "bf16_seed0.json").read_text())["sensitivity"]["ranking"]
-    assert sorted(ranking) == ["blocks.0.attn1", "blocks.1.attn1"]
-    assert entries["attn_qat_qk_keep1_sensitivity"]["kept_per_seed"] == {"0": ranking[:1]}
+    assert set(entries) == {f"{kind}_{k}" for kind in ("ptq", "attn_qat_qk")
+                            for k in ("keep0", "keep1_sensitivity", "keep1_single")}
+    sensitivity = json.loads((out / "runs" / "pareto" / "bf16_seed0.json").read_text())["sensitivity"]
+    assert sorted(sensitivity["ranking"]) == sorted(sensitivity["ranking_single"]) == ["blocks.0.attn1",
+                                                                                        "blocks.1.attn1"]
+    assert entries["attn_qat_qk_keep1_sensitivity"]["kept_per_seed"] == {"0": sensitivity["ranking"][:1]}
+    assert entries["attn_qat_qk_keep1_single"]["kept_per_seed"] == {"0": sensitivity["ranking_single"][:1]}
 
 
 def test_pareto_options_are_checked():
@@ -416,6 +419,8 @@ def test_pareto_options_are_checked():
         finetune_lm.parse_args(["--keep-bf16", "1,x"])
     with pytest.raises(SystemExit):
         finetune_lm.parse_args(["--keep-bf16", "1", "--keep-by", "largest"])
+    assert finetune_lm.parse_args(["--keep-bf16", "1", "--keep-by", "single,random", "--device", "cpu"]).keep_by == [
+        "single", "random"]
     args = finetune_lm.parse_args(["--keep-bf16", "3,0,3", "--device", "cpu"])
     assert args.keep_bf16 == [0, 3] and args.keep_by == ["sensitivity", "random"]
     assert finetune_lm.parse_args(["--device", "cpu"]).keep_bf16 == []
