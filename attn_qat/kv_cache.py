@@ -313,7 +313,8 @@ class NVFP4KVCache:
     def _not_capturing(self, why: str) -> None:
         """Raises when the current CUDA stream is being captured into a graph, whose replays could not redo a copy
         from the host."""
-        if self.device.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+        capturing = self.device.type == "cuda" and not torch.compiler.is_compiling()
+        if capturing and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"attn_qat.NVFP4KVCache: inside a CUDA graph capture: {why}")
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, counts: Optional[list]) -> None:

@@ -109,9 +109,9 @@ def _round_up(n: int) -> int:
 
 def _fwd_tiles(mode: str, head_dim: int, head_dim_v: int, need_grad: bool) -> Optional[Tuple[int, int]]:
     """(query rows, keys) of the Hopper forward kernel's tiles for this call, which the kernel picks by head_dim,
-    whether the mode quantizes P, and whether the call makes O' (csrc/sm90/tile_shapes.h); None for head dims without a table here (other than 64
-    and 128): the mma.sync kernels, the Hopper ones on operands the binding pads (kernel_options' pad_head_dims), or
-    the Hopper forward at 256 (sm90_d256) then run them in index order."""
+    whether the mode quantizes P, and whether the call makes O' (csrc/sm90/tile_shapes.h); None for head dims without
+    a table here (other than 64 and 128): the mma.sync kernels, the Hopper ones on operands the binding pads
+    (kernel_options' pad_head_dims), or the Hopper forward at 256 (sm90_d256) then run them in index order."""
     if head_dim != head_dim_v:
         return None
     code = mode_code(mode)

@@ -2,8 +2,9 @@
 # On a GPU machine whose copy of the working tree has no .git: builds this tree and, beside it, one copy a patch
 # (git diff BASE BRANCH, made where the branches are) in /tmp/<patch name>, all at once, for same-machine A/B runs
 # of branches that are not merged:
-#   here:   git diff main my-branch -- . ':!docs' ':!.*' ':!*.png' > .ab/my-branch.patch   (carry .ab; the copies leave out
-#           the top's dot folders, so a patch touching .ci/ would not apply)
+#   here:   git diff main my-branch -- . ':!docs' ':!.*' ':!*.png' > .ab/my-branch.patch
+#           (carry .ab; the copies leave out the top's dot folders, so a patch touching .ci/ would not apply, and
+#           patch cannot apply a PNG's binary diff)
 #   there:  bash dev/branch_trees.sh .ab/my-branch.patch ...
 #           (cd /tmp/my-branch && PYTHONPATH=$PWD python3 benchmarks/bench_x.py ...)
 # Each build's log goes to $OUT/build_<name>.log; the exit status is 1 when a patch or a build failed.
