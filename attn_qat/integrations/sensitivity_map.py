@@ -94,7 +94,7 @@ class SensitivityReport:
                 row.append(cell(self.leave_one_out[i]))
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
-        lines.append(f"Loss differences over {self.items} held-out items, ranked by "
+        lines.append(f"Loss differences over the {self.items} items measured on, ranked by "
                      f"{'the leave-one-out effect' if by == 'leave_one_out' else 'the single-layer effect'}; all "
                      f"bf16 {self.bf16_loss:.{digits}f}, all FP4 {self.fp4_loss:.{digits}f} "
                      f"(FP4 - bf16 {cell(self.all_fp4)}); paired bootstrap, {self.resamples} resamples.")
@@ -118,7 +118,7 @@ class SensitivityReport:
             ax.bar(x, means, width, yerr=err, capsize=2, label=label)
         ax.axhline(0, color="black", linewidth=0.6)
         ax.set_xticks(range(n), [_short(name) for name in self.layers], rotation=90, fontsize=7)
-        ax.set_ylabel("held-out loss difference")
+        ax.set_ylabel("loss difference")
         ax.set_title(f"FP4 attention sensitivity ({100 * self.confidence:g}% paired bootstrap intervals); "
                      f"all FP4 - all bf16 = {self.all_fp4.mean:+.4f}", fontsize=9)
         ax.legend(fontsize=8)
