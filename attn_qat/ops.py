@@ -60,8 +60,9 @@ class kernel_options:
     calls (A/B runs: bench_varlen.py --orders); the outputs are the same either way. pad_head_dims: "auto" (the
     default) zero-pads the head dims of a call up to 128 that the Hopper kernels do not take (D != Dv, or other than
     64 and 128) to 64 or 128 on a device where they run, since the mma.sync kernels are several times slower there;
-    True pads on every device (the CPU too: tests hold it to the unpadded result), False never. Padding columns are
-    absent (numerics.md §6), so the results are those of the kernels that run. sm90_d256: True lets the Hopper forwards
+    True pads on every device (the CPU too: tests hold it to the unpadded result), False never. With sm90_d256 a
+    forward that makes no O' (inference, modes without O', bf16) above 128 (192 / 128, say) is padded to 256.
+    Padding columns are absent (numerics.md §6), so the results are those of the kernels that run. sm90_d256: True lets the Hopper forwards
     that keep no second accumulator for O' (inference; training in the modes that make no O', and "bf16") take D = Dv
     = 256, False (the default) leaves 256 to the mma.sync kernels: off until that kernel has run against the
     reference on a GPU. None leaves an option as it is.

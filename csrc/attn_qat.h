@@ -244,8 +244,9 @@ typedef struct {
     int64_t decode_chunk;           /* keys a decode CTA takes (a multiple of 64 up to 4096), or 0: planned */
     int index_order;                /* 1: packed calls' work_order tables are ignored (index order; A/B runs) */
     int pad_head_dims;              /* -1: the ops zero-pad head dims up to 128 that the Hopper kernels do not take
-                                       to 64 or 128 where those run (aq_attention_sm90_runs); 1: always, on the
-                                       CPU too (tests); 0: never */
+                                       to 64 or 128 where those run (aq_attention_sm90_runs), and with sm90_d256 a
+                                       forward without O' above 128 to 256; 1: always, on the CPU too (tests);
+                                       0: never */
     int sm90_d256;                  /* 1: the Hopper forward without O' takes D = Dv = 256 (aq_sm90_forward_head_dims);
                                        0 (the default) until it has run against the reference on a GPU */
 } aq_kernel_options;

@@ -187,14 +187,25 @@ def test_transformers_model_at_other_head_dims_trains_in_fp4(head_dim):
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
 
 
+def pads(fn):
+    """Whether fn() zero-pads a tensor (the binding's torch::stable::pad shows in the profiler as aten::pad)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return any(e.name == "aten::pad" for e in prof.events())
+
+
 @pytest.mark.parametrize("mode", ["attn_qat", "drop_in", "bf16"])
-@pytest.mark.parametrize("dims", [(32, 32), (80, 80), (96, 64), (64, 128), (112, 48)], ids=str)
+@pytest.mark.parametrize("dims", [(32, 32), (80, 80), (96, 64), (64, 128), (112, 48), (192, 128), (160, 160),
+                                  (256, 128)], ids=str)
 def test_padded_head_dims_change_nothing(kernel_options, dims, mode):
     """kernel_options(pad_head_dims=True) zero-pads head dims up to 128 that the Hopper kernels do not take to 64 or
-    128, on the CPU too: the C kernels sum in a fixed order and the padding columns add exact zeros, so outputs and
-    gradients are bit for bit the unpadded ones (the forward, the backward, the drop-in backward's rerun forward, the
-    packed path and the forward on prequantized operands). On an H100 "auto" pads there, to run the Hopper kernels."""
+    128, and with sm90_d256 a forward without O' above 128 to 256, on the CPU too: the C kernels sum in a fixed order
+    and the padding columns add exact zeros, so outputs and gradients are bit for bit the unpadded ones (the forward,
+    the backward, the drop-in backward's rerun forward, the packed path and the forward on prequantized operands). On
+    an H100 "auto" pads there, to run the Hopper kernels."""
     d, d_v = dims
+    kernel_options(sm90_d256=True)
     q, k, v, dout = make_inputs(2, 4, 2, 37, 50, d, d_v, torch.bfloat16, "cpu")
     cu_q, cu_k = torch.tensor([0, 37, 74], dtype=torch.int32), torch.tensor([0, 50, 100], dtype=torch.int32)
     packed = [t.transpose(1, 2).flatten(0, 1) for t in (q, k, v)]  # the batch's sequences one after another
@@ -204,13 +215,21 @@ def test_padded_head_dims_change_nothing(kernel_options, dims, mode):
         return (run(q, k, v, dout, mode=mode, causal="top_left"),
                 attn_qat.prefill.attention_prequantized(q, k, v, 0.3, True), varlen)
 
+    def prequantized():
+        return attn_qat.prefill.attention_prequantized(q, k, v, 0.3, True)
+
     kernel_options(pad_head_dims=False)
     plain, plain_pre, plain_varlen = calls()
+    assert not pads(prequantized)
     kernel_options(pad_head_dims=True)
     padded, padded_pre, padded_varlen = calls()
+    assert pads(prequantized)  # so the comparisons below compare something
     for name, a, b in zip(("out", "dq", "dk", "dv"), padded, plain):
         assert a.shape == b.shape and torch.equal(a, b), name
     assert torch.equal(padded_pre, plain_pre) and torch.equal(padded_varlen, plain_varlen)
+    if max(dims) > 128:  # only a forward without O' goes to 256: sm90_d256 off pads nothing
+        kernel_options(sm90_d256=False)
+        assert not pads(prequantized)
 
 
 def test_pad_head_dims_option_checks_its_value():
@@ -368,3 +387,27 @@ def test_hopper_forward_at_256_packed_and_cache(kernel_options):
     kernel_options(sm90_d256=False)
     plain_packed, plain_cached = calls()
     assert rel_error(packed, plain_packed) < 1e-3 and rel_error(cached, plain_cached) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(192, 128), (160, 160)], ids=str)
+def test_hopper_forward_at_256_takes_padded_head_dims(kernel_options, dims):
+    """With sm90_d256 an inference forward above 128 (DeepSeek's 192 / 128) is zero-padded to 256 for the Hopper
+    forward ("auto" padding): against the reference, and against the mma.sync kernels (the option off)."""
+    from test_attention import FWD_TOL, forward_error
+    d, d_v = dims
+    q, k, v, _ = make_inputs(2, 4, 2, 300, 333, d, d_v, torch.bfloat16, "cuda")
+
+    def inference():
+        with torch.no_grad():
+            return attn_qat.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    kernel_options(sm90_d256=True)
+    out, names = kernels_run(inference)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert hopper_forward_at_256(names)
+    assert out.shape == (2, 4, 300, d_v)
+    error, flipped = forward_error(out, reference.attention(q.cpu(), k.cpu(), v.cpu(), causal="top_left"))
+    assert error <= FWD_TOL, f"error {error} ({flipped} rows set aside)"
+    kernel_options(sm90_d256=False)
+    assert rel_error(out, inference()) < 1e-3

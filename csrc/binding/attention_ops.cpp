@@ -168,12 +168,15 @@ Tensor set_problem(Params *p, const Tensor &q, const AttentionShape &s, double s
 
 // The head dim a call's operands are zero-padded to, or 0: head dims up to 128 that the Hopper kernels do not take as
 // they are (D != Dv, or other than 64 and 128) go to 64 or 128 where those run, per kernel_options' pad_head_dims
-// (attn_qat.h): the mma.sync kernels are several times slower there. The padding columns are absent (numerics.md §6:
-// zeros in every product, never stored), so a padded call computes what the kernels that run it compute.
-int64_t padded_head_dim(const Tensor &q, const AttentionShape &s) {
+// (attn_qat.h): the mma.sync kernels are several times slower there. Above 128 a forward that keeps no second
+// accumulator for O' (`single_accumulator`) goes to 256 where sm90_d256 lets the Hopper forward take it; others stay
+// as they are (the mma.sync kernels' tile is 256 wide there anyway). The padding columns are absent (numerics.md
+// §6: zeros in every product, never stored), so a padded call computes what the kernels that run it compute.
+int64_t padded_head_dim(const Tensor &q, const AttentionShape &s, bool single_accumulator) {
     const int64_t d = std::max(s.head_dim, s.head_dim_v);
     const aq_kernel_options o = aq_get_kernel_options();
-    if (d > 128 || aq_sm90_head_dims(s.head_dim, s.head_dim_v) || o.pad_head_dims == 0) return 0;
+    if (aq_sm90_head_dims(s.head_dim, s.head_dim_v) || o.pad_head_dims == 0) return 0;
+    if (d > 128 && !(single_accumulator && o.sm90_d256 && !(s.head_dim == 256 && s.head_dim_v == 256))) return 0;
     bool pad = o.pad_head_dims == 1;
 #ifdef AQ_WITH_CUDA
     if (!pad && q.is_cuda()) {
@@ -181,7 +184,7 @@ int64_t padded_head_dim(const Tensor &q, const AttentionShape &s) {
         pad = aq_attention_sm90_runs(&o);
     }
 #endif
-    return pad ? (d <= 64 ? 64 : 128) : 0;
+    return pad ? (d <= 64 ? 64 : d <= 128 ? 128 : 256) : 0;
 }
 
 // A (B, H, N, D) tensor with zero columns appended up to `width` (a new tensor); t itself when it has them.
@@ -206,10 +209,10 @@ struct KernelShape {
 };
 
 // Checks q, k, v (check_attention_inputs) and zero-pads them in place to padded_head_dim's width.
-KernelShape pad_for_kernels(Tensor &q, Tensor &k, Tensor &v) {
+KernelShape pad_for_kernels(Tensor &q, Tensor &k, Tensor &v, bool single_accumulator) {
     KernelShape shape{check_attention_inputs(q, k, v), {}, 0};
     shape.s = shape.given;
-    shape.width = padded_head_dim(q, shape.given);
+    shape.width = padded_head_dim(q, shape.given, single_accumulator);
     if (shape.width) {
         shape.s.head_dim = shape.s.head_dim_v = shape.width;
         q = with_columns(q, shape.width), k = with_columns(k, shape.width), v = with_columns(v, shape.width);
@@ -277,18 +280,18 @@ attention_forward(Tensor q, Tensor k, Tensor v, std::optional<Tensor> mask, doub
                   std::optional<Tensor> fwd_order, std::optional<Tensor> dkdv_order) {
     const unsigned flags = mode_flags(mode);
     const Tensor q_in = q, k_in = k, v_in = v;
-    const auto [given, s, width] = pad_for_kernels(q, k, v);
+    const bool quantize = flags & AQ_QUANTIZES;
+    const bool with_prime = need_grad && (flags & AQ_DELTA_FROM_O_PRIME);
+    const auto [given, s, width] = pad_for_kernels(q, k, v, !(quantize && with_prime));
     set_causal(causal, s, nullptr, nullptr); // a bad code fails before any work
     const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
     int64_t order_len = 0, dkdv_len = 0;
     const int32_t *order = check_work_order(fwd_order, spans, q, &order_len);
     check_work_order(dkdv_order, spans, q, &dkdv_len); // carried for the backward (attn_qat/ops.py saves it)
-    const bool quantize = flags & AQ_QUANTIZES;
     Tensor qf = quantize ? fake_quantize_operand(q, false) : q;
     Tensor kf = quantize ? fake_quantize_operand(k, false) : k;
     Tensor vf = quantize ? fake_quantize_operand(v, v_along_tokens) : v;
     Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim_v);
-    const bool with_prime = need_grad && (flags & AQ_DELTA_FROM_O_PRIME);
     const bool with_operands = need_grad && (flags & AQ_BACKWARD_THROUGH_FQ);
     auto none = [&q]() { return torch::stable::new_empty(q, {0}); }; // a fresh one each: outputs may not alias
     Tensor out_prime = with_prime ? empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim_v) : none();
@@ -312,7 +315,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(Tensor dout, Tensor q, Ten
     const unsigned flags = mode_flags(mode);
     check_scale(scale);
     const Tensor q_in = q, k_in = k, v_in = v;
-    const auto [given, s, width] = pad_for_kernels(q, k, v);
+    const auto [given, s, width] = pad_for_kernels(q, k, v, false); // the backward's kernels at 256 are mma.sync's
     set_causal(causal, s, nullptr, nullptr);
     const Spans spans = check_spans(q_span, k_span, s, q, mask.has_value(), causal);
     int64_t order_len = 0;
@@ -398,7 +401,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward_prequantized(Tensor q, Tens
                                                                   std::optional<Tensor> mask, double scale,
                                                                   int64_t causal) {
     const Tensor q_in = q;
-    const auto [given, s, width] = pad_for_kernels(q, k, v);
+    const auto [given, s, width] = pad_for_kernels(q, k, v, true);
     Tensor out = empty_like_layout(q, s.batch, s.heads_q, s.seqlen_q, s.head_dim_v);
     Tensor frame = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
     Tensor row_sum = torch::stable::new_empty(q, {s.batch, s.heads_q, s.seqlen_q}, ScalarType::Float);
