@@ -9,11 +9,17 @@
 #include "attn_qat.h"
 
 /* f(std::integral_constant<int, D>()) for a head dim of 64 or 128 (the Hopper and decode kernels', checked before),
-   and with_head_dim_and_dtype likewise with the dtype: where the call's sizes become the kernels' template arguments.
-   The mma.sync kernels and the delta kernel take any head dims through a tile width (sm80_tile_width). */
+   with_dtype f(std::integral_constant<aq_dtype, DT>()) for the call's dtype, and with_head_dim_and_dtype both: where
+   the call's sizes become the kernels' template arguments. The mma.sync kernels and the delta kernel take any head
+   dims through a tile width (sm80_tile_width). */
 template <typename F>
 static inline auto with_head_dim(int64_t head_dim, F &&f) {
     return head_dim == 64 ? f(std::integral_constant<int, 64>()) : f(std::integral_constant<int, 128>());
+}
+template <typename F>
+static inline auto with_dtype(aq_dtype dtype, F &&f) {
+    return dtype == AQ_BFLOAT16 ? f(std::integral_constant<aq_dtype, AQ_BFLOAT16>())
+                                : f(std::integral_constant<aq_dtype, AQ_FLOAT16>());
 }
 
 /* The columns of the mma.sync kernels' Q, K, V and dO tiles for a call's head dims: 64, 128 or 256, the smallest that
@@ -36,22 +42,16 @@ static constexpr __host__ __device__ int sm80_slices(int columns, int tile_width
 /* f(std::integral_constant<int, W>(), std::integral_constant<aq_dtype, DT>()) for the call's tile width W. */
 template <typename F>
 static inline auto with_tile_width_and_dtype(int64_t head_dim, int64_t head_dim_v, aq_dtype dtype, F &&f) {
-    auto with_dtype = [&](auto w) {
-        return dtype == AQ_BFLOAT16 ? f(w, std::integral_constant<aq_dtype, AQ_BFLOAT16>())
-                                    : f(w, std::integral_constant<aq_dtype, AQ_FLOAT16>());
-    };
+    auto with_width = [&](auto w) { return with_dtype(dtype, [&](auto dt) { return f(w, dt); }); };
     const int w = sm80_tile_width(head_dim, head_dim_v);
-    return w == 64    ? with_dtype(std::integral_constant<int, 64>())
-           : w == 128 ? with_dtype(std::integral_constant<int, 128>())
-                      : with_dtype(std::integral_constant<int, 256>());
+    return w == 64    ? with_width(std::integral_constant<int, 64>())
+           : w == 128 ? with_width(std::integral_constant<int, 128>())
+                      : with_width(std::integral_constant<int, 256>());
 }
 
 template <typename F>
 static inline auto with_head_dim_and_dtype(int64_t head_dim, aq_dtype dtype, F &&f) {
-    return with_head_dim(head_dim, [&](auto d) {
-        return dtype == AQ_BFLOAT16 ? f(d, std::integral_constant<aq_dtype, AQ_BFLOAT16>())
-                                    : f(d, std::integral_constant<aq_dtype, AQ_FLOAT16>());
-    });
+    return with_head_dim(head_dim, [&](auto d) { return with_dtype(dtype, [&](auto dt) { return f(d, dt); }); });
 }
 
 static inline bool aligned16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }

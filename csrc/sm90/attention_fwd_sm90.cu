@@ -649,10 +649,10 @@ const char *aq_attention_fwd_sm90(const aq_attention_fwd_params *p, const aq_att
     *fallback_flag = NULL;
     /* the plan has applied the options; the mma.sync kernels take what is left */
     if (!aq_sm90_forward_head_dims(p->head_dim, p->head_dim_v, p->quantize_p && p->o_prime != NULL, 1)) return NULL;
-    const auto launch = [&](auto d) {
-        return p->dtype == AQ_BFLOAT16
-                   ? launch_sm90_mode<decltype(d)::value, AQ_BFLOAT16>(p, plan, stream, taken, fallback_flag)
-                   : launch_sm90_mode<decltype(d)::value, AQ_FLOAT16>(p, plan, stream, taken, fallback_flag);
+    const auto launch = [&](auto d, auto dt) {
+        return launch_sm90_mode<decltype(d)::value, decltype(dt)::value>(p, plan, stream, taken, fallback_flag);
     };
-    return p->head_dim == 256 ? launch(std::integral_constant<int, 256>()) : with_head_dim(p->head_dim, launch);
+    if (p->head_dim == 256)
+        return with_dtype(p->dtype, [&](auto dt) { return launch(std::integral_constant<int, 256>(), dt); });
+    return with_head_dim_and_dtype(p->head_dim, p->dtype, launch);
 }
