@@ -115,11 +115,25 @@ def cache_keyword() -> str:
     return "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 
 
-def generate_b8(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, new: int = 128) -> dict:
-    cache_kw = cache_keyword()
+def generate_models(batch: int, prompt: int):
+    """The generate cases' models and prompt: (the SDPA model, its converted attn_qat copy, token ids)."""
     base = qwen3_model().eval()
     ids = torch.randint(0, QWEN3_1_7B["vocab_size"], (batch, prompt), device="cuda")
-    fp4 = attn_qat.convert(attn_qat.prepare(copy.deepcopy(base))).eval()
+    return base, attn_qat.convert(attn_qat.prepare(copy.deepcopy(base))).eval(), ids
+
+
+def add_generate_rates(result: dict, arms, batch: int, new: int) -> None:
+    """Each arm's tokens per second over its `new`-token call and its decode step (that call less the 1-token one)."""
+    for arm in arms:
+        full, one = result[f"{arm}_{new}"]["ms"], result[f"{arm}_1"]["ms"]
+        if full is not None and one is not None:
+            result[f"{arm}_{new}"]["tokens_per_s"] = batch * new / (full / 1e3)
+            result[f"{arm}_{new}"]["decode_ms_per_step"] = (full - one) / (new - 1)
+
+
+def generate_b8(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, new: int = 128) -> dict:
+    cache_kw = cache_keyword()
+    base, fp4, ids = generate_models(batch, prompt)
 
     def gen(model, steps, nvfp4, backend=None):
         def run(warm=False):
@@ -135,11 +149,9 @@ def generate_b8(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, ne
         arms[f"attn_qat_nvfp4cache_{steps}"] = gen(fp4, steps, True)
         arms[f"sdpa_default_{steps}"] = gen(base, steps, False)
     result = rounds_of(arms, repeat, rounds)
+    add_generate_rates(result, ("attn_qat_nvfp4cache", "sdpa_default"), batch, new)
     for arm, model, nvfp4 in (("attn_qat_nvfp4cache", fp4, True), ("sdpa_default", base, False)):
-        full, one = result[f"{arm}_{new}"]["ms"], result[f"{arm}_1"]["ms"]
-        if full is not None and one is not None:
-            result[f"{arm}_{new}"]["tokens_per_s"] = batch * new / (full / 1e3)
-            result[f"{arm}_{new}"]["decode_ms_per_step"] = (full - one) / (new - 1)
+        if "tokens_per_s" in result[f"{arm}_{new}"]:
             result[f"{arm}_{new}"]["device_ops_per_step"] = device_ops_per_step(
                 gen(model, 1, nvfp4), gen(model, 5, nvfp4), 4)
     return result
@@ -147,9 +159,7 @@ def generate_b8(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, ne
 
 def generate_b8_static(repeat: int, rounds: int, batch: int = 8, prompt: int = 4096, new: int = 128) -> dict:
     cache_kw = cache_keyword()
-    base = qwen3_model().eval()
-    ids = torch.randint(0, QWEN3_1_7B["vocab_size"], (batch, prompt), device="cuda")
-    fp4 = attn_qat.convert(attn_qat.prepare(copy.deepcopy(base))).eval()
+    base, fp4, ids = generate_models(batch, prompt)
     nvfp4_cache = attn_qat.NVFP4Cache(fp4.config, max_cache_len=prompt + new, static=True)
 
     def gen(model, steps, how):
@@ -170,11 +180,7 @@ def generate_b8_static(repeat: int, rounds: int, batch: int = 8, prompt: int = 4
         arms[f"sdpa_static_{steps}"] = gen(base, steps, "static")
         arms[f"sdpa_default_{steps}"] = gen(base, steps, "default")
     result = rounds_of(arms, repeat, rounds)
-    for arm in ("attn_qat_nvfp4cache_static", "sdpa_static", "sdpa_default"):
-        full, one = result[f"{arm}_{new}"]["ms"], result[f"{arm}_1"]["ms"]
-        if full is not None and one is not None:
-            result[f"{arm}_{new}"]["tokens_per_s"] = batch * new / (full / 1e3)
-            result[f"{arm}_{new}"]["decode_ms_per_step"] = (full - one) / (new - 1)
+    add_generate_rates(result, ("attn_qat_nvfp4cache_static", "sdpa_static", "sdpa_default"), batch, new)
     return result
 
 

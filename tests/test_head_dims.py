@@ -187,12 +187,19 @@ def test_transformers_model_at_other_head_dims_trains_in_fp4(head_dim):
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
 
 
+def profiled(fn, cuda=False):
+    """fn()'s result and the names the profiler gives what it ran: torch ops, or with `cuda` CUDA kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        result = fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return result, {e.name for e in prof.events()}
+
+
 def pads(fn):
     """Whether fn() zero-pads a tensor (the binding's torch::stable::pad shows in the profiler as aten::pad)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return any(e.name == "aten::pad" for e in prof.events())
+    return "aten::pad" in profiled(fn)[1]
 
 
 @pytest.mark.parametrize("mode", ["attn_qat", "drop_in", "bf16"])
@@ -298,15 +305,6 @@ def test_sm90_d256_option_checks_its_value():
         assert attn_qat.ops.kernel_options().sm90_d256 is False
 
 
-def kernels_run(fn):
-    """fn()'s result and the names of the CUDA kernels it launched."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        result = fn()
-        torch.cuda.synchronize()
-    return result, {e.name for e in prof.events()}
-
-
 def hopper_forward_at_256(names):
     return any("attention_fwd_sm90_kernel<256," in n for n in names)
 
@@ -343,7 +341,7 @@ def test_hopper_forward_at_256(kernel_options, mode, case):
                                                          enable_gqa=True, mode=mode)
 
     kernel_options(sm90_d256=True)
-    out, names = kernels_run(inference)
+    out, names = profiled(inference, cuda=True)
     if torch.cuda.get_device_capability() == (9, 0):
         assert hopper_forward_at_256(names), "the Hopper forward did not run at D = 256"
     ref = reference.attention(q.cpu(), k.cpu(), v.cpu(), attn_mask=None if mask is None else mask.cpu(),
@@ -353,7 +351,7 @@ def test_hopper_forward_at_256(kernel_options, mode, case):
     if case == "masked":
         assert not out[1, :, 17].any()
     kernel_options(sm90_d256=False)
-    plain, names = kernels_run(inference)
+    plain, names = profiled(inference, cuda=True)
     assert not hopper_forward_at_256(names)
     assert rel_error(out, plain) < 1e-3
     if torch.cuda.get_device_capability() == (9, 0):
@@ -381,7 +379,7 @@ def test_hopper_forward_at_256_packed_and_cache(kernel_options):
             return (attn_qat.attention_varlen(q, k, v, cu, cu, 400, 400, causal=True), cache.attention(query))
 
     kernel_options(sm90_d256=True)
-    (packed, cached), names = kernels_run(calls)
+    (packed, cached), names = profiled(calls, cuda=True)
     if torch.cuda.get_device_capability() == (9, 0):
         assert hopper_forward_at_256(names)
     kernel_options(sm90_d256=False)
@@ -403,7 +401,7 @@ def test_hopper_forward_at_256_takes_padded_head_dims(kernel_options, dims):
             return attn_qat.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     kernel_options(sm90_d256=True)
-    out, names = kernels_run(inference)
+    out, names = profiled(inference, cuda=True)
     if torch.cuda.get_device_capability() == (9, 0):
         assert hopper_forward_at_256(names)
     assert out.shape == (2, 4, 300, d_v)
