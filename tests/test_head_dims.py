@@ -188,13 +188,17 @@ def test_transformers_model_at_other_head_dims_trains_in_fp4(head_dim):
 
 
 def profiled(fn, cuda=False):
-    """fn()'s result and the names the profiler gives what it ran: torch ops, or with `cuda` CUDA kernels."""
+    """fn()'s result and what it ran as the profiler names it (torch ops, or with `cuda` CUDA kernels), each name's
+    total time in microseconds."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         result = fn()
         if cuda:
             torch.cuda.synchronize()
-    return result, {e.name for e in prof.events()}
+    times = {}
+    for e in prof.events():
+        times[e.name] = times.get(e.name, 0.0) + e.time_range.elapsed_us()
+    return result, times
 
 
 def pads(fn):
@@ -309,6 +313,12 @@ def hopper_forward_at_256(names):
     return any("attention_fwd_sm90_kernel<256," in n for n in names)
 
 
+def mma_sync_forward_us(times):
+    """The mma.sync forward kernels' time at D = 256 (with hidden keys launched behind the Hopper kernel, which they
+    leave alone unless it flagged a non-finite output)."""
+    return sum(t for n, t in times.items() if "attention_fwd_kernel<256," in n)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["attn_qat", "bf16"])
 @pytest.mark.parametrize("case", ["plain", "causal", "masked", "split", "fp16", "many_items", "many_items_causal"])
@@ -351,11 +361,11 @@ def test_hopper_forward_at_256(kernel_options, mode, case):
     if case == "masked":
         assert not out[1, :, 17].any()
     kernel_options(sm90_d256=False)
-    plain, names = profiled(inference, cuda=True)
-    assert not hopper_forward_at_256(names)
+    plain, plain_names = profiled(inference, cuda=True)
+    assert not hopper_forward_at_256(plain_names)
     assert rel_error(out, plain) < 1e-3
-    if torch.cuda.get_device_capability() == (9, 0):
-        assert not torch.equal(out, plain), "the mma.sync kernel's bits: the Hopper output was redone"
+    if torch.cuda.get_device_capability() == (9, 0):  # the two often agree bit for bit, so the redo shows in time
+        assert mma_sync_forward_us(names) < 0.5 * mma_sync_forward_us(plain_names), "the Hopper output was redone"
     if case in ("plain", "causal"):
         kernel_options(sm90_d256=True)
         for training_mode in (mode, "low_precision_o", "drop_in") if mode == "attn_qat" else (mode,):
