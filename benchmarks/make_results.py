@@ -60,8 +60,20 @@ def head_dims_section(d):
         d, "## Head dims the Hopper kernels do not take (`bench_attention.py --only b4_h16_4k_d256,...`)",
         "Every case here ran the mma.sync kernels (the Hopper kernels take D = Dv = 64 or 128). Since this run, head "
         "dims up to 128 (the D = 96 and 80 rows) are zero-padded to 64 or 128 for the Hopper kernels "
-        "(`kernel_options(pad_head_dims=...)`, README), which these rows do not measure yet. FA2 takes no D != Dv.\n",
+        "(`kernel_options(pad_head_dims=...)`, README), measured in the next section. FA2 takes no D != Dv.\n",
         "attention_head_dims.png")
+
+
+def head_dims_sm90_section(d):
+    return attention_section(
+        d, "## Head dims on the Hopper kernels: padded, and the forward at 256 (`ATTN_QAT_SM90_D256=1`)",
+        "The same shapes once head dims up to 128 are zero-padded to 64 or 128 for the Hopper kernels (the default "
+        "`pad_head_dims=\"auto\"`: the D = 96 and 80 rows) and with `sm90_d256` on: the Hopper forward takes D = 256 "
+        "wherever it keeps no second accumulator for O' (inference; training in `low_precision_o` and `bf16` modes) "
+        "and pads a forward above 128 without O' to 256 (the 192 / 128 row). The attn_qat training forward (with O') "
+        "and every backward above 128 still run on the mma.sync kernels, hence the training ratios at 256 and "
+        "192 / 128. FLOPs count the unpadded head dims.\n",
+        "attention_head_dims_sm90.png")
 
 
 def models_generate_section(d):
@@ -176,7 +188,16 @@ MODEL_CASES = {
     "qwen3_train_8k": "Qwen3-1.7B-shaped training step, 8192 tokens",
     "wan13b_train": "Wan 2.1 1.3B DiT training step, 32760 tokens (gradient checkpointing)",
     "generate_b8": "generate, batch 8, 4096-token prompt, 128 new tokens",
+    "generate_b8_static": "generate, batch 8, 4096-token prompt, 128 new tokens, static caches, compiled",
 }
+
+
+def models_generate_static_section(d):
+    return models_section(d, "## Compiled decoding: `NVFP4Cache(static=True)` (`bench_models.py --only generate_b8_static`)",
+                          "`generate` with a static cache on both sides, so that transformers compiles the decoding "
+                          "step (CUDA graphs): attn_qat with `NVFP4Cache(config, max_cache_len, static=True)`, SDPA with "
+                          "`cache_implementation=\"static\"`; the default-cache SDPA arm is the baseline of the "
+                          "ratios, as above. The compilations happen in warm-up calls, outside the times.\n")
 
 
 def models_section(d, title="## Whole models (`bench_models.py`)", note=""):
@@ -196,7 +217,7 @@ def models_section(d, title="## Whole models (`bench_models.py`)", note=""):
         base = arms.get("cudnn") or next((a for name, a in arms.items() if name.startswith("sdpa_default_")
                                           and "tokens_per_s" in a), None)
         for name, a in arms.items():
-            if case == "generate_b8" and "tokens_per_s" not in a and a["ms"] is not None:
+            if case.startswith("generate") and "tokens_per_s" not in a and a["ms"] is not None:
                 continue  # the 1-token calls only serve the decode-step difference
             ratio = a["ms"] / base["ms"] if base and base["ms"] and a["ms"] else None
             lines.append(f"| {case_title} | {name} | {fmt(a['ms'], '.1f')} | {fmt(a['peak_gib'], '.1f')} | "
@@ -217,7 +238,9 @@ def main():
                           ("v_block_axis.json", v_block_axis_section), ("prefill.json", prefill_section),
                           ("decode.json", decode_section), ("varlen.json", varlen_section),
                           ("models.json", models_section), ("attention_head_dims.json", head_dims_section),
-                          ("models_generate.json", models_generate_section)):
+                          ("attention_head_dims_sm90.json", head_dims_sm90_section),
+                          ("models_generate.json", models_generate_section),
+                          ("models_generate_static.json", models_generate_static_section)):
         path = os.path.join(RESULTS, name)
         if os.path.exists(path):
             parts.append(section(json.load(open(path))))
