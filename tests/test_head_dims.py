@@ -328,8 +328,8 @@ def test_hopper_forward_at_256(kernel_options, mode, case):
     N_k, neither a tile multiple), causal, a mask with an empty row, a forced tail split, fp16, more items than SMs
     (the persistent bf16 kernel's loop), the allocator poisoned; against the mma.sync kernels (the option off) to fp32
     summation order; on an H100 the Hopper kernel is what ran. With hidden keys a non-finite Hopper output would be
-    redone by the mma.sync kernel (launched behind it either way), which gives the option-off bits exactly: so the
-    outputs must differ from those somewhere. The training forward and backward run too (check)."""
+    redone by the mma.sync kernel (launched behind it either way, idle unless flagged), whose bits the Hopper kernel's
+    often equal: so the redo is looked for in that kernel's time. The training forward and backward run too (check)."""
     from test_attention import FWD_TOL, forward_error, poison_cuda_allocator
     dtype = torch.float16 if case == "fp16" else torch.bfloat16
     g = fresh_generator()
