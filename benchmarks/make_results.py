@@ -193,11 +193,12 @@ MODEL_CASES = {
 
 
 def models_generate_static_section(d):
-    return models_section(d, "## Compiled decoding: `NVFP4Cache(static=True)` (`bench_models.py --only generate_b8_static`)",
-                          "`generate` with a static cache on both sides, so that transformers compiles the decoding "
-                          "step (CUDA graphs): attn_qat with `NVFP4Cache(config, max_cache_len, static=True)`, SDPA with "
-                          "`cache_implementation=\"static\"`; the default-cache SDPA arm is the baseline of the "
-                          "ratios, as above. The compilations happen in warm-up calls, outside the times.\n")
+    return models_section(
+        d, "## Compiled decoding: `NVFP4Cache(static=True)` (`bench_models.py --only generate_b8_static`)",
+        "`generate` with a static cache on both sides, so that transformers compiles the decoding step (CUDA graphs): "
+        "attn_qat with `NVFP4Cache(config, max_cache_len, static=True)`, SDPA with `cache_implementation=\"static\"`; "
+        "the default-cache SDPA arm is the baseline of the ratios, as above. The compilations happen in warm-up "
+        "calls, outside the times.\n")
 
 
 def models_section(d, title="## Whole models (`bench_models.py`)", note=""):
