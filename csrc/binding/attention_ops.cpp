@@ -176,7 +176,8 @@ int64_t padded_head_dim(const Tensor &q, const AttentionShape &s, bool single_ac
     const int64_t d = std::max(s.head_dim, s.head_dim_v);
     const aq_kernel_options o = aq_get_kernel_options();
     if (aq_sm90_head_dims(s.head_dim, s.head_dim_v) || o.pad_head_dims == 0) return 0;
-    if (d > 128 && !(single_accumulator && o.sm90_d256 && !(s.head_dim == 256 && s.head_dim_v == 256))) return 0;
+    const bool takes_256 = aq_sm90_forward_head_dims(256, 256, !single_accumulator, o.sm90_d256);
+    if (d > 128 && (!takes_256 || (s.head_dim == 256 && s.head_dim_v == 256))) return 0; // 256 / 256: nothing to pad
     bool pad = o.pad_head_dims == 1;
 #ifdef AQ_WITH_CUDA
     if (!pad && q.is_cuda()) {
